@@ -1,0 +1,864 @@
+#!/usr/bin/env python3
+"""Benchmark fxfuse on the standard workload set (/work/shared/workloads.md) against eager and torch.compile.
+
+One process, one GPU call::
+
+    python3 benchmarks/bench_workloads.py --out $OUT
+
+What it does, in order:
+
+1. Ceilings: a 1 GiB device-to-device copy (read + write bytes counted) and 8192³ bf16 / fp16 matmuls,
+   ``triton.testing.do_bench(..., return_mode="median")`` on random data.
+2. Pass 1, for every row (``--only`` filters): build the module (random weights, ``.eval()``), then
+   * correctness reference: a float64 copy of the module on a fresh random input (upcast);
+   * eager, CUDA-graphed eager (graph replay of a static-input call), ``torch.compile(mod)`` default,
+     ``fxfuse.optimize(mod, example_inputs=(x,))`` — GPU median µs by do_bench (which flushes L2),
+     first-call wall time for torch.compile and fxfuse, and for the decode rows the wall µs/call of 200
+     back-to-back calls (median of 5 such loops) for eager, CUDA graph, compile default and fxfuse;
+   * fxfuse correctness: ‖opt(x) − ref‖/‖ref‖ against the float64 reference (tolerance 2e-2 for bf16/fp16),
+     plus a determinism check (two calls on one input must agree bit for bit);
+   * floor = max(FLOPs / matmul rate, min bytes / copy bandwidth) with the ceilings measured in step 1;
+   * ``fxfuse.report(opt)`` printed to the log (regions, strategies).
+   Eager is timed a second time at the end of the row: the spread between the two is the run's noise.
+3. Pass 2 (max-autotune, bounded): ``torch.compile(mod, mode="max-autotune-no-cudagraphs")`` compiles take
+   11–43 s per module, too slow for all 9 rows inside one 10-minute call. They therefore run AFTER every
+   row's main numbers are in, in priority order (the rows with a reference figure first; llama_swiglu_4096 last),
+   and a new compile starts only while the total max-autotune compile time is under ``--max-autotune-budget``
+   seconds (default 200) and the elapsed run time is under ``--deadline`` seconds (default 480).
+   Rows not reached show "skip" and say why in results.json. ``--skip-max-autotune`` turns the pass off;
+   ``--max-autotune-rows a,b`` picks (and orders) the rows explicitly.
+
+Every variant is guarded: a failure prints ``ERR: <short message>`` in its cell and the run goes on
+(a CUDA fault that poisons the context cannot be recovered in-process, though: later cells then fail too).
+``torch._dynamo.reset()`` runs between compiled variants and memory is cleared between rows.
+results.md / results.json / log.txt under ``--out`` are rewritten after every row, so a run cut short still
+leaves every finished row behind. Budget on an H200: ~2–3 min for pass 1 (depends on fxfuse's own
+optimize time), then up to ``--max-autotune-budget`` seconds of max-autotune.
+
+Without a GPU the script exits with a message, except with ``--dry-run``: builds every module on the CPU,
+counts FLOPs/bytes from the modules (cross-checked against the table's dims), runs each module and its float64
+reference on a few rows, and prints the floor table with the reference ceilings of workloads.md
+(copy 4.23 TB/s, bf16 701 TFLOP/s, fp16 707 TFLOP/s). ``--cpu-smoke`` (development only) runs the whole
+pipeline on the CPU with shrunken row counts and a host timer, to exercise the code paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks.workloads import (  # noqa: E402
+    REF_CEILINGS,
+    WORKLOADS,
+    Workload,
+    build_module,
+    count_work,
+    floor_us,
+    make_input,
+    table_work,
+)
+
+TOL = 2e-2  # relative Frobenius error tolerance for bf16/fp16 against float64
+DECODE_CALLS = 200
+DECODE_LOOPS = 5
+# max-autotune priority: rows with a reference figure in workloads.md first, the slowest compile last.
+MAX_AUTOTUNE_ORDER = [
+    "seed_geglu", "gpt2_mlp", "llama_swiglu_m16", "gpt2m_mlp_m1", "nerf64", "nerf128",
+    "gpt2m_mlp_m8", "llama_swiglu_m1", "llama_swiglu_4096",
+]
+VARIANTS = ["eager", "cudagraph", "compile_default", "compile_max_autotune", "fxfuse"]
+
+T_START = time.perf_counter()
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T_START
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+class Tee:
+    """Write to a stream and to a log file; everything else is delegated to the stream."""
+
+    def __init__(self, stream, fh):
+        self._stream, self._fh = stream, fh
+
+    def write(self, data):
+        self._stream.write(data)
+        try:
+            self._fh.write(data)
+        except ValueError:  # log closed
+            pass
+        return len(data)
+
+    def flush(self):
+        self._stream.flush()
+        try:
+            self._fh.flush()
+        except ValueError:
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def short_err(e: BaseException, n: int = 70) -> str:
+    msg = str(e).strip().splitlines()
+    first = msg[0] if msg else ""
+    s = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return "ERR: " + (s if len(s) <= n else s[: n - 1] + "…")
+
+
+def is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fmt_us(v) -> str:
+    if is_num(v):
+        return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+    if v is None:
+        return "—"
+    s = str(v)
+    if s.startswith("skip"):
+        return "skip"
+    return s.replace("|", "/")
+
+
+def fmt_ratio(v) -> str:
+    return f"{v:.2f}×" if is_num(v) else "—"
+
+
+def fmt_err(v) -> str:
+    return f"{v:.1e}" if is_num(v) else ("—" if v is None else str(v).replace("|", "/"))
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    def __init__(self, warmup: int, rep: int, cpu: bool):
+        self.warmup, self.rep, self.cpu = warmup, rep, cpu
+
+    def sync(self):
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+    def gpu_us(self, fn) -> float:
+        """Median µs of ``fn`` by triton's do_bench (events, L2 flushed before each run)."""
+        if self.cpu:  # --cpu-smoke: host timer
+            fn()
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(ts)
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median")) * 1e3
+
+    def wall_us(self, fn, calls: int = DECODE_CALLS, loops: int = DECODE_LOOPS) -> dict:
+        """Wall µs per call of ``calls`` back-to-back calls (synchronized before and after); median of loops."""
+        for _ in range(10):
+            fn()
+        self.sync()
+        vals = []
+        for _ in range(loops):
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.sync()
+            vals.append((time.perf_counter() - t0) / calls * 1e6)
+        return {"median": statistics.median(vals), "all": vals}
+
+
+def cleanup():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def dynamo_reset():
+    try:
+        torch._dynamo.reset()
+    except Exception as e:  # pragma: no cover
+        print(f"  (torch._dynamo.reset failed: {short_err(e)})")
+
+
+def guarded(row: dict, section: str, key: str, fn):
+    """Run ``fn``; store its value (or ``ERR: ...``) in ``row[section][key]`` and return it."""
+    t0 = time.perf_counter()
+    try:
+        v = fn()
+    except Exception as e:
+        v = short_err(e)
+        tb = traceback.format_exc().strip().splitlines()
+        print(f"  [{row['name']}] {section}.{key}: {v}")
+        print("    " + "\n    ".join(tb[-12:]))
+        row.setdefault("errors", {})[f"{section}.{key}"] = "\n".join(tb[-40:])
+        cleanup()
+    row[section][key] = v
+    row.setdefault("step_s", {})[f"{section}.{key}"] = round(time.perf_counter() - t0, 3)
+    return v
+
+
+# --------------------------------------------------------------------------------------------- ceilings
+
+
+def measure_ceilings(timer: Timer, device: str, cpu_smoke: bool) -> dict:
+    print("== ceilings")
+    out = {}
+    nbytes = (1 << 24) if cpu_smoke else (1 << 30)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = timer.gpu_us(lambda: dst.copy_(src))
+    out["copy_us"] = t
+    out["copy_bytes"] = 2 * nbytes
+    out["copy_Bps"] = 2 * nbytes / (t * 1e-6)
+    src = dst = None
+    cleanup()
+    n = 512 if cpu_smoke else 8192
+    for tag, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(n, n, device=device, dtype=dt)
+        b = torch.randn(n, n, device=device, dtype=dt)
+        c = torch.empty(n, n, device=device, dtype=dt)
+        t = timer.gpu_us(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))
+        out[f"{tag}_mm_us"] = t
+        out[f"{tag}_flops"] = 2 * n**3 / (t * 1e-6)
+        del a, b, c
+        cleanup()
+    out["mm_n"] = n
+    print(f"  copy {out['copy_Bps'] / 1e12:.2f} TB/s (1 GiB d2d, read+write)   "
+          f"bf16 {out['bf16_flops'] / 1e12:.0f} TFLOP/s   fp16 {out['fp16_flops'] / 1e12:.0f} TFLOP/s  ({n}³)")
+    print(f"  reference: copy {REF_CEILINGS['copy_Bps'] / 1e12:.2f} TB/s, "
+          f"bf16 {REF_CEILINGS['bf16_flops'] / 1e12:.0f}, fp16 {REF_CEILINGS['fp16_flops'] / 1e12:.0f} TFLOP/s")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- rows
+
+
+def row_floor(w: Workload, mod, ceil: dict) -> dict:
+    es = torch.empty((), dtype=w.dtype).element_size()
+    lins = w.linears
+    flops, nbytes = count_work(mod, w.m, lins[0][0], lins[-1][1], es)
+    t_flops, t_bytes = table_work(w)
+    if (flops, nbytes) != (t_flops, t_bytes):
+        print(f"  WARNING {w.name}: module counts ({flops}, {nbytes}) != table counts ({t_flops}, {t_bytes})")
+    rate = ceil["bf16_flops"] if w.dtype == torch.bfloat16 else ceil["fp16_flops"]
+    fl, bound, t_c, t_m = floor_us(flops, nbytes, rate, ceil["copy_Bps"])
+    return {"flops": flops, "bytes": nbytes, "floor_us": fl, "bound": bound, "compute_us": t_c, "memory_us": t_m}
+
+
+def new_row(w: Workload) -> dict:
+    return {
+        "name": w.name, "kind": w.kind, "m": w.m, "dims": w.dims_str, "dtype": str(w.dtype).replace("torch.", ""),
+        "input_shape": list(w.input_shape), "decode": w.decode,
+        "target_us": w.target_us, "target_wall_us": w.target_wall_us,
+        "ref": {"floor_us": w.ref_floor_us, "eager_us": w.ref_eager_us, "compile_us": w.ref_compile_us},
+        "gpu_us": {}, "first_call_s": {}, "wall_us": {}, "rel_err": {}, "check": {}, "report": {}, "floor": {},
+    }
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ValueError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    d = out.double() - ref
+    return float(d.norm() / ref.norm())
+
+
+def cuda_graph(mod, x):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            mod(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mod(x)
+    g.replay()
+    torch.cuda.synchronize()
+    return g, out
+
+
+def summarize_report(rep) -> dict:
+    regions = list(getattr(rep, "regions", []) or [])
+    return {
+        "n_regions": len(regions),
+        "strategies": dict(Counter(str(getattr(r, "strategy", "?")) for r in regions)),
+        "patterns": dict(Counter(str(getattr(r, "pattern", "?")) for r in regions)),
+        "module_paths": [str(getattr(r, "module_path", "")) for r in regions],
+        "text": str(rep),
+    }
+
+
+def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_import_err, row: dict):
+    dev = args.device
+    seed = 1000 + idx
+    m_eff = w.m
+    if args.cpu_smoke:
+        m_eff = min(w.m, 8)
+    shape = w.input_shape if m_eff == w.m else (m_eff, w.input_shape[-1])
+    print(f"\n== {w.name}: {w.kind} M={w.m} dims {w.dims_str} {row['dtype']} input {tuple(shape)}  "
+          f"[t={elapsed():.0f}s]")
+
+    mod = build_module(w, device=dev, seed=seed)
+    row["floor"] = row_floor(w, mod, ceil)
+    f = row["floor"]
+    print(f"  FLOPs {f['flops'] / 1e9:.2f} G, min bytes {f['bytes'] / 1e6:.2f} MB -> floor {f['floor_us']:.1f} µs "
+          f"({f['bound']}-bound; compute {f['compute_us']:.1f}, memory {f['memory_us']:.1f})")
+    x = make_input(w, device=dev, seed=seed + 1, m=None if m_eff == w.m else m_eff)
+
+    # float64 reference on a fresh random input (before anything else touches the module)
+    ref_state = {}
+
+    def build_ref():
+        xc = make_input(w, device=dev, seed=seed + 2, m=None if m_eff == w.m else m_eff)
+        mod64 = copy.deepcopy(mod).double()
+        ref = mod64(xc.double())
+        del mod64
+        cleanup()
+        ref_state["xc"], ref_state["ref"] = xc, ref
+        return rel_err(mod(xc), ref)
+
+    guarded(row, "rel_err", "eager", build_ref)
+
+    # eager
+    guarded(row, "gpu_us", "eager", lambda: timer.gpu_us(lambda: mod(x)))
+    if w.decode:
+        guarded(row, "wall_us", "eager", lambda: timer.wall_us(lambda: mod(x))["median"])
+
+    # CUDA-graphed eager
+    if args.cpu_smoke:
+        row["gpu_us"]["cudagraph"] = "ERR: no CUDA (cpu smoke)"
+    else:
+        gstate = {}
+
+        def graph_time():
+            g, out = cuda_graph(mod, x)
+            gstate["g"], gstate["out"] = g, out
+            return timer.gpu_us(g.replay)
+
+        guarded(row, "gpu_us", "cudagraph", graph_time)
+        if w.decode and "g" in gstate:
+            guarded(row, "wall_us", "cudagraph", lambda: timer.wall_us(gstate["g"].replay)["median"])
+        gstate.clear()
+        cleanup()
+
+    # torch.compile default
+    dynamo_reset()
+    cstate = {}
+
+    def compile_first():
+        t0 = time.perf_counter()
+        cm = torch.compile(mod)
+        cm(x)
+        timer.sync()
+        cstate["cm"] = cm
+        return time.perf_counter() - t0
+
+    guarded(row, "first_call_s", "compile_default", compile_first)
+    if "cm" in cstate:
+        cm = cstate["cm"]
+        guarded(row, "gpu_us", "compile_default", lambda: timer.gpu_us(lambda: cm(x)))
+        if w.decode:
+            guarded(row, "wall_us", "compile_default", lambda: timer.wall_us(lambda: cm(x))["median"])
+    else:
+        row["gpu_us"]["compile_default"] = row["first_call_s"]["compile_default"]
+    cstate.clear()
+    dynamo_reset()
+    cleanup()
+
+    # fxfuse
+    fstate = {}
+    if fx is None:
+        msg = f"ERR: import fxfuse failed: {fx_import_err}"[:80]
+        row["gpu_us"]["fxfuse"] = msg
+        row["first_call_s"]["fxfuse"] = msg
+    else:
+
+        def fx_first():
+            t0 = time.perf_counter()
+            opt = fx.optimize(mod, example_inputs=(x,))
+            t1 = time.perf_counter()
+            opt(x)
+            timer.sync()
+            t2 = time.perf_counter()
+            fstate["opt"] = opt
+            row["first_call_s"]["fxfuse_optimize"] = t1 - t0
+            row["first_call_s"]["fxfuse_first_run"] = t2 - t1
+            return t2 - t0
+
+        guarded(row, "first_call_s", "fxfuse", fx_first)
+        if "opt" in fstate:
+            opt = fstate["opt"]
+
+            def report():
+                s = summarize_report(fx.report(opt))
+                row["report"] = s
+                print("  fxfuse.report:")
+                print("    " + "\n    ".join(s["text"].splitlines()))
+                print(f"  -> {s['n_regions']} fused region(s), strategies {s['strategies']}, patterns {s['patterns']}")
+                return s["n_regions"]
+
+            guarded(row, "check", "n_regions", report)
+
+            def check():
+                if "ref" not in ref_state:
+                    raise RuntimeError("no float64 reference (see rel_err.eager)")
+                xc, ref = ref_state["xc"], ref_state["ref"]
+                o1 = opt(xc)
+                o2 = opt(xc)
+                timer.sync()
+                row["check"]["deterministic"] = bool(torch.equal(o1, o2))
+                row["check"]["dtype_ok"] = o1.dtype == w.dtype
+                row["check"]["finite"] = bool(torch.isfinite(o1).all())
+                e = rel_err(o1, ref)
+                row["check"]["pass"] = bool(math.isfinite(e) and e <= TOL and row["check"]["finite"])
+                return e
+
+            e = guarded(row, "rel_err", "fxfuse", check)
+            if not is_num(e):
+                row["check"]["pass"] = False
+            ee = row["rel_err"].get("eager")
+            verdict = "PASS" if row["check"].get("pass") else "FAIL"
+            print(f"  correctness: fxfuse rel err {fmt_err(e)} (eager {fmt_err(ee)}), tol {TOL:g} -> {verdict}; "
+                  f"deterministic={row['check'].get('deterministic')}")
+
+            guarded(row, "gpu_us", "fxfuse", lambda: timer.gpu_us(lambda: opt(x)))
+            if w.decode:
+                guarded(row, "wall_us", "fxfuse", lambda: timer.wall_us(lambda: opt(x))["median"])
+        else:
+            row["gpu_us"]["fxfuse"] = row["first_call_s"]["fxfuse"]
+            row["check"]["pass"] = False
+    fstate.clear()
+    dynamo_reset()
+
+    # eager again: the spread between the two eager medians is this run's noise
+    guarded(row, "gpu_us", "eager_repeat", lambda: timer.gpu_us(lambda: mod(x)))
+    derive(row)
+    print_row(row)
+    ref_state.clear()  # the module, inputs and compiled variants go with this frame; main() then cleans up
+
+
+def run_row_max_autotune(w: Workload, idx: int, args, timer: Timer, row: dict):
+    dev = args.device
+    seed = 1000 + idx
+    m_eff = min(w.m, 8) if args.cpu_smoke else w.m
+    print(f"\n== {w.name}: torch.compile max-autotune-no-cudagraphs  [t={elapsed():.0f}s]")
+    mod = build_module(w, device=dev, seed=seed)
+    x = make_input(w, device=dev, seed=seed + 1, m=None if m_eff == w.m else m_eff)
+    dynamo_reset()
+    st = {}
+
+    def first():
+        t0 = time.perf_counter()
+        cm = torch.compile(mod, mode="max-autotune-no-cudagraphs")
+        cm(x)
+        timer.sync()
+        st["cm"] = cm
+        return time.perf_counter() - t0
+
+    guarded(row, "first_call_s", "compile_max_autotune", first)
+    if "cm" in st:
+        cm = st["cm"]
+        guarded(row, "gpu_us", "compile_max_autotune", lambda: timer.gpu_us(lambda: cm(x)))
+    else:
+        row["gpu_us"]["compile_max_autotune"] = row["first_call_s"]["compile_max_autotune"]
+    st.clear()
+    dynamo_reset()
+    derive(row)
+    print(f"  max-autotune: {fmt_us(row['gpu_us']['compile_max_autotune'])} µs, "
+          f"compile {fmt_us(row['first_call_s'].get('compile_max_autotune'))} s")
+
+
+def derive(row: dict):
+    g = row["gpu_us"]
+    fl = row["floor"].get("floor_us")
+    fx_t = g.get("fxfuse")
+    d = {}
+    if is_num(fx_t):
+        if is_num(fl):
+            d["fxfuse_over_floor"] = fx_t / fl
+        if is_num(g.get("eager")):
+            d["speedup_vs_eager"] = g["eager"] / fx_t
+        if is_num(g.get("compile_default")):
+            d["speedup_vs_compile"] = g["compile_default"] / fx_t
+        if is_num(g.get("compile_max_autotune")):
+            d["speedup_vs_max_autotune"] = g["compile_max_autotune"] / fx_t
+    if is_num(g.get("eager")) and is_num(g.get("eager_repeat")):
+        d["eager_spread"] = abs(g["eager"] - g["eager_repeat"]) / min(g["eager"], g["eager_repeat"])
+    # target (informational)
+    tgt, tgt_w = row["target_us"], row["target_wall_us"]
+    if tgt is None:
+        d["meets_target"] = None
+    elif not is_num(fx_t) or row["check"].get("pass") is False:  # failed, or wrong results
+        d["meets_target"] = False
+    else:
+        ok = fx_t <= tgt
+        if tgt_w is not None:
+            fw = row["wall_us"].get("fxfuse")
+            ok = ok and is_num(fw) and fw <= tgt_w
+        d["meets_target"] = bool(ok)
+    row["derived"] = d
+
+
+def print_row(row: dict):
+    g, d = row["gpu_us"], row.get("derived", {})
+    print(f"  GPU median µs: floor {fmt_us(row['floor'].get('floor_us'))} | eager {fmt_us(g.get('eager'))} "
+          f"(repeat {fmt_us(g.get('eager_repeat'))}) | graph {fmt_us(g.get('cudagraph'))} | compile "
+          f"{fmt_us(g.get('compile_default'))} | fxfuse {fmt_us(g.get('fxfuse'))}")
+    print(f"  fxfuse/floor {fmt_ratio(d.get('fxfuse_over_floor'))}, vs eager {fmt_ratio(d.get('speedup_vs_eager'))}, "
+          f"vs compile {fmt_ratio(d.get('speedup_vs_compile'))}, target {target_str(row)} -> {meets_str(row)}")
+    if row["decode"]:
+        print(f"  wall µs/call ({DECODE_CALLS} calls): {wall_str(row)}")
+
+
+def target_str(row: dict) -> str:
+    t, tw = row["target_us"], row["target_wall_us"]
+    if t is None:
+        return "—"
+    s = f"≤ {t:g}"
+    if tw is not None:
+        s += f", wall ≤ {tw:g}"
+    return s
+
+
+def meets_str(row: dict) -> str:
+    m = row.get("derived", {}).get("meets_target")
+    return "—" if m is None else ("yes" if m else "no")
+
+
+def wall_str(row: dict) -> str:
+    if not row["decode"]:
+        return "—"
+    wl = row["wall_us"]
+    return " / ".join(fmt_us(wl.get(k)) for k in ("eager", "cudagraph", "compile_default", "fxfuse"))
+
+
+def err_cell(row: dict) -> str:
+    e = row["rel_err"].get("fxfuse")
+    if not is_num(e):
+        return "—" if e is None else fmt_err(e)
+    return f"{e:.1e} {'pass' if row['check'].get('pass') else 'FAIL'}"
+
+
+# --------------------------------------------------------------------------------------------- results
+
+
+def env_info(args) -> dict:
+    info = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "argv": " ".join(sys.argv),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as e:
+        info["triton"] = short_err(e)
+    if torch.cuda.is_available() and not args.cpu_smoke:
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["capability"] = f"sm_{p.major}{p.minor}"
+        info["sms"] = p.multi_processor_count
+        info["gpu_mem_gib"] = round(p.total_memory / 2**30, 1)
+    else:
+        info["gpu"] = "none (CPU)"
+    return info
+
+
+def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
+    L = []
+    L.append("# fxfuse benchmark: workloads.md set")
+    L.append("")
+    L.append(f"- GPU: {env.get('gpu')} ({env.get('capability', '?')}, {env.get('sms', '?')} SMs, "
+             f"{env.get('gpu_mem_gib', '?')} GiB); torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
+             f"python {env['python']}; {env['date']}")
+    if ceil:
+        how = "measured in this run" if ceil.get("measured", True) else "NOT measured: workloads.md reference values"
+        L.append(f"- Ceilings ({how}): copy {ceil['copy_Bps'] / 1e12:.2f} TB/s (1 GiB d2d, read+write), "
+                 f"bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, fp16 {ceil['fp16_flops'] / 1e12:.0f} TFLOP/s "
+                 f"({ceil['mm_n']}³)")
+    L.append(f"- GPU times: `triton.testing.do_bench` median (warmup {args.warmup} ms, rep {args.rep} ms, L2 flushed), "
+             f"µs. Floor = max(FLOPs / matmul rate, min bytes / copy bandwidth). vs eager / vs compile = speedup of "
+             f"fxfuse (>1 is faster). rel err = ‖fxfuse − ref‖/‖ref‖ vs float64 on a fresh input (tol {TOL:g}).")
+    L.append(f"- Wall (decode rows) = µs per call of {DECODE_CALLS} back-to-back calls, synchronized before and after "
+             f"(median of {DECODE_LOOPS} loops), as eager / CUDA-graph replay / compile default / fxfuse.")
+    L.append(f"- Command: `{env['argv']}`")
+    L.append("")
+    hdr = ["name", "floor", "eager", "CUDA-graph eager", "compile default", "compile max-autotune", "fxfuse",
+           "fxfuse/floor", "vs eager", "vs compile", "target", "meets target", "rel err",
+           "wall µs/call (eager / graph / compile / fxfuse)"]
+    L.append("| " + " | ".join(hdr) + " |")
+    L.append("|" + "---|" * len(hdr))
+    for r in rows:
+        g, d = r["gpu_us"], r.get("derived", {})
+        cells = [
+            r["name"], fmt_us(r["floor"].get("floor_us")), fmt_us(g.get("eager")), fmt_us(g.get("cudagraph")),
+            fmt_us(g.get("compile_default")), fmt_us(g.get("compile_max_autotune")), fmt_us(g.get("fxfuse")),
+            fmt_ratio(d.get("fxfuse_over_floor")), fmt_ratio(d.get("speedup_vs_eager")),
+            fmt_ratio(d.get("speedup_vs_compile")), target_str(r), meets_str(r), err_cell(r), wall_str(r),
+        ]
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("Details: first-call wall time (compile/optimize + first run), fusion report, noise.")
+    L.append("")
+    hdr2 = ["name", "M", "dims", "dtype", "GFLOP", "min MB", "bound", "compile default s", "max-autotune s",
+            "fxfuse s (optimize + first run)", "fused regions", "strategies", "eager rel err", "fxfuse deterministic",
+            "eager spread"]
+    L.append("| " + " | ".join(hdr2) + " |")
+    L.append("|" + "---|" * len(hdr2))
+    for r in rows:
+        fc, f, d, rp = r["first_call_s"], r["floor"], r.get("derived", {}), r.get("report", {})
+
+        def s(v):
+            return (f"{v:.2f}" if v < 10 else f"{v:.1f}") if is_num(v) else fmt_us(v)
+
+        fxs = s(fc.get("fxfuse"))
+        if is_num(fc.get("fxfuse_optimize")) and is_num(fc.get("fxfuse_first_run")):
+            fxs += f" ({s(fc['fxfuse_optimize'])} + {s(fc['fxfuse_first_run'])})"
+        strat = ", ".join(f"{k}×{v}" for k, v in rp.get("strategies", {}).items()) or "—"
+        cells = [
+            r["name"], str(r["m"]), r["dims"], r["dtype"],
+            f"{f['flops'] / 1e9:.1f}" if "flops" in f else "—", f"{f['bytes'] / 1e6:.1f}" if "bytes" in f else "—",
+            f.get("bound", "—"), s(fc.get("compile_default")), s(fc.get("compile_max_autotune")), fxs,
+            str(rp.get("n_regions", r["check"].get("n_regions", "—"))), strat, fmt_err(r["rel_err"].get("eager")),
+            str(r["check"].get("deterministic", "—")),
+            f"{d['eager_spread'] * 100:.1f}%" if is_num(d.get("eager_spread")) else "—",
+        ]
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    return "\n".join(L)
+
+
+def write_results(out: Path, env: dict, ceil: dict, rows: list[dict], args, final: bool = False) -> str:
+    md = render_md(env, ceil, rows, args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(md)
+    payload = {"env": env, "ceilings": ceil, "rows": rows, "tolerance": TOL, "finished": final,
+               "elapsed_s": elapsed(), "settings": {"warmup_ms": args.warmup, "rep_ms": args.rep,
+                                                    "decode_calls": DECODE_CALLS, "decode_loops": DECODE_LOOPS}}
+    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
+    return md
+
+
+# --------------------------------------------------------------------------------------------- dry run
+
+
+def dry_run(selected: list[Workload]) -> int:
+    """CPU: build every module, count FLOPs/bytes (module vs table), floors at the reference ceilings."""
+    ceil = REF_CEILINGS
+    print(f"dry run (CPU, torch {torch.__version__}); reference ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, "
+          f"bf16 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, fp16 {ceil['fp16_flops'] / 1e12:.0f} TFLOP/s")
+    hdr = ["name", "M", "dims", "dtype", "input", "GFLOP", "min MB", "compute µs", "memory µs", "floor µs", "bound",
+           "workloads.md floor", "target", "eager-vs-fp64 (8 rows)"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    bad = 0
+    for idx, w in enumerate(WORKLOADS):
+        if w not in selected:
+            continue
+        mod = build_module(w, device="cpu", seed=1000 + idx)
+        es = torch.empty((), dtype=w.dtype).element_size()
+        lins = w.linears
+        flops, nbytes = count_work(mod, w.m, lins[0][0], lins[-1][1], es)
+        if (flops, nbytes) != table_work(w):
+            print(f"MISMATCH {w.name}: module {flops, nbytes} table {table_work(w)}")
+            bad += 1
+        rate = ceil["bf16_flops"] if w.dtype == torch.bfloat16 else ceil["fp16_flops"]
+        fl, bound, t_c, t_m = floor_us(flops, nbytes, rate, ceil["copy_Bps"])
+        if w.ref_floor_us is not None and abs(fl - w.ref_floor_us) / w.ref_floor_us > 0.05:
+            print(f"FLOOR DIFFERS {w.name}: {fl:.1f} vs workloads.md {w.ref_floor_us}")
+            bad += 1
+        # run the module and its float64 reference on a few rows (shape, dtype, error path)
+        m_small = min(w.m, 8)
+        xs = make_input(w, device="cpu", seed=1, m=m_small)
+        y = mod(xs)
+        ref = copy.deepcopy(mod).double()(xs.double())
+        assert y.shape == (m_small, lins[-1][1]) and y.dtype == w.dtype, (y.shape, y.dtype)
+        e = rel_err(y, ref)
+        lines.append("| " + " | ".join([
+            w.name, str(w.m), w.dims_str, str(w.dtype).replace("torch.", ""), "×".join(map(str, w.input_shape)),
+            f"{flops / 1e9:.2f}", f"{nbytes / 1e6:.2f}", f"{t_c:.1f}", f"{t_m:.1f}", f"{fl:.1f}", bound,
+            f"{w.ref_floor_us:g}" if w.ref_floor_us is not None else "—",
+            "—" if w.target_us is None else f"≤ {w.target_us:g}" + (f", wall ≤ {w.target_wall_us:g}"
+                                                                     if w.target_wall_us else ""),
+            f"{e:.1e}",
+        ]) + " |")
+        del mod, y, ref
+        gc.collect()
+    print("\n".join(lines))
+    print("dry run OK" if not bad else f"dry run: {bad} problem(s)")
+    return 1 if bad else 0
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder (default $OUT)")
+    p.add_argument("--only", default="", help="comma-separated row names (default: all)")
+    p.add_argument("--skip-max-autotune", action="store_true", help="no torch.compile max-autotune pass")
+    p.add_argument("--max-autotune-rows", default="",
+                   help="comma-separated rows (in this order) for the max-autotune pass; default: all selected rows "
+                        "in priority order " + ",".join(MAX_AUTOTUNE_ORDER))
+    p.add_argument("--max-autotune-budget", type=float, default=200.0,
+                   help="no new max-autotune compile starts once this many seconds were spent on them (default 200)")
+    p.add_argument("--deadline", type=float, default=480.0,
+                   help="no max-autotune compile starts after this many seconds of run time, and no new row after "
+                        "deadline+60 s (default 480)")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep, ms")
+    p.add_argument("--dry-run", action="store_true", help="CPU: build modules, print FLOPs/bytes/floors only")
+    p.add_argument("--cpu-smoke", action="store_true", help="development: whole pipeline on the CPU, tiny M")
+    args = p.parse_args(argv)
+    names = [w.name for w in WORKLOADS]
+    for opt in ("only", "max_autotune_rows"):
+        sel = [s.strip() for s in getattr(args, opt).split(",") if s.strip()]
+        unknown = [s for s in sel if s not in names]
+        if unknown:
+            p.error(f"--{opt.replace('_', '-')}: unknown row(s) {unknown}; known: {names}")
+        setattr(args, opt, sel)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_grad_enabled(False)
+    selected = [w for w in WORKLOADS if not args.only or w.name in args.only]
+    if args.dry_run:
+        return dry_run(selected)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench_workloads.py: no CUDA GPU available (torch.cuda.is_available() is False). "
+              "Run it on the GPU machine, or use --dry-run to check the FLOP/byte/floor arithmetic on the CPU.")
+        return 2
+    args.device = "cpu" if args.cpu_smoke else "cuda"
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.txt", "a")
+    sys.stdout = Tee(sys.__stdout__, log)
+    sys.stderr = Tee(sys.__stderr__, log)
+    torch.set_grad_enabled(False)
+
+    env = env_info(args)
+    print(f"fxfuse workload benchmark — {env.get('gpu')}; torch {env['torch']}, triton {env['triton']}, "
+          f"python {env['python']}; out={out}")
+    try:
+        import fxfuse as fx
+
+        fx_err = None
+        for attr in ("optimize", "report"):
+            if not hasattr(fx, attr):
+                fx_err = f"fxfuse has no '{attr}'"
+        if fx_err:
+            fx = None
+    except Exception as e:
+        fx, fx_err = None, short_err(e)[5:]
+    print(f"fxfuse: {'imported from ' + str(getattr(fx, '__file__', '?')) if fx else 'UNAVAILABLE: ' + str(fx_err)}")
+
+    timer = Timer(args.warmup, args.rep, args.cpu_smoke)
+    try:
+        ceil = measure_ceilings(timer, args.device, args.cpu_smoke)
+    except Exception as e:
+        print(f"ceilings failed ({short_err(e)}); using the reference ceilings of workloads.md")
+        traceback.print_exc()
+        ceil = dict(REF_CEILINGS, mm_n=8192, measured=False)
+    if args.cpu_smoke:  # host numbers are meaningless as ceilings
+        ceil.update(REF_CEILINGS, measured=False)
+
+    rows: list[dict] = []
+    by_name: dict[str, dict] = {}
+    for idx, w in enumerate(WORKLOADS):
+        if w not in selected:
+            continue
+        row = new_row(w)
+        rows.append(row)
+        by_name[w.name] = row
+        if elapsed() > args.deadline + 60:
+            row["skipped"] = f"deadline ({elapsed():.0f}s)"
+            for k in VARIANTS:
+                row["gpu_us"][k] = "skip: deadline"
+            print(f"\n== {w.name}: skipped (deadline)")
+            continue
+        try:
+            run_row_main(w, idx, args, timer, ceil, fx, fx_err, row)
+        except Exception as e:  # anything outside the guarded cells (e.g. building the module)
+            row["row_error"] = short_err(e)
+            print(f"  [{w.name}] row failed: {short_err(e)}")
+            traceback.print_exc()
+        cleanup()
+        for k in VARIANTS:
+            row["gpu_us"].setdefault(k, "skip: not reached" if k == "compile_max_autotune" else "—")
+        write_results(out, env, ceil, rows, args)
+
+    # pass 2: max-autotune, bounded
+    order = args.max_autotune_rows or [n for n in MAX_AUTOTUNE_ORDER if n in by_name]
+    spent = 0.0
+    for name in order:
+        row = by_name.get(name)
+        if row is None:
+            continue
+        idx = [w.name for w in WORKLOADS].index(name)
+        w = WORKLOADS[idx]
+        if args.skip_max_autotune:
+            why = "--skip-max-autotune"
+        elif elapsed() > args.deadline:
+            why = f"deadline ({elapsed():.0f}s > {args.deadline:g}s)"
+        elif spent > args.max_autotune_budget:
+            why = f"budget ({spent:.0f}s > {args.max_autotune_budget:g}s)"
+        else:
+            why = None
+        if why:
+            row["gpu_us"]["compile_max_autotune"] = f"skip: {why}"
+            continue
+        t0 = time.perf_counter()
+        try:
+            run_row_max_autotune(w, idx, args, timer, row)
+        except Exception as e:
+            row["gpu_us"]["compile_max_autotune"] = short_err(e)
+            traceback.print_exc()
+        cleanup()
+        spent += time.perf_counter() - t0
+        write_results(out, env, ceil, rows, args)
+    for row in rows:
+        if str(row["gpu_us"].get("compile_max_autotune", "")).startswith("skip: not reached"):
+            row["gpu_us"]["compile_max_autotune"] = "skip: not in --max-autotune-rows"
+
+    md = write_results(out, env, ceil, rows, args, final=True)
+    print(f"\n== done in {elapsed():.0f}s; wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'log.txt'}\n")
+    print(md)
+    sys.stdout.flush()
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The benchmark workloads of ``/work/shared/workloads.md``: module classes, table rows, FLOP/byte counts.
+
+Importable without CUDA and without fxfuse. Every module is a plain ``nn.Module`` built from ``nn.Linear``:
+
+* gated (GeGLU / SwiGLU): ``down(act(gate(x)) * up(x))``, no bias anywhere;
+* GPT-2 MLP: ``Linear+bias -> GELU(tanh) -> Linear+bias``;
+* NeRF MLP: ``Linear+bias`` layers with ReLU between (none after the last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "GeGLUMLP",
+    "SwiGLUMLP",
+    "GPT2MLP",
+    "NerfMLP",
+    "Workload",
+    "WORKLOADS",
+    "REF_CEILINGS",
+    "build_module",
+    "make_input",
+    "count_work",
+    "table_work",
+    "floor_us",
+]
+
+
+class GeGLUMLP(nn.Module):
+    """``down(gelu(gate(x), approximate="tanh") * up(x))``, no biases."""
+
+    def __init__(self, d: int, h: int, device=None, dtype=None):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(d, h, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(h, d, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, no biases (the Llama MLP)."""
+
+    def __init__(self, d: int, h: int, device=None, dtype=None):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(d, h, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(h, d, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GPT2MLP(nn.Module):
+    """``Linear+bias -> GELU(tanh) -> Linear+bias``."""
+
+    def __init__(self, d: int, h: int, device=None, dtype=None):
+        super().__init__()
+        self.fc = nn.Linear(d, h, bias=True, device=device, dtype=dtype)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(h, d, bias=True, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)))
+
+
+class NerfMLP(nn.Module):
+    """``len(widths)-1`` Linear+bias layers with ReLU between them (no activation after the last)."""
+
+    def __init__(self, widths: tuple[int, ...], device=None, dtype=None):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b, bias=True, device=device, dtype=dtype) for a, b in zip(widths[:-1], widths[1:])
+        )
+
+    def forward(self, x):
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < n - 1:
+                x = F.relu(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row of workloads.md (plus its reference figures and target)."""
+
+    name: str
+    kind: str  # "geglu" | "swiglu" | "gpt2" | "nerf"
+    m: int  # rows
+    dims: tuple[int, ...]  # (D, H) for gated/gpt2 (D -> H -> D); layer widths for nerf
+    dtype: torch.dtype
+    input_shape: tuple[int, ...]
+    target_us: Optional[float]  # fxfuse GPU median target (µs)
+    target_wall_us: Optional[float] = None  # fxfuse wall-per-call target (µs), decode rows
+    decode: bool = False  # also time 200 back-to-back calls (wall)
+    ref_floor_us: Optional[float] = None  # the floor quoted in workloads.md
+    ref_eager_us: Optional[float] = None
+    ref_compile_us: Optional[float] = None
+
+    @property
+    def dims_str(self) -> str:
+        if self.kind == "nerf":
+            return " → ".join(str(w) for w in self.dims)
+        d, h = self.dims
+        return f"{d} → {h} → {d}"
+
+    @property
+    def linears(self) -> list[tuple[int, int, bool]]:
+        """(K, N, has_bias) for every linear of the module, from the table (not from the module)."""
+        if self.kind in ("geglu", "swiglu"):
+            d, h = self.dims
+            return [(d, h, False), (d, h, False), (h, d, False)]
+        if self.kind == "gpt2":
+            d, h = self.dims
+            return [(d, h, True), (h, d, True)]
+        w = self.dims
+        return [(a, b, True) for a, b in zip(w[:-1], w[1:])]
+
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+WORKLOADS: list[Workload] = [
+    Workload("seed_geglu", "geglu", 8192, (768, 3072), BF16, (64, 128, 768), 180,
+             ref_floor_us=165, ref_eager_us=241, ref_compile_us=216),
+    Workload("gpt2_mlp", "gpt2", 8192, (768, 3072), BF16, (8192, 768), 118,
+             ref_floor_us=110, ref_eager_us=148, ref_compile_us=169),
+    Workload("llama_swiglu_m1", "swiglu", 1, (4096, 14336), BF16, (1, 4096), 92, decode=True,
+             ref_floor_us=83, ref_eager_us=110, ref_compile_us=155),
+    Workload("llama_swiglu_m16", "swiglu", 16, (4096, 14336), BF16, (16, 4096), 92, decode=True,
+             ref_floor_us=83, ref_eager_us=113, ref_compile_us=132),
+    Workload("llama_swiglu_4096", "swiglu", 4096, (4096, 14336), BF16, (4096, 4096), 1900,
+             ref_floor_us=2060, ref_eager_us=2158, ref_compile_us=1919),
+    Workload("gpt2m_mlp_m1", "gpt2", 1, (1024, 4096), BF16, (1, 1024), 8, target_wall_us=15, decode=True,
+             ref_floor_us=4, ref_eager_us=36, ref_compile_us=63),
+    Workload("gpt2m_mlp_m8", "gpt2", 8, (1024, 4096), BF16, (8, 1024), None, decode=True,
+             ref_floor_us=4, ref_eager_us=20, ref_compile_us=186),
+    Workload("nerf64", "nerf", 1 << 20, (32, 64, 64, 64, 16), FP16, (1 << 20, 32), 60,
+             ref_floor_us=33, ref_eager_us=469, ref_compile_us=561),
+    Workload("nerf128", "nerf", 1 << 20, (64, 128, 128, 128, 64), FP16, (1 << 20, 64), 220,
+             ref_floor_us=146, ref_eager_us=924, ref_compile_us=910),
+]
+
+# Ceilings quoted in workloads.md (one H200): used by --dry-run only; the GPU run measures its own.
+REF_CEILINGS = {"copy_Bps": 4.23e12, "bf16_flops": 701e12, "fp16_flops": 707e12}
+
+
+def build_module(w: Workload, device="cuda", seed: int = 0) -> nn.Module:
+    """The row's module, random (default nn.Linear init) weights from ``seed``, in eval mode."""
+    torch.manual_seed(seed)
+    if w.kind == "geglu":
+        mod = GeGLUMLP(*w.dims, device=device, dtype=w.dtype)
+    elif w.kind == "swiglu":
+        mod = SwiGLUMLP(*w.dims, device=device, dtype=w.dtype)
+    elif w.kind == "gpt2":
+        mod = GPT2MLP(*w.dims, device=device, dtype=w.dtype)
+    elif w.kind == "nerf":
+        mod = NerfMLP(w.dims, device=device, dtype=w.dtype)
+    else:
+        raise ValueError(w.kind)
+    return mod.eval()
+
+
+def make_input(w: Workload, device="cuda", seed: int = 0, m: Optional[int] = None) -> torch.Tensor:
+    """Standard-normal input of the row's shape (``m`` overrides the row count, keeping the last dim)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = w.input_shape if m is None else (m, w.input_shape[-1])
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=w.dtype)
+
+
+def count_work(mod: nn.Module, m: int, d_in: int, d_out: int, elem_bytes: int) -> tuple[int, int]:
+    """(FLOPs, minimum bytes) counted from the module's nn.Linear layers.
+
+    FLOPs = 2·M·Σ K·N; bytes = input read once + every weight/bias read once + output written once.
+    """
+    flops = 0
+    param_elems = 0
+    for lin in mod.modules():
+        if isinstance(lin, nn.Linear):
+            flops += 2 * m * lin.in_features * lin.out_features
+            param_elems += lin.weight.numel() + (lin.bias.numel() if lin.bias is not None else 0)
+    nbytes = (m * d_in + param_elems + m * d_out) * elem_bytes
+    return flops, nbytes
+
+
+def table_work(w: Workload) -> tuple[int, int]:
+    """(FLOPs, minimum bytes) from the table's dims alone (cross-check of :func:`count_work`)."""
+    es = torch.empty((), dtype=w.dtype).element_size()
+    lins = w.linears
+    flops = sum(2 * w.m * k * n for k, n, _ in lins)
+    params = sum(k * n + (n if b else 0) for k, n, b in lins)
+    d_in, d_out = lins[0][0], lins[-1][1]
+    return flops, (w.m * d_in + params + w.m * d_out) * es
+
+
+def floor_us(flops: int, nbytes: int, flops_per_s: float, bytes_per_s: float) -> tuple[float, str, float, float]:
+    """(floor µs, "compute"|"memory", compute µs, memory µs)."""
+    t_c = flops / flops_per_s * 1e6
+    t_m = nbytes / bytes_per_s * 1e6
+    return max(t_c, t_m), ("compute" if t_c >= t_m else "memory"), t_c, t_m

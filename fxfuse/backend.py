@@ -1,0 +1,44 @@
+"""``torch.compile(model, backend="fxfuse")``: the pass as a Dynamo backend.
+
+Found by name through the ``torch_dynamo_backends`` entry point (no ``import fxfuse`` needed).
+Dynamo hands over the graph with parameters as placeholders and ``nn.Linear`` inlined as
+``torch._C._nn.linear``; the pass normalizes both. By default the rewritten graph goes on to
+Inductor, which compiles the rest and keeps the fused regions as calls to the fxfuse op. With
+``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait.
+
+Example:
+    >>> fast = torch.compile(model, backend="fxfuse")                                # doctest: +SKIP
+    >>> quick = torch.compile(model, backend="fxfuse", options={"inductor": False})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch.fx as fx
+
+from .api import record_backend_report
+from .pipeline import fuse_graph
+
+__all__ = ["fxfuse_backend"]
+
+log = logging.getLogger(__name__)
+
+_OPTIONS = {"inductor"}
+
+
+def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optional[dict] = None, **kwargs):
+    """Dynamo backend: fuse the MLP chains of ``gm``, then hand it to Inductor (or run it as is)."""
+    options = dict(options or {})
+    unknown = set(options) - _OPTIONS
+    if unknown or kwargs:
+        raise ValueError(f"fxfuse backend: unknown option(s) {sorted(unknown | set(kwargs))}; "
+                         f"known: {sorted(_OPTIONS)}")
+    report = fuse_graph(gm)  # Dynamo's nodes carry their example values: no shape propagation needed
+    record_backend_report(report)
+    if not options.get("inductor", True):
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -1,0 +1,173 @@
+"""Render the stage template for one ``(num_linears, epilogue)`` pair into a cached ``.py`` file and import it.
+
+Triton reads a kernel's source with ``inspect.getsource`` (interpreter included), so generated kernels
+live in real files: ``$FXFUSE_CACHE_DIR`` or ``~/.cache/fxfuse/kernels``, named by a hash of the
+rendered source (which is a function of the template version, the template, ``num_linears`` and the
+epilogue text). The header of each file shows its epilogue, so a user can open and read it.
+Files are written atomically (temp file + ``os.replace``), so concurrent processes are safe; a cached
+file whose content differs from the rendering (corrupt, truncated, hand-edited) is rewritten. Each
+module is imported once per process.
+
+Example:
+    >>> mod = generated_kernel(1, "gelu_tanh(a0)")  # doctest: +SKIP
+    >>> mod.EPILOGUE, kernel_path(1, "gelu_tanh(a0)").exists()  # doctest: +SKIP
+    ('gelu_tanh(a0)', True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from . import epilogue as ep
+from .kernels.template import KERNEL_TEMPLATE, TEMPLATE_VERSION
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["cache_dir", "clear_loaded", "generated_kernel", "kernel_path", "render"]
+
+_modules: dict[tuple[int, str], ModuleType] = {}
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where generated kernels are written: ``$FXFUSE_CACHE_DIR``, else ``~/.cache/fxfuse/kernels``."""
+    env = os.environ.get("FXFUSE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fxfuse" / "kernels"
+
+
+def _canonical(num_linears: int, epilogue: str) -> tuple[ep.Expr, str]:
+    if num_linears not in (1, 2):
+        raise ValueError(f"a stage has 1 or 2 linears, got {num_linears}")
+    expr = ep.parse(epilogue)
+    if ep.num_accumulators(expr) != num_linears:
+        raise ValueError(f"epilogue {epilogue!r} must use exactly a0..a{num_linears - 1}")
+    return expr, str(expr)
+
+
+def render(num_linears: int, epilogue: str) -> str:
+    """The kernel module source for one stage (see :mod:`fxfuse.kernels.template` for the rules).
+
+    Example:
+        >>> src = render(2, "mul(a0,silu(a1))")
+        >>> "acc1 = tl.dot" in src and "w1_ptr" in src
+        True
+    """
+    expr, text = _canonical(num_linears, epilogue)
+    n_ops = ep.num_operands(expr)
+    body, result = ep.to_triton(expr, acc_names=["acc0", "acc1"][:num_linears],
+                                operand_names=[f"v{i}" for i in range(n_ops)], indent="    ")
+    lines: list[str] = []
+    for line in KERNEL_TEMPLATE.splitlines():
+        if line.endswith("# [gated]"):
+            if num_linears == 2:
+                lines.append(line[: -len("# [gated]")].rstrip())
+        elif line.endswith("# [each operand]"):
+            lines.extend(line[: -len("# [each operand]")].rstrip().replace("v@", f"v{i}") for i in range(n_ops))
+        elif line.strip() == "# [epilogue]":
+            lines.extend(body)
+        else:
+            lines.append(line)
+    src = "\n".join(lines) + "\n"
+    for key, value in (("$TEMPLATE_VERSION", str(TEMPLATE_VERSION)), ("$NUM_LINEARS", str(num_linears)),
+                       ("$EPILOGUE", text), ("$RESULT", result)):
+        src = src.replace(key, value)
+    return src
+
+
+def clear_loaded() -> None:
+    """Forget the modules imported by this process (the next call re-reads, and if needed rewrites, the files)."""
+    with _lock:
+        _modules.clear()
+
+
+def _file_name(src: str) -> str:
+    return f"fxfuse_stage_{hashlib.sha256(src.encode()).hexdigest()[:20]}.py"
+
+
+def kernel_path(num_linears: int, epilogue: str) -> Path:
+    """Path of the generated source file of this stage (generating it if needed), e.g. to show a user."""
+    return Path(generated_kernel(num_linears, epilogue).__file__)
+
+
+def _write_atomic(path: Path, src: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(src)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _ensure_file(path: Path, src: str) -> None:
+    try:
+        if path.read_text(encoding="utf-8") == src:
+            return
+        logger.warning("fxfuse: cached kernel %s differs from its template rendering; regenerating", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError) as e:
+        logger.warning("fxfuse: unreadable cached kernel %s (%s); regenerating", path, e)
+    _write_atomic(path, src)
+
+
+def _import(path: Path) -> ModuleType:
+    name = path.stem  # top-level, unique per source hash
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import generated kernel {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so inspect / pickling / Inductor can find it by module name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def generated_kernel(num_linears: int, epilogue: str) -> ModuleType:
+    """Import (generating if needed) the kernel module of one stage.
+
+    The module has ``fused_stage_kernel`` (the autotuned Triton kernel), ``NUM_LINEARS``, ``EPILOGUE``
+    and ``__file__`` (the generated source). Raises ``ValueError`` for an invalid epilogue.
+
+    Example:
+        >>> mod = generated_kernel(1, "relu(a0)")  # doctest: +SKIP
+        >>> mod.fused_stage_kernel  # doctest: +SKIP
+    """
+    module = _modules.get((num_linears, epilogue))  # fast path: no parsing on every launch
+    if module is not None:
+        return module
+    _, text = _canonical(num_linears, epilogue)
+    key = (num_linears, text)
+    with _lock:
+        module = _modules.get(key)
+        if module is not None:
+            _modules[(num_linears, epilogue)] = module
+            return module
+        src = render(num_linears, text)
+        path = cache_dir() / _file_name(src)
+        try:
+            _ensure_file(path, src)
+        except OSError as e:  # read-only home or cache: fall back to a private temp dir
+            path = Path(tempfile.gettempdir()) / f"fxfuse-kernels-{getattr(os, 'getuid', lambda: 'user')()}" / path.name
+            logger.warning("fxfuse: cannot write the kernel cache (%s); using %s", e, path.parent)
+            _ensure_file(path, src)
+        module = _import(path)
+        logger.debug("fxfuse: loaded stage kernel %s for %d:%s", path, num_linears, text)
+        _modules[key] = _modules[(num_linears, epilogue)] = module
+        return module

@@ -1,0 +1,299 @@
+"""Normalize a graph so that every MLP looks the same to the matcher.
+
+After :func:`normalize`:
+
+* every linear is ONE canonical node ``call_function F.linear(x, w, b_or_None)`` (3 positional args),
+  whatever it was before: ``call_module`` ``nn.Linear`` (weights become ``get_attr`` nodes; the module path
+  is kept in ``node.meta["fxfuse_module_path"]``), ``torch._C._nn.linear`` (what Dynamo hands a backend; it
+  *is* ``F.linear``), ``aten.linear``, ``torch.addmm(b, x, W)``, ``x @ W`` / ``torch.matmul`` / ``torch.mm``
+  with a 2-D weight ``W`` (→ ``F.linear(x, W.t())``, or ``F.linear(x, w)`` when ``W`` is ``w.t()``/``w.T``),
+  and ``F.linear(x, w) + b`` with a 1-D ``[N]`` bias (folded into the linear);
+* eval-mode dropout (``nn.Dropout``, ``F.dropout(training=False)``, ``p == 0``) and ``nn.Identity`` are gone;
+  active dropout stays, marked ``node.meta["fxfuse_unsupported"] = "dropout active (training mode)"``;
+* every supported pointwise node carries ``node.meta["fxfuse_pointwise"]`` (a :class:`~fxfuse.pointwise.PointwiseOp`);
+  pointwise-looking nodes that must not be fused carry ``node.meta["fxfuse_unsupported"]`` (a reason).
+
+Rewrites happen only when the metadata (:func:`fxfuse.meta.tensor_info`) proves them correct; otherwise
+the node is left alone. The graph stays executable and computes the same function.
+
+Example:
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+    >>> normalize(gm)
+    >>> [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+    ['linear', 'linear']
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .meta import TensorInfo, tensor_info
+from .pointwise import PointwiseOp, Unsupported, classify
+
+__all__ = ["normalize", "is_linear", "module_path_of", "DROPOUT_ACTIVE"]
+
+log = logging.getLogger(__name__)
+
+DROPOUT_ACTIVE = "dropout active (training mode)"
+LINEAR = F.linear  # == torch._C._nn.linear
+
+_MATMULS = {operator.matmul, torch.matmul, torch.mm, "matmul", "mm"}
+_ADDS = {operator.add, torch.add, "add"}
+_TRANSPOSES = {torch.t, "t"}
+_DROPOUT_FNS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d}
+_TORCH_DROPOUTS = {torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+
+
+def is_linear(node: fx.Node) -> bool:
+    """True for a canonical linear node (after :func:`normalize`)."""
+    return node.op == "call_function" and node.target is LINEAR and len(node.args) == 3 and not node.kwargs
+
+
+def module_path_of(node: fx.Node) -> str:
+    """The module path a node came from: ``fxfuse_module_path`` meta, else Dynamo's ``nn_module_stack``."""
+    path = node.meta.get("fxfuse_module_path")
+    if path is not None:
+        return path
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    raw = list(stack.values())[-1][0]
+    return _clean_dynamo_path(str(raw))
+
+
+def _clean_dynamo_path(raw: str) -> str:
+    # "L['self'].blocks[0].mlp.fc1" / "L['self']._modules['blocks']._modules['0']" -> "blocks.0.mlp.fc1"
+    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]", "", raw)
+    path = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]*)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", path)
+    return path.strip(".")
+
+
+def normalize(gm: fx.GraphModule) -> None:
+    """Rewrite ``gm``'s graph in place into fxfuse's canonical form (see the module docstring).
+
+    Never touches the user's modules: parameters are read through new ``get_attr`` nodes and stay shared.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(MyMLP())      # doctest: +SKIP
+        >>> normalize(gm); gm.graph.lint()              # doctest: +SKIP
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module":
+            _rewrite_module(gm, node)
+        elif node.op == "call_function":
+            _rewrite_function(node)
+    for node in list(graph.nodes):
+        if node.graph is graph and _is_matmul(node):
+            _rewrite_matmul(gm, node)
+        elif node.graph is graph and node.op == "call_function" and node.target is torch.addmm:
+            _rewrite_addmm(gm, node)
+    for node in list(graph.nodes):
+        if node.graph is graph and _is_add(node):
+            _fold_bias(gm, node)
+    for node in graph.nodes:
+        node.meta.pop("fxfuse_pointwise", None)
+        if is_linear(node) and "fxfuse_module_path" not in node.meta:
+            node.meta["fxfuse_module_path"] = module_path_of(node)
+        if node.op in ("call_function", "call_method", "call_module") and not is_linear(node):
+            kind = classify(gm, node)
+            if isinstance(kind, PointwiseOp):
+                node.meta["fxfuse_pointwise"] = kind
+            elif isinstance(kind, Unsupported):
+                node.meta["fxfuse_unsupported"] = kind.reason
+    graph.lint()
+    gm.recompile()
+
+
+# ----------------------------------------------------------------------------------------------- modules
+
+def _rewrite_module(gm: fx.GraphModule, node: fx.Node) -> None:
+    mod = gm.get_submodule(node.target)
+    if isinstance(mod, nn.Identity):
+        _bypass(node, node.args[0] if node.args else None)
+    elif isinstance(mod, nn.modules.dropout._DropoutNd):
+        if not mod.training or mod.p == 0:
+            _bypass(node, node.args[0] if node.args else None)
+        else:
+            node.meta["fxfuse_unsupported"] = DROPOUT_ACTIVE
+    elif isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward and len(node.args) == 1 \
+            and not node.kwargs:
+        graph = node.graph
+        with graph.inserting_before(node):
+            w = graph.get_attr(f"{node.target}.weight")
+            b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+            new = graph.call_function(LINEAR, (node.args[0], w, b))
+        new.meta.update(node.meta)
+        new.meta["fxfuse_module_path"] = str(node.target)
+        _replace(node, new)
+
+
+def _bypass(node: fx.Node, value) -> None:
+    if isinstance(value, fx.Node) and len(node.args) == 1 and not node.kwargs:
+        node.replace_all_uses_with(value)
+        node.graph.erase_node(node)
+
+
+def _replace(old: fx.Node, new: fx.Node) -> None:
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+
+
+# --------------------------------------------------------------------------------------------- functions
+
+def _rewrite_function(node: fx.Node) -> None:
+    target = node.target
+    if target is LINEAR or target is torch.ops.aten.linear.default:
+        x, w, b = _bind(node, ("input", "weight", "bias"), (None, None, None))
+        if isinstance(x, fx.Node) and isinstance(w, fx.Node) and (b is None or isinstance(b, fx.Node)):
+            if target is not LINEAR or node.kwargs or len(node.args) != 3:
+                with node.graph.inserting_before(node):
+                    new = node.graph.call_function(LINEAR, (x, w, b))
+                new.meta.update(node.meta)
+                _replace(node, new)
+    elif target in _DROPOUT_FNS or target in _TORCH_DROPOUTS:
+        names = ("input", "p", "training" if target in _DROPOUT_FNS else "train", "inplace")
+        x, p, training, _ = _bind(node, names, (None, 0.5, target in _DROPOUT_FNS, False))
+        if training is False or p == 0:
+            if isinstance(x, fx.Node):
+                node.replace_all_uses_with(x)
+                node.graph.erase_node(node)
+        else:
+            node.meta["fxfuse_unsupported"] = DROPOUT_ACTIVE
+
+
+def _bind(node: fx.Node, names: tuple[str, ...], defaults: tuple) -> list:
+    out = []
+    for i, (name, default) in enumerate(zip(names, defaults)):
+        out.append(node.args[i] if i < len(node.args) else node.kwargs.get(name, default))
+    return out
+
+
+# ------------------------------------------------------------------------------- matmul / addmm / bias
+
+def _is_matmul(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in _MATMULS and len(node.args) == 2 \
+        and not node.kwargs
+
+
+def _is_add(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in _ADDS and len(node.args) == 2 \
+        and not node.kwargs
+
+
+def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
+    """``w`` if ``node`` is ``w.t()`` / ``w.T`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` of a 2-D ``w``."""
+    if node.op not in ("call_function", "call_method") or not node.args or node.kwargs:
+        return None
+    src, rest = node.args[0], tuple(node.args[1:])
+    if node.target in _TRANSPOSES and not rest:
+        return src
+    if node.op == "call_function" and node.target is getattr and rest in (("T",), ("mT",), ("mH",)):
+        return src if rest != ("mH",) else None
+    if node.target in (torch.transpose, "transpose") and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1), (0, -1),
+                                                                 (-1, 0)):
+        return src
+    if node.target in (torch.permute, "permute") and rest in ((1, 0), ((1, 0),), ([1, 0],)):
+        return src
+    return None
+
+
+def _weight_like(gm: fx.GraphModule, node) -> Optional[TensorInfo]:
+    """Info of a 2-D parameter-like tensor (``get_attr`` or placeholder with known shape), else ``None``."""
+    if not isinstance(node, fx.Node) or node.op not in ("get_attr", "placeholder"):
+        return None
+    info = tensor_info(gm, node)
+    if info is None or info.ndim != 2 or None in info.shape:
+        return None
+    return info
+
+
+def _linear_from(gm: fx.GraphModule, at: fx.Node, x: fx.Node, w_mat: fx.Node, bias: Optional[fx.Node]) -> \
+        Optional[fx.Node]:
+    """Insert ``F.linear`` computing ``x @ w_mat (+ bias)`` before ``at``; ``None`` if that is not provably right."""
+    graph = gm.graph
+    src = _transposed_source(w_mat)
+    info = _weight_like(gm, src)
+    transpose = info is None  # x @ w.t() == F.linear(x, w); x @ W == F.linear(x, W.t())
+    if transpose:
+        info = _weight_like(gm, w_mat)
+        if info is None:
+            return None
+        info = TensorInfo(info.shape[::-1], info.dtype, info.device, info.requires_grad)
+    if bias is not None and not _is_bias(gm, bias, info.shape[0], info):
+        return None
+    with graph.inserting_before(at):
+        if transpose:
+            weight = graph.call_function(torch.t, (w_mat,))
+            weight.meta["fxfuse_helper"] = True
+            weight.meta["fxfuse_info"] = info
+        else:
+            weight = src
+        new = graph.call_function(LINEAR, (x, weight, bias))
+    new.meta.update(at.meta)
+    return new
+
+
+def _is_bias(gm: fx.GraphModule, bias, n: int, w_info: Optional[TensorInfo]) -> bool:
+    info = tensor_info(gm, bias) if isinstance(bias, fx.Node) else None
+    return (info is not None and info.shape == (n,) and w_info is not None and info.dtype == w_info.dtype
+            and (info.device is None or w_info.device is None or info.device == w_info.device))
+
+
+def _rewrite_matmul(gm: fx.GraphModule, node: fx.Node) -> None:
+    x, w_mat = node.args
+    if not isinstance(x, fx.Node) or not isinstance(w_mat, fx.Node):
+        return
+    new = _linear_from(gm, node, x, w_mat, None)
+    if new is not None:
+        log.debug("normalize: %s -> F.linear", node.format_node())
+        _replace(node, new)
+        _drop_if_dead(w_mat)
+
+
+def _rewrite_addmm(gm: fx.GraphModule, node: fx.Node) -> None:
+    if len(node.args) != 3 or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or \
+            set(node.kwargs) - {"beta", "alpha"}:
+        return
+    b, x, w_mat = node.args
+    if not all(isinstance(a, fx.Node) for a in (b, x, w_mat)):
+        return
+    new = _linear_from(gm, node, x, w_mat, b)
+    if new is not None:
+        _replace(node, new)
+        _drop_if_dead(w_mat)
+
+
+def _fold_bias(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``F.linear(x, w) + b`` with ``b`` of shape ``[N]`` -> ``F.linear(x, w, b)``."""
+    lhs, rhs = node.args
+    for lin, bias in ((lhs, rhs), (rhs, lhs)):
+        if isinstance(lin, fx.Node) and is_linear(lin) and lin.args[2] is None and len(lin.users) == 1 \
+                and isinstance(bias, fx.Node):
+            w_info = tensor_info(gm, lin.args[1])
+            if w_info is None or w_info.ndim != 2 or not _is_bias(gm, bias, w_info.shape[0], w_info):
+                continue
+            with node.graph.inserting_before(node):
+                new = node.graph.call_function(LINEAR, (lin.args[0], lin.args[1], bias))
+            new.meta.update(lin.meta)
+            for key in ("val", "example_value", "tensor_meta"):  # the sum's value is the new linear's value
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
+            _replace(node, new)
+            node.graph.erase_node(lin)
+            return
+
+
+def _drop_if_dead(node: fx.Node) -> None:
+    if not node.users and node.op in ("call_function", "call_method") and _transposed_source(node) is not None:
+        node.graph.erase_node(node)

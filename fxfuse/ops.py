@@ -1,0 +1,201 @@
+"""``torch.ops.fxfuse.mlp``: the op every fused region becomes.
+
+Registered with ``torch.library.triton_op`` so torch.compile and torch.export understand it:
+
+* GPU (and the CPU under ``TRITON_INTERPRET=1``): the generated Triton kernels, one per stage
+  (``fxfuse.kernels.run_stage``), launched through ``wrap_triton``.
+* CPU otherwise: the reference composite (the same torch ops the region replaced), so an optimized
+  model runs correctly on a machine without a GPU.
+* Inputs the kernels do not take (float64, mixed dtypes or devices, a shape eager would reject): the
+  reference composite too, logged once per reason, so the result (or the error) is eager's.
+* Fake: the output's shape and dtype, without running anything.
+* Autograd: the vjp of the reference composite, so gradients are always those of the original ops.
+
+Example:
+    >>> import torch, fxfuse.ops
+    >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
+    >>> y = torch.ops.fxfuse.mlp(x, [w1, w2], [None, None], [], "1:relu(a0);1:a0")
+    >>> torch.allclose(y, torch.relu(x @ w1.T) @ w2.T, atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.library import triton_op
+
+from . import epilogue as ep
+from .spec import MLPSpec
+
+__all__ = ["mlp", "reference_mlp", "kernel_fallback_reason"]
+
+log = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_logged_fallbacks: set[str] = set()
+
+
+def expand_biases(biases: Sequence[Tensor], spec: MLPSpec) -> list[Optional[Tensor]]:
+    """The op takes only the biases that exist; put ``None`` back where ``spec`` says there is none."""
+    it = iter(biases)
+    return [next(it) if flag else None for flag in spec.has_bias]
+
+
+def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                  operands: Sequence[Tensor], spec: str) -> Tensor:
+    """What the region computed before fusion, op by op (eager semantics, errors included)."""
+    h = x
+    w = o = 0
+    parsed = MLPSpec.loads(spec)
+    biases = expand_biases(biases, parsed)
+    for stage in parsed.stages:
+        accs = [F.linear(h, weights[w + j], biases[w + j]) for j in range(stage.num_linears)]
+        ops = [t.reshape(-1) for t in operands[o:o + stage.num_operands]]
+        h = ep.evaluate(stage.expr, accs, ops)
+        w += stage.num_linears
+        o += stage.num_operands
+    return h
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                           operands: Sequence[Tensor], spec: str) -> Optional[str]:
+    """Why these inputs must take the reference path, or None when the Triton kernels take them."""
+    parsed = MLPSpec.loads(spec)
+    if len(weights) != parsed.num_linears or len(biases) != sum(parsed.has_bias) \
+            or len(operands) != parsed.num_operands:
+        return "argument counts do not match the spec"
+    biases = expand_biases(biases, parsed)
+    # The interpreter takes plain CPU tensors only: while torch.compile traces (fake/functional
+    # tensors) a CPU region decomposes into the reference ops, which Inductor compiles for the CPU.
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpreting() and type(x) is Tensor):
+        return f"{x.device.type} tensors run the reference ops (the kernels need CUDA)"
+    if x.dtype not in _KERNEL_DTYPES:
+        return f"dtype {x.dtype} is not supported by the kernels"
+    if x.numel() == 0:
+        return "empty input"
+    for t in (*weights, *(b for b in biases if b is not None)):
+        if t.dtype != x.dtype or t.device != x.device:
+            return f"a weight is {t.dtype} on {t.device}, the input {x.dtype} on {x.device}"
+    for t in operands:
+        if t.device != x.device or t.dtype not in (x.dtype, torch.float32):
+            return f"an operand is {t.dtype} on {t.device}, the input {x.dtype} on {x.device}"
+    # Shapes: anything eager would reject goes to the reference, which raises eager's own error.
+    k = x.shape[-1]
+    w = o = 0
+    for stage in parsed.stages:
+        n = weights[w].shape[0]
+        for j in range(stage.num_linears):
+            wt, b = weights[w + j], biases[w + j]
+            if wt.dim() != 2 or wt.shape[1] != k or wt.shape[0] != n or (b is not None and b.shape != (n,)):
+                return "shapes do not chain"
+        for t in operands[o:o + stage.num_operands]:
+            if t.numel() not in (1, n):
+                return "an operand does not broadcast along the last dim"
+        k = n
+        w += stage.num_linears
+        o += stage.num_operands
+    return None
+
+
+def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                 operands: Sequence[Tensor], spec: str) -> Tensor:
+    from .kernels import run_stage
+
+    lead = x.shape[:-1]
+    h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
+    w = o = 0
+    parsed = MLPSpec.loads(spec)
+    biases = expand_biases(biases, parsed)
+    for stage in parsed.stages:
+        ops = [t.reshape(-1) for t in operands[o:o + stage.num_operands]]
+        h = run_stage(h, weights[w:w + stage.num_linears], biases[w:w + stage.num_linears], ops, stage.epilogue)
+        w += stage.num_linears
+        o += stage.num_operands
+    return h.reshape(*lead, h.shape[-1])
+
+
+def _dispatch(x, weights, biases, operands, spec):
+    reason = kernel_fallback_reason(x, weights, biases, operands, spec)
+    if reason is None:
+        return _run_kernels(x, weights, biases, operands, spec)
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
+    return reference_mlp(x, weights, biases, operands, spec)
+
+
+@triton_op("fxfuse::mlp", mutates_args=())
+def mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
+    """A fused MLP region: ``spec`` (see :mod:`fxfuse.spec`) over ``x``.
+
+    ``biases`` holds only the biases that exist, in the order of ``spec``'s bias flags.
+    """
+    return _dispatch(x, weights, biases, operands, spec)
+
+
+@mlp.register_kernel("cpu")
+def _mlp_cpu(x, weights, biases, operands, spec):
+    # Without a GPU the reference ops run, unless the Triton interpreter is on (tests use it to run
+    # the real kernels on the CPU).
+    if not _interpreting():
+        return reference_mlp(x, weights, biases, operands, spec)
+    from torch._library.triton import set_wrap_triton_enabled
+
+    with set_wrap_triton_enabled(False):  # plain tensors: launch directly, as triton_op does on CUDA
+        return _dispatch(x, weights, biases, operands, spec)
+
+
+@mlp.register_fake
+def _mlp_fake(x, weights, biases, operands, spec):
+    return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weights, biases, operands, spec = inputs
+    ctx.spec = spec
+    ctx.sizes = (1, len(weights), len(biases), len(operands))
+    flat = [x, *weights, *biases, *operands]
+    ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
+    ctx.save_for_backward(*flat)
+
+
+def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(flat[start:start + n])
+        start += n
+    return out
+
+
+def _backward(ctx, grad):
+    """Gradients of the reference composite (the original ops), via ``torch.func.vjp``."""
+    flat = list(ctx.saved_tensors)
+    wanted = ctx.wanted  # differentiate only what needs it; the rest is closed over as constants
+
+    def f(*diff):
+        args = list(flat)
+        for i, t in zip(wanted, diff):
+            args[i] = t
+        (x,), weights, biases, operands = _split(args, ctx.sizes)
+        return reference_mlp(x, weights, biases, operands, ctx.spec)
+
+    grads: list[Optional[Tensor]] = [None] * len(flat)
+    if wanted:
+        _, vjp = torch.func.vjp(f, *[flat[i] for i in wanted])
+        for i, g in zip(wanted, vjp(grad)):
+            grads[i] = g
+    (gx,), gw, gb, gops = _split(grads, ctx.sizes)
+    return gx, gw, gb, gops, None
+
+
+mlp.register_autograd(_backward, setup_context=_setup_context)

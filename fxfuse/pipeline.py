@@ -1,0 +1,68 @@
+"""The pass on one graph: shapes → normalize → match/plan → rewrite, with a report.
+
+``fxfuse.optimize`` runs it on each captured graph; the torch.compile backend on Dynamo's graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+from .meta import tensor_info
+from .normalize import normalize
+from .plan import find_regions
+from .report import FusionReport, RegionReport
+from .rewrite import fused_call_args, replace_regions
+
+__all__ = ["fuse_graph"]
+
+log = logging.getLogger(__name__)
+
+
+def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *, prefix: str = "") -> FusionReport:
+    """Fuse every supported chain of ``gm`` in place and say what was done.
+
+    ``example_inputs`` (real tensors) give every node its shape and dtype, so the planner can check
+    more before fusing; without them it decides from the parameters, and the op checks the rest when
+    it runs. ``prefix`` is where ``gm`` stands in the user's model (for the report).
+    """
+    start = time.perf_counter()
+    if example_inputs is not None and not _has_value_meta(gm):
+        _propagate_shapes(gm, example_inputs)
+    normalize(gm)
+    regions, rejections = find_regions(gm)
+    for region in regions:
+        if any(_requires_grad(gm, w) for w in region.weights):
+            region.notes.append("weights require grad: forward fused, backward is the vjp of the original ops")
+    reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix) for r in regions]
+    replace_regions(gm, regions)
+    for rej in rejections:
+        rej.module_path = ".".join(p for p in (prefix, rej.module_path) if p)
+    for r in reports:
+        log.info("fxfuse: fused %s at %s (%s): %s", r.pattern, r.module_path, r.strategy, r.spec)
+    for rej in rejections:
+        log.info("fxfuse: not fused %s at %s: %s", rej.pattern, rej.module_path or "<root>", rej.reason)
+    return FusionReport(regions=reports, rejections=rejections, graphs=1, seconds=time.perf_counter() - start)
+
+
+def _has_value_meta(gm: fx.GraphModule) -> bool:
+    return any("val" in n.meta or "example_value" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> None:
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*example_inputs)
+    except Exception as err:  # shapes are a help, not a requirement
+        log.info("fxfuse: shape propagation failed (%s: %s); planning from parameters only",
+                 type(err).__name__, err)
+
+
+def _requires_grad(gm: fx.GraphModule, node: fx.Node) -> bool:
+    info = tensor_info(gm, node)
+    return bool(info is not None and info.requires_grad)

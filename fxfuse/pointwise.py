@@ -1,0 +1,254 @@
+"""Classify pointwise graph nodes into the epilogue language (:mod:`fxfuse.epilogue`).
+
+Every spelling of an elementwise op (``nn.ReLU``, ``F.relu``, ``x.relu()``, ``torch.relu``, ``x.relu_()``;
+``operator.mul``, ``torch.mul``, ``x.mul(y)``; ``nn.ReLU6`` → two clamps ...) is mapped to a small
+:class:`PointwiseOp`: an epilogue expression whose operands ``v0, v1, ...`` stand for the node's tensor
+inputs ``inputs[0], inputs[1], ...``; python numbers become constants. The cluster builder later
+substitutes these expressions into each other to get the epilogue of a whole pointwise cluster.
+
+Example:
+    >>> import operator, torch
+    >>> g = torch.fx.Graph(); x = g.placeholder("x")
+    >>> n = g.call_function(operator.pow, (g.call_function(torch.relu, (x,)), 2))
+    >>> str(classify(None, n).expr)
+    'pow(v0,2.0)'
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import epilogue as ep
+
+__all__ = ["PointwiseOp", "Unsupported", "classify", "describe", "INPLACE_UNSAFE"]
+
+INPLACE_UNSAFE = "in-place op on a value that is used elsewhere"
+
+
+@dataclass(frozen=True)
+class PointwiseOp:
+    """``expr`` over ``Operand(i)`` = ``inputs[i]`` (a graph node); what one pointwise node computes."""
+
+    expr: ep.Expr
+    inputs: tuple[fx.Node, ...]
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A node that looks pointwise but must not be fused, and why."""
+
+    reason: str
+
+
+_EXPR_TYPES = (ep.Acc, ep.Operand, ep.Const, ep.Call)
+
+
+class _Builder:
+    """Turns node arguments into epilogue leaves, numbering node inputs as operands."""
+
+    def __init__(self):
+        self.inputs: list[fx.Node] = []
+
+    def leaf(self, arg: Any) -> ep.Expr:
+        if isinstance(arg, fx.Node):
+            if arg not in self.inputs:
+                self.inputs.append(arg)
+            return ep.Operand(self.inputs.index(arg))
+        if isinstance(arg, (bool, int, float)):
+            return ep.Const(float(arg))
+        raise TypeError(f"unsupported argument {arg!r}")
+
+    def call(self, op: str, *args: Any) -> ep.Expr:
+        return ep.Call(op, tuple(a if isinstance(a, _EXPR_TYPES) else self.leaf(a) for a in args))
+
+
+_Rule = Callable[[_Builder, Callable[[int, str, Any], Any]], ep.Expr]
+
+
+def _unary(op: str) -> _Rule:
+    return lambda b, arg: b.call(op, arg(0, "input", None))
+
+
+def _binary(op: str, first: str = "input", second: str = "other") -> _Rule:
+    def rule(b, arg):
+        if arg(2, "alpha", 1) != 1 or arg(2, "rounding_mode", None) is not None:
+            raise TypeError("alpha / rounding_mode")
+        return b.call(op, arg(0, first, None), arg(1, second, None))
+    return rule
+
+
+def _gelu(b, arg):
+    approx = arg(1, "approximate", "none")
+    return b.call({"none": "gelu", "tanh": "gelu_tanh"}[approx], arg(0, "input", None))
+
+
+def _clamp(lo: Any, hi: Any, x: Any, b: _Builder) -> ep.Expr:
+    e = b.leaf(x)
+    if lo is not None:
+        e = b.call("clamp_min", e, lo)
+    if hi is not None:
+        e = b.call("clamp_max", e, hi)
+    if lo is None and hi is None:
+        raise TypeError("clamp without bounds")
+    return e
+
+
+_UNARY = ["relu", "sigmoid", "tanh", "neg", "exp", "log", "abs", "sqrt", "rsqrt", "silu"]
+
+# (name of the op as spelled by torch / Tensor methods) -> rule over (builder, arg getter)
+_RULES: dict[str, _Rule] = {name: _unary(name) for name in _UNARY}
+_RULES.update({
+    "negative": _unary("neg"),
+    "gelu": _gelu,
+    "leaky_relu": lambda b, arg: b.call("leaky_relu", arg(0, "input", None), arg(1, "negative_slope", 0.01)),
+    "relu6": lambda b, arg: _clamp(0.0, 6.0, arg(0, "input", None), b),
+    "hardtanh": lambda b, arg: _clamp(arg(1, "min_val", -1.0), arg(2, "max_val", 1.0), arg(0, "input", None), b),
+    "clamp": lambda b, arg: _clamp(arg(1, "min", None), arg(2, "max", None), arg(0, "input", None), b),
+    "clamp_min": lambda b, arg: b.call("clamp_min", arg(0, "input", None), arg(1, "min", None)),
+    "clamp_max": lambda b, arg: b.call("clamp_max", arg(0, "input", None), arg(1, "max", None)),
+    "square": lambda b, arg: b.call("pow", arg(0, "input", None), 2.0),
+    "add": _binary("add"),
+    "sub": _binary("sub"),
+    "subtract": _binary("sub"),
+    "rsub": lambda b, arg: _binary("sub", "other", "input")(b, lambda i, k, d: arg(1 - i if i < 2 else i, k, d)),
+    "mul": _binary("mul"),
+    "multiply": _binary("mul"),
+    "div": _binary("div"),
+    "divide": _binary("div"),
+    "true_divide": _binary("div"),
+    "maximum": _binary("maximum"),
+    "minimum": _binary("minimum"),
+    "pow": _binary("pow", "input", "exponent"),
+})
+_RULES["clip"] = _RULES["clamp"]
+
+# Functional / torch / operator spellings -> rule name. ``torch._C._nn.gelu`` is ``F.gelu``.
+_FUNCTIONS: dict[Any, str] = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.neg: "neg", operator.pow: "pow", operator.abs: "abs",
+    F.relu: "relu", F.gelu: "gelu", F.silu: "silu", F.leaky_relu: "leaky_relu", F.relu6: "relu6",
+    F.hardtanh: "hardtanh", F.sigmoid: "sigmoid", F.tanh: "tanh", torch._C._nn.leaky_relu: "leaky_relu",
+    torch._C._nn.hardtanh: "hardtanh", torch._C._nn.silu: "silu",
+}
+for _name in ["relu", "sigmoid", "tanh", "neg", "negative", "exp", "log", "abs", "sqrt", "rsqrt", "add", "sub",
+              "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide", "maximum", "minimum", "pow",
+              "clamp", "clip", "clamp_min", "clamp_max", "square"]:
+    _FUNCTIONS[getattr(torch, _name)] = _name
+_INPLACE_FUNCTIONS: dict[Any, str] = {torch.relu_: "relu", F.relu_: "relu", torch.sigmoid_: "sigmoid",
+                                      torch.tanh_: "tanh", F.leaky_relu_: "leaky_relu", F.hardtanh_: "hardtanh"}
+
+_MODULES: dict[type, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
+    nn.ReLU: lambda m, x, b: b.call("relu", x),
+    nn.GELU: lambda m, x, b: b.call("gelu_tanh" if m.approximate == "tanh" else "gelu", x),
+    nn.SiLU: lambda m, x, b: b.call("silu", x),
+    nn.Sigmoid: lambda m, x, b: b.call("sigmoid", x),
+    nn.Tanh: lambda m, x, b: b.call("tanh", x),
+    nn.LeakyReLU: lambda m, x, b: b.call("leaky_relu", x, float(m.negative_slope)),
+    nn.ReLU6: lambda m, x, b: _clamp(0.0, 6.0, x, b),
+    nn.Hardtanh: lambda m, x, b: _clamp(float(m.min_val), float(m.max_val), x, b),
+}
+
+_CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "int", "long", "bool"}
+
+
+def describe(node: fx.Node, root: Optional[nn.Module] = None) -> str:
+    """A short human name for what ``node`` calls: ``torch.erfinv``, ``Tensor.float``, ``nn.LayerNorm``."""
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if node.op == "call_module":
+        mod = root.get_submodule(node.target) if root is not None else None
+        return f"nn.{type(mod).__name__}" if mod is not None else f"module {node.target}"
+    if node.op == "call_function":
+        target = node.target
+        module = getattr(target, "__module__", None) or ""
+        name = getattr(target, "__name__", str(target))
+        if module.startswith("torch._C._nn") or module == "torch.nn.functional":
+            return f"F.{name}"
+        if module.startswith("torch") or isinstance(target, torch._ops.OpOverload):
+            return f"torch.{name}" if not isinstance(target, torch._ops.OpOverload) else str(target)
+        return f"{module}.{name}" if module else name
+    return node.op
+
+
+def _arg_getter(node: fx.Node) -> Callable[[int, str, Any], Any]:
+    args, kwargs = node.args, node.kwargs
+
+    def get(index: int, name: str, default: Any) -> Any:
+        if index < len(args):
+            return args[index]
+        return kwargs.get(name, default)
+
+    return get
+
+
+def _inplace_safe(node: fx.Node) -> bool:
+    """An in-place op may be treated as out-of-place when nobody else can see the mutated tensor."""
+    target = node.args[0] if node.args else None
+    return (isinstance(target, fx.Node) and target.op in ("call_function", "call_method", "call_module")
+            and len(target.users) == 1)
+
+
+def classify(root: Optional[nn.Module], node: fx.Node) -> Union[PointwiseOp, Unsupported, None]:
+    """Classify ``node``: a :class:`PointwiseOp`, an :class:`Unsupported` reason, or ``None`` (not pointwise).
+
+    ``root`` is the graph's module (needed for ``call_module`` nodes).
+    """
+    if "out" in node.kwargs:
+        return None
+    value = node.meta.get("val", node.meta.get("example_value"))
+    if value is not None and not isinstance(value, torch.Tensor):
+        return None  # SymInt arithmetic on sizes, not a tensor op
+    b = _Builder()
+    inplace = False
+    try:
+        if node.op == "call_module":
+            mod = root.get_submodule(node.target) if root is not None else None
+            rule = _MODULES.get(type(mod))
+            if rule is None or len(node.args) != 1 or node.kwargs:
+                return None
+            inplace = bool(getattr(mod, "inplace", False))
+            expr = rule(mod, node.args[0], b)
+        elif node.op == "call_function":
+            name = _FUNCTIONS.get(node.target)
+            if name is None:
+                name = _INPLACE_FUNCTIONS.get(node.target)
+                inplace = name is not None
+            if name is None:
+                return None
+            get = _arg_getter(node)
+            if name in ("relu", "silu", "relu6", "hardtanh", "leaky_relu") and node.target in _FUNCTIONS:
+                # F.relu(x, inplace=True) etc.: the flag is the last positional or a keyword
+                n_pos = {"relu": 1, "silu": 1, "relu6": 1, "hardtanh": 3, "leaky_relu": 2}[name]
+                flag = get(n_pos, "inplace", False)
+                inplace = bool(flag) if isinstance(flag, bool) else inplace
+                node_args = node.args[:n_pos]
+                get = lambda i, k, d: node_args[i] if i < len(node_args) else (  # noqa: E731
+                    node.kwargs.get(k, d) if k != "inplace" else d)
+            expr = _RULES[name](b, get)
+        elif node.op == "call_method":
+            target = str(node.target)
+            if target in _CASTS:
+                return Unsupported(f"cast (Tensor.{target}) in the middle")
+            if target.endswith("_") and target[:-1] in _RULES:
+                inplace, target = True, target[:-1]
+            rule = _RULES.get(target)
+            if rule is None:
+                return None
+            expr = rule(b, _arg_getter(node))
+        else:
+            return None
+    except (TypeError, ValueError, KeyError, IndexError):
+        return Unsupported(f"unsupported arguments of {describe(node, root)} in the middle")
+    if not isinstance(expr, ep.Call) or not b.inputs:
+        return None
+    if inplace and not _inplace_safe(node):
+        return Unsupported(INPLACE_UNSAFE)
+    return PointwiseOp(expr, tuple(b.inputs))

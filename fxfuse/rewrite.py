@@ -1,0 +1,75 @@
+"""Rewrite: replace each planned region of the graph with one call to ``torch.ops.fxfuse.mlp``.
+
+Example:
+    >>> regions, rejections = find_regions(gm)      # doctest: +SKIP
+    >>> replace_regions(gm, regions)                # gm now calls torch.ops.fxfuse.mlp
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from . import ops  # noqa: F401  (registers torch.ops.fxfuse.*)
+from .records import FusionRegion
+
+__all__ = ["replace_regions", "fused_call_args"]
+
+log = logging.getLogger(__name__)
+
+# Metadata that describes a node's value: the fused node produces the same value as the region's output.
+_VALUE_META = ("tensor_meta", "val", "example_value", "nn_module_stack", "stack_trace")
+
+
+def fused_call_args(region: FusionRegion) -> tuple:
+    """The arguments of the ``torch.ops.fxfuse.mlp`` call for ``region`` (only existing biases)."""
+    spec = region.spec.with_biases([b is not None for b in region.biases])
+    present = [b for b in region.biases if b is not None]
+    return (region.input, list(region.weights), present, list(region.operands), spec.dumps())
+
+
+def replace_regions(gm: fx.GraphModule, regions: Sequence[FusionRegion]) -> None:
+    """Replace every region in ``gm`` (in place), then ``lint()`` and ``recompile()``."""
+    graph = gm.graph
+    for region in regions:
+        with graph.inserting_before(region.output):
+            if region.replacement is not None:
+                fused = graph.call_function(region.replacement, kwargs=dict(region.replacement_args))
+            else:
+                fused = graph.call_function(torch.ops.fxfuse.mlp.default, fused_call_args(region))
+        for key in _VALUE_META:
+            if key in region.output.meta:
+                fused.meta[key] = region.output.meta[key]
+        fused.meta["fxfuse_region"] = region.pattern
+        region.output.replace_all_uses_with(fused)
+        _erase(graph, region.nodes)
+        log.debug("replaced %s region at %r with %s", region.pattern, region.module_path, fused.format_node())
+    _erase_dead_helpers(graph)
+    graph.lint()
+    gm.recompile()
+
+
+def _erase(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
+    # Users first: walk the region backwards, so each node has no users left when it goes.
+    for node in reversed(list(nodes)):
+        if node.graph is graph and not node.users:
+            graph.erase_node(node)
+        elif node.users:
+            raise RuntimeError(f"fxfuse: region node {node.name} still has users {list(node.users)}")
+
+
+def _erase_dead_helpers(graph: fx.Graph) -> None:
+    """Drop attribute reads and weight transposes that only the replaced ops used."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(graph.nodes):
+            if node.users or node.op not in ("get_attr", "call_method", "call_function"):
+                continue
+            if node.op == "get_attr" or node.target in ("t", torch.t, torch.Tensor.t) or \
+                    node.meta.get("fxfuse_helper"):
+                graph.erase_node(node)
+                changed = True

@@ -1,0 +1,31 @@
+"""Test set-up: on a machine without CUDA, Triton kernels run in the interpreter.
+
+TRITON_INTERPRET must be set before any @triton.jit function is defined, i.e. before fxfuse's
+kernel modules are imported, so it is set here at collection time.
+"""
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Generated kernels go to a fresh cache per session, so tests never read a stale one.
+os.environ.setdefault("FXFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="fxfuse-test-cache-"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

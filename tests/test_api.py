@@ -1,0 +1,217 @@
+"""fxfuse.optimize / register_pattern / report, end to end (kernels in the interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import Block, ControlFlowModel, GatedMLP, GPT2MLP, Stack, nerf_mlp
+from torch import nn
+
+import fxfuse
+
+FUSED_OP = torch.ops.fxfuse.mlp.default
+
+
+def count_fused(module: nn.Module) -> int:
+    """Calls to the fxfuse op in every graph of ``module`` (whole-model or per-submodule capture)."""
+    return sum(
+        1
+        for m in module.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+        if n.op == "call_function" and n.target is FUSED_OP
+    )
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_same_function(model, fast, x, tol=1e-5):
+    with torch.no_grad():
+        ref = copy.deepcopy(model).double()(x.double())
+        out = fast(x)
+    assert out.dtype == x.dtype
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize(
+    "make_model,regions",
+    [
+        (lambda: GPT2MLP(), 1),
+        (lambda: GatedMLP(act="silu"), 1),
+        (lambda: GatedMLP(act="gelu", up_first=True), 1),
+        (lambda: nerf_mlp(), 1),
+        (lambda: Block(), 1),
+    ],
+)
+def test_optimize_fuses_and_matches_eager(make_model, regions):
+    model = make_model().eval()
+    x = torch.randn(2, 5, model_in(model))
+    fast = fxfuse.optimize(model)
+    assert count_fused(fast) == regions
+    check_same_function(model, fast, x)
+    # A second input shape runs without re-optimizing (no tracing on the forward path).
+    check_same_function(model, fast, torch.randn(7, model_in(model)))
+
+
+def model_in(model: nn.Module) -> int:
+    return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+
+
+def test_model_is_not_modified_params_shared_state_dict_same():
+    model = Stack(blocks=2).eval()
+    before = {k: v for k, v in model.state_dict().items()}
+    modules_before = dict(model.named_modules())
+    fast = fxfuse.optimize(model)
+    assert count_fused(fast) == 2
+    # The original is untouched: same modules, same forward, same state.
+    assert dict(model.named_modules()) == modules_before
+    assert type(model).forward is Stack.forward
+    after = model.state_dict()
+    assert list(after) == list(before) and all(after[k] is before[k] or after[k].equal(before[k]) for k in before)
+    # The optimized module has the same state_dict keys, backed by the same storage.
+    fast_sd = fast.state_dict()
+    assert list(fast_sd) == list(before)
+    assert all(fast_sd[k].data_ptr() == before[k].data_ptr() for k in before)
+    assert {id(p) for p in fast.parameters()} == {id(p) for p in model.parameters()}
+    fast.load_state_dict(model.state_dict())
+
+
+def test_control_flow_outside_the_mlp_falls_back_to_submodules():
+    model = ControlFlowModel().eval()
+    fast = fxfuse.optimize(model, example_inputs=(torch.randn(3, 32),))
+    report = fxfuse.report(fast)
+    assert [f.module_path for f in report.capture_failures] == [""]
+    assert [r.module_path for r in report.regions] == ["mlp"]
+    assert isinstance(fast, ControlFlowModel) and fast is not model
+    assert isinstance(model.mlp, GPT2MLP)  # the original keeps its own submodule
+    assert count_fused(fast) == 1
+    for sign in (1, -1):  # both sides of the branch
+        check_same_function(model, fast, sign * (torch.rand(3, 32) + 0.1))
+    assert "whole model" in str(report)
+
+
+def test_report_lists_fused_and_unfused_with_reasons():
+    class TwoMLPs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.good = GPT2MLP()
+            self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            return self.good(x) + self.fc2(h) + h.sum(-1, keepdim=True)  # h used twice
+
+    fast = fxfuse.optimize(TwoMLPs().eval())
+    report = fxfuse.report(fast)
+    assert [(r.module_path, r.strategy) for r in report.regions] == [("good", "gemm_epilogue")]
+    assert len(report.rejections) >= 1
+    assert any("used" in r.reason for r in report.rejections)
+    text = str(report)
+    assert "good" in text and "not fused" in text
+
+
+def test_negative_cases_stay_unfused_and_correct(caplog):
+    class Unsupported(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc2(torch.erfinv(torch.tanh(self.fc1(x)) * 0.5))
+
+    model = Unsupported().eval()
+    with caplog.at_level(logging.DEBUG, logger="fxfuse"):
+        fast = fxfuse.optimize(model)
+    assert count_fused(fast) == 0
+    assert any("erfinv" in r.reason for r in fxfuse.report(fast).rejections)
+    assert any("erfinv" in r.getMessage() for r in caplog.records)  # the matcher says why (TORCH_LOGS=+fxfuse)
+    check_same_function(model, fast, torch.randn(4, 16))
+    model64 = GPT2MLP().double().eval()
+    fast64 = fxfuse.optimize(model64)
+    assert count_fused(fast64) == 0
+    assert any("float64" in r.reason for r in fxfuse.report(fast64).rejections)
+    x = torch.randn(3, 32, dtype=torch.float64)
+    torch.testing.assert_close(fast64(x), model64(x))
+
+
+def test_user_pattern_with_generated_epilogue_and_with_replacement():
+    class ScaledMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(24, 40), nn.Linear(40, 24)
+            self.scale = nn.Parameter(torch.rand(40) + 0.5)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+
+    def relu_scale(x, w1, b1, scale, w2, b2):
+        return F.linear(torch.relu(F.linear(x, w1, b1)) * scale, w2, b2)
+
+    model = ScaledMLP().eval()
+    x = torch.randn(6, 24)
+    fxfuse.register_pattern(relu_scale, name="relu_scale")
+    try:
+        fast = fxfuse.optimize(model)
+        assert [r.pattern for r in fxfuse.report(fast).regions] == ["relu_scale"]
+        assert count_fused(fast) == 1
+        check_same_function(model, fast, x)
+    finally:
+        fxfuse.unregister_pattern("relu_scale")
+
+    calls = []
+
+    def my_impl(x, w1, b1, scale, w2, b2):
+        calls.append(x.shape)
+        return F.linear(torch.relu(F.linear(x, w1, b1)) * scale, w2, b2)
+
+    fxfuse.register_pattern(relu_scale, name="relu_scale_custom", replacement=my_impl)
+    try:
+        fast = fxfuse.optimize(model)
+        assert fxfuse.report(fast).regions[0].strategy == "user replacement"
+        check_same_function(model, fast, x)
+        assert calls == [x.shape]
+    finally:
+        fxfuse.unregister_pattern("relu_scale_custom")
+
+
+def test_training_gradients_match_eager():
+    model = GatedMLP().train()
+    fast = fxfuse.optimize(model)
+    assert count_fused(fast) == 1
+    assert any("grad" in n for r in fxfuse.report(fast).regions for n in r.notes)
+    x = torch.randn(4, 32, requires_grad=True)
+    ref_model = copy.deepcopy(model)
+    x_ref = x.detach().clone().requires_grad_(True)
+    fast(x).square().sum().backward()
+    ref_model(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_optimize_is_fast_on_a_12_block_model():
+    model = Stack(blocks=12).eval()
+    fxfuse.optimize(model)  # warm: pattern graphs traced once per process
+    start = time.perf_counter()
+    fast = fxfuse.optimize(model)
+    elapsed = time.perf_counter() - start
+    assert count_fused(fast) == 12
+    assert elapsed < 1.0, f"optimize took {elapsed:.2f}s"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_optimize_on_gpu(dtype):
+    for model in (GPT2MLP(256, 1024), GatedMLP(256, 768), nerf_mlp((32, 64, 64, 64, 16)), Stack(2, 64, 256)):
+        model = model.cuda().to(dtype).eval()
+        x = torch.randn(4, 33, model_in(model), device="cuda", dtype=dtype)
+        fast = fxfuse.optimize(model, example_inputs=(x,))
+        assert count_fused(fast) >= 1
+        check_same_function(model, fast, x, tol=1e-4 if dtype == torch.float32 else 2e-2)
