@@ -24,7 +24,7 @@ What it does, in order:
    11–43 s per module, too slow for all 9 rows inside one 10-minute call. They therefore run AFTER every
    row's main numbers are in, in priority order (the rows with a reference figure first; llama_swiglu_4096 last),
    and a new compile starts only while the total max-autotune compile time is under ``--max-autotune-budget``
-   seconds (default 200) and the elapsed run time is under ``--deadline`` seconds (default 480).
+   seconds (default 180) and the elapsed run time is under ``--deadline`` seconds (default 480).
    Rows not reached show "skip" and say why in results.json. ``--skip-max-autotune`` turns the pass off;
    ``--max-autotune-rows a,b`` picks (and orders) the rows explicitly.
 
@@ -48,6 +48,8 @@ import argparse
 import copy
 import datetime
 import gc
+import importlib.abc
+import importlib.util
 import json
 import math
 import os
@@ -91,6 +93,41 @@ T_START = time.perf_counter()
 
 def elapsed() -> float:
     return time.perf_counter() - T_START
+
+
+# --------------------------------------------------------------------------------------------- import
+
+
+class _PatternsFinder(importlib.abc.MetaPathFinder):
+    """Maps ``fxfuse.patterns`` to the repo's top-level ``patterns/`` folder when fxfuse is not installed.
+
+    pyproject.toml ships ``patterns/`` as ``fxfuse.patterns`` (setuptools package-dir); an installed or
+    editable fxfuse resolves it itself. This finder sits LAST on ``sys.meta_path``, so it is used only when
+    nothing else finds the name (running from a bare checkout, e.g. on the GPU machine without pip install).
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "fxfuse.patterns":
+            return None
+        folder = REPO / "patterns"
+        init = folder / "__init__.py"
+        if not init.is_file():
+            return None
+        return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+
+
+def import_fxfuse():
+    """(module, None) or (None, reason)."""
+    if not any(isinstance(f, _PatternsFinder) for f in sys.meta_path):
+        sys.meta_path.append(_PatternsFinder())
+    try:
+        import fxfuse as fx
+    except Exception as e:
+        return None, short_err(e)[5:]
+    for attr in ("optimize", "report"):
+        if not hasattr(fx, attr):
+            return None, f"fxfuse has no '{attr}'"
+    return fx, None
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -728,8 +765,8 @@ def parse_args(argv=None):
     p.add_argument("--max-autotune-rows", default="",
                    help="comma-separated rows (in this order) for the max-autotune pass; default: all selected rows "
                         "in priority order " + ",".join(MAX_AUTOTUNE_ORDER))
-    p.add_argument("--max-autotune-budget", type=float, default=200.0,
-                   help="no new max-autotune compile starts once this many seconds were spent on them (default 200)")
+    p.add_argument("--max-autotune-budget", type=float, default=180.0,
+                   help="no new max-autotune compile starts once this many seconds were spent on them (default 180)")
     p.add_argument("--deadline", type=float, default=480.0,
                    help="no max-autotune compile starts after this many seconds of run time, and no new row after "
                         "deadline+60 s (default 480)")
@@ -770,17 +807,7 @@ def main(argv=None) -> int:
     env = env_info(args)
     print(f"fxfuse workload benchmark — {env.get('gpu')}; torch {env['torch']}, triton {env['triton']}, "
           f"python {env['python']}; out={out}")
-    try:
-        import fxfuse as fx
-
-        fx_err = None
-        for attr in ("optimize", "report"):
-            if not hasattr(fx, attr):
-                fx_err = f"fxfuse has no '{attr}'"
-        if fx_err:
-            fx = None
-    except Exception as e:
-        fx, fx_err = None, short_err(e)[5:]
+    fx, fx_err = import_fxfuse()
     print(f"fxfuse: {'imported from ' + str(getattr(fx, '__file__', '?')) if fx else 'UNAVAILABLE: ' + str(fx_err)}")
 
     timer = Timer(args.warmup, args.rep, args.cpu_smoke)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import nn

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,7 @@ class Const:
 @dataclass(frozen=True)
 class Call:
     op: str
-    args: tuple["Expr", ...]
+    args: tuple[Expr, ...]
 
     def __post_init__(self):
         opdef = OPS.get(self.op)

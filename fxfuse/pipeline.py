@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -36,9 +37,10 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
         _propagate_shapes(gm, example_inputs)
     normalize(gm)
     regions, rejections = find_regions(gm)
-    for region in regions:
-        if any(_requires_grad(gm, w) for w in region.weights):
-            region.notes.append("weights require grad: forward fused, backward is the vjp of the original ops")
+    if gm.training:
+        for region in regions:
+            if any(_requires_grad(gm, w) for w in region.weights):
+                region.notes.append("training: forward fused, backward is the vjp of the original ops")
     reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix) for r in regions]
     replace_regions(gm, regions)
     for rej in rejections:

@@ -21,7 +21,7 @@ class RegionReport:
     notes: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_region(cls, region: FusionRegion, spec: str, prefix: str = "") -> "RegionReport":
+    def from_region(cls, region: FusionRegion, spec: str, prefix: str = "") -> RegionReport:
         path = ".".join(p for p in (prefix, region.module_path) if p)
         strategy = "user replacement" if region.replacement is not None else region.strategy
         return cls(path or "<root>", region.pattern, spec, strategy, list(region.notes))
@@ -44,7 +44,7 @@ class FusionReport:
     def num_fused(self) -> int:
         return len(self.regions)
 
-    def extend(self, other: "FusionReport") -> None:
+    def extend(self, other: FusionReport) -> None:
         self.regions += other.regions
         self.rejections += other.rejections
         self.capture_failures += other.capture_failures

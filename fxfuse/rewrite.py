@@ -8,7 +8,8 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -24,22 +25,31 @@ log = logging.getLogger(__name__)
 _VALUE_META = ("tensor_meta", "val", "example_value", "nn_module_stack", "stack_trace")
 
 
-def fused_call_args(region: FusionRegion) -> tuple:
-    """The arguments of the ``torch.ops.fxfuse.mlp`` call for ``region`` (only existing biases)."""
+def fused_call_args(region: FusionRegion, renamed: Optional[dict[fx.Node, fx.Node]] = None) -> tuple:
+    """The arguments of the ``torch.ops.fxfuse.mlp`` call for ``region`` (only existing biases).
+
+    ``renamed`` maps the outputs of regions already replaced to their fused nodes (one region may
+    feed the next).
+    """
+    get = (lambda n: renamed.get(n, n)) if renamed else (lambda n: n)
     spec = region.spec.with_biases([b is not None for b in region.biases])
-    present = [b for b in region.biases if b is not None]
-    return (region.input, list(region.weights), present, list(region.operands), spec.dumps())
+    present = [get(b) for b in region.biases if b is not None]
+    return (get(region.input), [get(w) for w in region.weights], present, [get(o) for o in region.operands],
+            spec.dumps())
 
 
 def replace_regions(gm: fx.GraphModule, regions: Sequence[FusionRegion]) -> None:
     """Replace every region in ``gm`` (in place), then ``lint()`` and ``recompile()``."""
     graph = gm.graph
+    renamed: dict[fx.Node, fx.Node] = {}
     for region in regions:
         with graph.inserting_before(region.output):
             if region.replacement is not None:
-                fused = graph.call_function(region.replacement, kwargs=dict(region.replacement_args))
+                kwargs = {k: renamed.get(v, v) for k, v in region.replacement_args.items()}
+                fused = graph.call_function(region.replacement, kwargs=kwargs)
             else:
-                fused = graph.call_function(torch.ops.fxfuse.mlp.default, fused_call_args(region))
+                fused = graph.call_function(torch.ops.fxfuse.mlp.default, fused_call_args(region, renamed))
+        renamed[region.output] = fused
         for key in _VALUE_META:
             if key in region.output.meta:
                 fused.meta[key] = region.output.meta[key]

@@ -86,7 +86,7 @@ class MLPSpec:
     def has_bias(self) -> tuple[bool, ...]:
         return tuple(b for s in self.stages for b in s.has_bias)
 
-    def with_biases(self, flags) -> "MLPSpec":
+    def with_biases(self, flags) -> MLPSpec:
         """The same stages with these bias flags (one per linear, in order)."""
         flags = list(flags)
         stages = []
@@ -101,8 +101,8 @@ class MLPSpec:
         )
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def loads(text: str) -> "MLPSpec":
+    @functools.cache
+    def loads(text: str) -> MLPSpec:
         """Parse ``dumps()`` output (cached: the forward path calls this with the same few strings)."""
         stages = []
         for part in text.split(";"):

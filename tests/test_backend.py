@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from models import GatedMLP, GPT2MLP
+from models import GPT2MLP, GatedMLP
 
 import fxfuse
 
