@@ -21,10 +21,11 @@ What it does, in order:
    * ``fxfuse.report(opt)`` printed to the log (regions, strategies).
    Eager is timed a second time at the end of the row: the spread between the two is the run's noise.
 3. Pass 2 (max-autotune, bounded): ``torch.compile(mod, mode="max-autotune-no-cudagraphs")`` compiles take
-   11–43 s per module, too slow for all 9 rows inside one 10-minute call. They therefore run AFTER every
-   row's main numbers are in, in priority order (the rows with a reference figure first; llama_swiglu_4096 last),
-   and a new compile starts only while the total max-autotune compile time is under ``--max-autotune-budget``
-   seconds (default 180) and the elapsed run time is under ``--deadline`` seconds (default 480).
+   14–46 s per module (≈ 205 s for all 9 on a fresh H200, 2026-11-21), the bulk of the run. They therefore run
+   AFTER every row's main numbers are in, in priority order (the rows with a reference figure first;
+   llama_swiglu_4096 last), and a new compile starts only while the total max-autotune compile time is under
+   ``--max-autotune-budget`` seconds (default 240: all 9 fit as measured) and the elapsed run time is under
+   ``--deadline`` seconds (default 480), so one slow fxfuse or compile cannot push the run past 10 minutes.
    Rows not reached show "skip" and say why in results.json. ``--skip-max-autotune`` turns the pass off;
    ``--max-autotune-rows a,b`` picks (and orders) the rows explicitly.
 
@@ -32,8 +33,8 @@ Every variant is guarded: a failure prints ``ERR: <short message>`` in its cell 
 (a CUDA fault that poisons the context cannot be recovered in-process, though: later cells then fail too).
 ``torch._dynamo.reset()`` runs between compiled variants and memory is cleared between rows.
 results.md / results.json / log.txt under ``--out`` are rewritten after every row, so a run cut short still
-leaves every finished row behind. Budget on an H200: ~2–3 min for pass 1 (depends on fxfuse's own
-optimize time), then up to ``--max-autotune-budget`` seconds of max-autotune.
+leaves every finished row behind. Measured on an H200 (2026-11-21): pass 1 ≈ 90 s (fxfuse first call 3–10 s
+per row), pass 2 ≈ 210 s: ≈ 5 min in all; ``--skip-max-autotune`` ≈ 1.5 min.
 
 Without a GPU the script exits with a message, except with ``--dry-run``: builds every module on the CPU,
 counts FLOPs/bytes from the modules (cross-checked against the table's dims), runs each module and its float64
@@ -646,6 +647,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
              f"fxfuse (>1 is faster). rel err = ‖fxfuse − ref‖/‖ref‖ vs float64 on a fresh input (tol {TOL:g}).")
     L.append(f"- Wall (decode rows) = µs per call of {DECODE_CALLS} back-to-back calls, synchronized before and after "
              f"(median of {DECODE_LOOPS} loops), as eager / CUDA-graph replay / compile default / fxfuse.")
+    L.append("- Rows whose kernels take only a few µs (gpt2m_mlp_*) are host-bound even under do_bench: a GPU median "
+             "there can include launch gaps (compare 'eager spread' below, the CUDA-graph column and the wall column).")
     L.append(f"- Command: `{env['argv']}`")
     L.append("")
     hdr = ["name", "floor", "eager", "CUDA-graph eager", "compile default", "compile max-autotune", "fxfuse",
@@ -765,8 +768,8 @@ def parse_args(argv=None):
     p.add_argument("--max-autotune-rows", default="",
                    help="comma-separated rows (in this order) for the max-autotune pass; default: all selected rows "
                         "in priority order " + ",".join(MAX_AUTOTUNE_ORDER))
-    p.add_argument("--max-autotune-budget", type=float, default=180.0,
-                   help="no new max-autotune compile starts once this many seconds were spent on them (default 180)")
+    p.add_argument("--max-autotune-budget", type=float, default=240.0,
+                   help="no new max-autotune compile starts once this many seconds were spent on them (default 240)")
     p.add_argument("--deadline", type=float, default=480.0,
                    help="no max-autotune compile starts after this many seconds of run time, and no new row after "
                         "deadline+60 s (default 480)")
@@ -787,6 +790,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Inference: every variant (eager, compile, fxfuse) runs without autograd recording.
+    torch.set_grad_enabled(False)
     torch.set_grad_enabled(False)
     selected = [w for w in WORKLOADS if not args.only or w.name in args.only]
     if args.dry_run:

@@ -21,8 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Optional
 
@@ -68,37 +70,58 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@dataclass(frozen=True)
+class _StagePlan:
+    num_linears: int
+    epilogue: str
+    num_operands: int
+    has_bias: tuple[bool, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
+    """Everything the forward needs from ``spec``, parsed once: (stages, #weights, #biases, #operands)."""
+    parsed = MLPSpec.loads(spec)
+    stages = tuple(_StagePlan(s.num_linears, s.epilogue, s.num_operands, s.has_bias) for s in parsed.stages)
+    return stages, parsed.num_linears, sum(parsed.has_bias), parsed.num_operands
+
+
 def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
                            operands: Sequence[Tensor], spec: str) -> Optional[str]:
-    """Why these inputs must take the reference path, or None when the Triton kernels take them."""
-    parsed = MLPSpec.loads(spec)
-    if len(weights) != parsed.num_linears or len(biases) != sum(parsed.has_bias) \
-            or len(operands) != parsed.num_operands:
+    """Why these inputs must take the reference path, or None when the Triton kernels take them.
+
+    Runs on every forward: plain attribute checks only.
+    """
+    stages, n_weights, n_biases, n_operands = _plan(spec)
+    if len(weights) != n_weights or len(biases) != n_biases or len(operands) != n_operands:
         return "argument counts do not match the spec"
-    biases = expand_biases(biases, parsed)
+    device, dtype = x.device, x.dtype
     # The interpreter takes plain CPU tensors only: while torch.compile traces (fake/functional
     # tensors) a CPU region decomposes into the reference ops, which Inductor compiles for the CPU.
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and _interpreting() and type(x) is Tensor):
-        return f"{x.device.type} tensors run the reference ops (the kernels need CUDA)"
-    if x.dtype not in _KERNEL_DTYPES:
-        return f"dtype {x.dtype} is not supported by the kernels"
-    if x.numel() == 0:
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreting() and type(x) is Tensor):
+        return f"{device.type} tensors run the reference ops (the kernels need CUDA)"
+    if dtype not in _KERNEL_DTYPES:
+        return f"dtype {dtype} is not supported by the kernels"
+    if x.numel() == 0 or x.dim() == 0:
         return "empty input"
-    for t in (*weights, *(b for b in biases if b is not None)):
-        if t.dtype != x.dtype or t.device != x.device:
-            return f"a weight is {t.dtype} on {t.device}, the input {x.dtype} on {x.device}"
+    for t in (*weights, *biases):
+        if t.dtype != dtype or t.device != device:
+            return f"a weight is {t.dtype} on {t.device}, the input {dtype} on {device}"
     for t in operands:
-        if t.device != x.device or t.dtype not in (x.dtype, torch.float32):
-            return f"an operand is {t.dtype} on {t.device}, the input {x.dtype} on {x.device}"
+        if t.device != device or t.dtype not in (dtype, torch.float32):
+            return f"an operand is {t.dtype} on {t.device}, the input {dtype} on {device}"
     # Shapes: anything eager would reject goes to the reference, which raises eager's own error.
     k = x.shape[-1]
-    w = o = 0
-    for stage in parsed.stages:
+    w = b = o = 0
+    for stage in stages:
         n = weights[w].shape[0]
         for j in range(stage.num_linears):
-            wt, b = weights[w + j], biases[w + j]
-            if wt.dim() != 2 or wt.shape[1] != k or wt.shape[0] != n or (b is not None and b.shape != (n,)):
+            if weights[w + j].shape != (n, k):
                 return "shapes do not chain"
+            if stage.has_bias[j]:
+                if biases[b].shape != (n,):
+                    return "shapes do not chain"
+                b += 1
         for t in operands[o:o + stage.num_operands]:
             if t.numel() not in (1, n):
                 return "an operand does not broadcast along the last dim"
@@ -114,12 +137,14 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
 
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
-    w = o = 0
-    parsed = MLPSpec.loads(spec)
-    biases = expand_biases(biases, parsed)
-    for stage in parsed.stages:
+    w = b = o = 0
+    for stage in _plan(spec)[0]:
+        stage_biases = []
+        for flag in stage.has_bias:
+            stage_biases.append(biases[b] if flag else None)
+            b += flag
         ops = [t.reshape(-1) for t in operands[o:o + stage.num_operands]]
-        h = run_stage(h, weights[w:w + stage.num_linears], biases[w:w + stage.num_linears], ops, stage.epilogue)
+        h = run_stage(h, weights[w:w + stage.num_linears], stage_biases, ops, stage.epilogue, check=False)
         w += stage.num_linears
         o += stage.num_operands
     return h.reshape(*lead, h.shape[-1])

@@ -112,7 +112,7 @@ def _torch_stage(x, weights, biases, operands, expr) -> torch.Tensor:
     return ep.evaluate(expr, accs, [v.float().reshape(-1) for v in operands]).to(x.dtype).contiguous()
 
 
-def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str) -> torch.Tensor:
+def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str, *, check: bool = True) -> torch.Tensor:
     """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` in one generated Triton kernel.
 
     Args:
@@ -123,6 +123,8 @@ def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str) -> torc
         operands: 1-D tensors of N elements, or single elements (broadcast), named ``v0, v1, ...`` in the
             epilogue; same dtype as x or fp32.
         epilogue: canonical epilogue text (:mod:`fxfuse.epilogue`) over ``a0[, a1]`` and the operands.
+        check: validate the arguments first. ``torch.ops.fxfuse.mlp`` checks them once per call itself
+            and passes False: this runs on every forward.
 
     Returns:
         A new contiguous ``[M, N]`` tensor with x's dtype (fp32, fp16 or bf16).
@@ -139,12 +141,13 @@ def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str) -> torc
         >>> run_stage(x, [w], [None], [], "gelu_tanh(a0)").shape  # doctest: +SKIP
         torch.Size([8, 64])
     """
-    weights, biases, operands = list(weights), list(biases), list(operands)
-    expr = _parse(epilogue)
-    M, N, K = _validate(x, weights, biases, operands, expr)
+    if check:
+        M, N, K = _validate(x, weights, biases, operands, _parse(epilogue))
+    else:
+        (M, K), N = x.shape, weights[0].shape[0]
     kernel = codegen.generated_kernel(len(weights), epilogue).fused_stage_kernel
-    if _traced_in_interpreter(x):
-        return _torch_stage(x, weights, biases, operands, expr)
+    if _interpreting() and _traced_in_interpreter(x):
+        return _torch_stage(x, weights, biases, operands, _parse(epilogue))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
