@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -78,7 +78,7 @@ class _StagePlan:
     has_bias: tuple[bool, ...]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
     """Everything the forward needs from ``spec``, parsed once: (stages, #weights, #biases, #operands)."""
     parsed = MLPSpec.loads(spec)
