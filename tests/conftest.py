@@ -13,6 +13,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # GPU tests check correctness on many shapes: one heuristic config each instead of autotuning.
+    os.environ.setdefault("FXFUSE_AUTOTUNE", "0")
 # Generated kernels go to a fresh cache per session, so tests never read a stale one.
 os.environ.setdefault("FXFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="fxfuse-test-cache-"))
 

@@ -1,0 +1,157 @@
+"""Where does fxfuse's time go? Host overhead of the forward path and per-stage kernel speed vs cuBLAS.
+
+    python3 benchmarks/probe.py --out DIR
+
+1. Host path: wall µs/call of 200 back-to-back calls (eager vs fxfuse) and the GPU-only time of the same
+   call replayed from a CUDA graph (no host cost), plus a cProfile of the fxfuse forward (top functions).
+2. Kernels: each stage of the large-M workloads through ``run_stage`` vs the eager ops (cuBLAS GEMM +
+   pointwise), with the autotuner's timing of every config it tried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import fxfuse  # noqa: E402
+from fxfuse.kernels import run_stage  # noqa: E402
+
+
+def wall_us(fn, x, n=200):
+    fn(x)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn(x)
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def graph_us(fn, x, n=50):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn(x)
+    from triton.testing import do_bench
+
+    return do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3 / n
+
+
+def bench_us(fn):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d, h, bias=True, act="gelu_tanh", gated=False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, h, bias=bias)
+        self.up = torch.nn.Linear(d, h, bias=bias) if gated else None
+        self.fc2 = torch.nn.Linear(h, d, bias=bias)
+        self.act = act
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = F.gelu(h, approximate="tanh") if self.act == "gelu_tanh" else F.silu(h)
+        if self.up is not None:
+            h = h * self.up(x)
+        return self.fc2(h)
+
+
+def host_section(out):
+    dt = torch.bfloat16
+    for name, mod, m in [("gpt2m_m1", MLP(1024, 4096), 1), ("swiglu_m16", MLP(4096, 14336, False, "silu", True), 16),
+                         ("gpt2_8192", MLP(768, 3072), 8192)]:
+        mod = mod.cuda().to(dt).eval()
+        x = torch.randn(m, mod.fc1.in_features, device="cuda", dtype=dt)
+        opt = fxfuse.optimize(mod, example_inputs=(x,))
+        opt(x)
+        line = (f"{name}: wall/call eager {wall_us(mod, x):.1f} us, fxfuse {wall_us(opt, x):.1f} us | "
+                f"graph-replay GPU eager {graph_us(mod, x):.1f} us, fxfuse {graph_us(opt, x):.1f} us | "
+                f"do_bench eager {bench_us(lambda: mod(x)):.1f}, fxfuse {bench_us(lambda: opt(x)):.1f}")
+        print(line)
+        out.write(line + "\n")
+        if m == 1:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                opt(x)
+            torch.cuda.synchronize()
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+            out.write(s.getvalue())
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(40)
+            out.write(s.getvalue())
+
+
+def kernel_section(out):
+    dt = torch.bfloat16
+    cases = [
+        # (name, M, K, N, gated, epilogue, bias)
+        ("gpt2 fc1+gelu", 8192, 768, 3072, False, "gelu_tanh(a0)", True),
+        ("gpt2 fc2", 8192, 3072, 768, False, "a0", True),
+        ("geglu gate/up", 8192, 768, 3072, True, "mul(a0,gelu_tanh(a1))", False),
+        ("geglu down", 8192, 3072, 768, False, "a0", False),
+        ("llama gate/up", 4096, 4096, 14336, True, "mul(a0,silu(a1))", False),
+        ("llama down", 4096, 14336, 4096, False, "a0", False),
+        ("gpt2m m1 fc1", 1, 1024, 4096, False, "gelu_tanh(a0)", True),
+        ("llama m16 gate/up", 16, 4096, 14336, True, "mul(a0,silu(a1))", False),
+    ]
+    from fxfuse import codegen
+    from fxfuse.epilogue import evaluate, parse
+
+    for name, m, k, n, gated, epi, bias in cases:
+        x = torch.randn(m, k, device="cuda", dtype=dt)
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) / k**0.5 for _ in range(2 if gated else 1)]
+        bs = [torch.randn(n, device="cuda", dtype=dt) if bias else None for _ in ws]
+        expr = parse(epi)
+        fused = lambda: run_stage(x, ws, bs, [], epi)  # noqa: E731
+        eager = lambda: evaluate(expr, [F.linear(x, w, b) for w, b in zip(ws, bs)], [])  # noqa: E731
+        fused()
+        tf, te = bench_us(fused), bench_us(eager)
+        kern = codegen.generated_kernel(len(ws), epi).fused_stage_kernel
+        flops = 2 * m * k * n * len(ws)
+        line = (f"{name:18s} M={m} K={k} N={n}: fxfuse {tf:8.1f} us ({flops / tf / 1e6:5.0f} TFLOP/s), "
+                f"eager {te:8.1f} us ({flops / te / 1e6:5.0f}) best={kern.best_config}")
+        print(line)
+        out.write(line + "\n")
+        for cfg, t in sorted(getattr(kern, "configs_timings", {}).items(), key=lambda kv: kv[1]):
+            out.write(f"     {t[0] * 1e3 if isinstance(t, list) else t * 1e3:8.1f} us  {cfg}\n")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/probe")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.set_grad_enabled(False)
+    with open(os.path.join(args.out, "probe.txt"), "w") as out:
+        host_section(out)
+        kernel_section(out)
+
+
+if __name__ == "__main__":
+    main()
