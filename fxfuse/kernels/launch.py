@@ -13,6 +13,7 @@ import logging
 import torch
 import triton
 from torch.library import wrap_triton
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen  # module import: codegen imports .template, which runs this package
 from .. import epilogue as ep
@@ -100,7 +101,6 @@ def _traced_in_interpreter(x: torch.Tensor) -> bool:
     pass-through, so tracing (FakeTensor, make_fx, AOTAutograd) must not reach the interpreter.
     """
     from torch._subclasses.fake_tensor import is_fake
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _interpreting() and (is_fake(x) or _get_current_dispatch_mode() is not None)
 
@@ -189,5 +189,13 @@ def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str, *, chec
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    wrap_triton(kernel)[grid](**args)
+    # Inside torch.ops.fxfuse.mlp (triton_op) eager calls launch directly; a tracer (FakeTensor,
+    # FunctionalTensor, make_fx) gets a wrap_triton node. Called outside the op, wrap_triton would
+    # route plain eager launches through the slow higher-order-op path: launch directly then too.
+    launcher = wrap_triton(kernel) if _tracing(x) else kernel
+    launcher[grid](**args)
     return out
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    return type(x) not in (torch.Tensor, torch.nn.Parameter) or _get_current_dispatch_mode() is not None
