@@ -57,10 +57,10 @@ def graph_us(fn, x, n=50):
     return do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3 / n
 
 
-def bench_us(fn):
+def bench_us(fn, *args):
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median") * 1e3
 
 
 class MLP(torch.nn.Module):
@@ -89,7 +89,7 @@ def host_section(out):
         opt(x)
         line = (f"{name}: wall/call eager {wall_us(mod, x):.1f} us, fxfuse {wall_us(opt, x):.1f} us | "
                 f"graph-replay GPU eager {graph_us(mod, x):.1f} us, fxfuse {graph_us(opt, x):.1f} us | "
-                f"do_bench eager {bench_us(lambda: mod(x)):.1f}, fxfuse {bench_us(lambda: opt(x)):.1f}")
+                f"do_bench eager {bench_us(mod, x):.1f}, fxfuse {bench_us(opt, x):.1f}")
         print(line)
         out.write(line + "\n")
         if m == 1:
@@ -128,14 +128,19 @@ def kernel_section(out):
         ws = [torch.randn(n, k, device="cuda", dtype=dt) / k**0.5 for _ in range(2 if gated else 1)]
         bs = [torch.randn(n, device="cuda", dtype=dt) if bias else None for _ in ws]
         expr = parse(epi)
-        fused = lambda: run_stage(x, ws, bs, [], epi)  # noqa: E731
-        eager = lambda: evaluate(expr, [F.linear(x, w, b) for w, b in zip(ws, bs)], [])  # noqa: E731
-        fused()
-        tf, te = bench_us(fused), bench_us(eager)
+
+        def fused(x, ws, bs, epi):
+            return run_stage(x, ws, bs, [], epi)
+
+        def eager(x, ws, bs, expr):
+            return evaluate(expr, [F.linear(x, w, b) for w, b in zip(ws, bs)], [])
+
+        fused(x, ws, bs, epi)
+        tf, te = bench_us(fused, x, ws, bs, epi), bench_us(eager, x, ws, bs, expr)
         kern = codegen.generated_kernel(len(ws), epi).fused_stage_kernel
         flops = 2 * m * k * n * len(ws)
         line = (f"{name:18s} M={m} K={k} N={n}: fxfuse {tf:8.1f} us ({flops / tf / 1e6:5.0f} TFLOP/s), "
-                f"eager {te:8.1f} us ({flops / te / 1e6:5.0f}) best={kern.best_config}")
+                f"eager {te:8.1f} us ({flops / te / 1e6:5.0f}) best={getattr(kern, 'best_config', '?')}")
         print(line)
         out.write(line + "\n")
         for cfg, t in sorted(getattr(kern, "configs_timings", {}).items(), key=lambda kv: kv[1]):

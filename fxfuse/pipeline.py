@@ -41,7 +41,7 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
         for region in regions:
             if any(_requires_grad(gm, w) for w in region.weights):
                 region.notes.append("training: forward fused, backward is the vjp of the original ops")
-    reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix) for r in regions]
+    reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix, _kernel_files(r)) for r in regions]
     replace_regions(gm, regions)
     for rej in rejections:
         rej.module_path = ".".join(p for p in (prefix, rej.module_path) if p)
@@ -50,6 +50,19 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
     for rej in rejections:
         log.info("fxfuse: not fused %s at %s: %s", rej.pattern, rej.module_path or "<root>", rej.reason)
     return FusionReport(regions=reports, rejections=rejections, graphs=1, seconds=time.perf_counter() - start)
+
+
+def _kernel_files(region) -> list[str]:
+    """Where the region's generated kernels are (written now, so the user can read them)."""
+    if region.replacement is not None:
+        return []
+    from .codegen import kernel_path
+
+    try:
+        return [str(kernel_path(s.num_linears, s.epilogue)) for s in region.spec.stages]
+    except Exception as err:  # a report must not break optimize(); the op reports real errors when run
+        log.debug("fxfuse: could not generate the kernel source for the report: %s", err)
+        return []
 
 
 def _has_value_meta(gm: fx.GraphModule) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .capture import CaptureFailure
@@ -19,12 +20,18 @@ class RegionReport:
     spec: str
     strategy: str
     notes: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)  # generated Triton source files, one per stage
 
     @classmethod
-    def from_region(cls, region: FusionRegion, spec: str, prefix: str = "") -> RegionReport:
+    def from_region(cls, region: FusionRegion, spec: str, prefix: str = "",
+                    kernels: Sequence[str] = ()) -> RegionReport:
         path = ".".join(p for p in (prefix, region.module_path) if p)
-        strategy = "user replacement" if region.replacement is not None else region.strategy
-        return cls(path or "<root>", region.pattern, spec, strategy, list(region.notes))
+        if region.replacement is not None:
+            strategy = "user replacement"
+        else:
+            stages = len(region.spec.stages)
+            strategy = f"{region.strategy} ({stages} launch{'es' if stages > 1 else ''})"
+        return cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels))
 
 
 @dataclass
@@ -60,6 +67,9 @@ class FusionReport:
             lines += _table(("module", "pattern", "strategy", "spec"), rows)
             for r in self.regions:
                 lines += [f"  note ({r.module_path}): {n}" for n in r.notes]
+            kernels = sorted({k for r in self.regions for k in r.kernels})
+            if kernels:
+                lines.append("generated kernels: " + ", ".join(kernels))
         if self.rejections:
             lines.append("not fused:")
             lines += _table(("module", "pattern", "reason"),

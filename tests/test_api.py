@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 
 import pytest
@@ -110,7 +111,8 @@ def test_report_lists_fused_and_unfused_with_reasons():
 
     fast = fxfuse.optimize(TwoMLPs().eval())
     report = fxfuse.report(fast)
-    assert [(r.module_path, r.strategy) for r in report.regions] == [("good", "gemm_epilogue")]
+    assert [(r.module_path, r.strategy) for r in report.regions] == [("good", "gemm_epilogue (2 launches)")]
+    assert all(os.path.exists(k) for r in report.regions for k in r.kernels)
     assert len(report.rejections) >= 1
     assert any("used" in r.reason for r in report.rejections)
     text = str(report)
@@ -215,3 +217,13 @@ def test_optimize_on_gpu(dtype):
         fast = fxfuse.optimize(model, example_inputs=(x,))
         assert count_fused(fast) >= 1
         check_same_function(model, fast, x, tol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_torch_export_keeps_the_fused_op():
+    model = GatedMLP().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 32)
+    exported = torch.export.export(fast, (x,))
+    targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets == [FUSED_OP]
+    check_same_function(model, exported.module(), x)
