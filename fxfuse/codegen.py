@@ -31,9 +31,9 @@ from .kernels.template import KERNEL_TEMPLATE, TEMPLATE_VERSION
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "clear_loaded", "generated_kernel", "kernel_path", "render"]
+__all__ = ["cache_dir", "clear_loaded", "generated_chain_kernel", "generated_kernel", "kernel_path", "render"]
 
-_modules: dict[tuple[int, str], ModuleType] = {}
+_modules: dict[tuple, ModuleType] = {}
 _lock = threading.Lock()
 
 
@@ -88,8 +88,8 @@ def clear_loaded() -> None:
         _modules.clear()
 
 
-def _file_name(src: str) -> str:
-    return f"fxfuse_stage_{hashlib.sha256(src.encode()).hexdigest()[:20]}.py"
+def _file_name(src: str, prefix: str = "fxfuse_stage") -> str:
+    return f"{prefix}_{hashlib.sha256(src.encode()).hexdigest()[:20]}.py"
 
 
 def kernel_path(num_linears: int, epilogue: str) -> Path:
@@ -156,18 +156,43 @@ def generated_kernel(num_linears: int, epilogue: str) -> ModuleType:
     key = (num_linears, text)
     with _lock:
         module = _modules.get(key)
-        if module is not None:
-            _modules[(num_linears, epilogue)] = module
-            return module
-        src = render(num_linears, text)
-        path = cache_dir() / _file_name(src)
-        try:
-            _ensure_file(path, src)
-        except OSError as e:  # read-only home or cache: fall back to a private temp dir
-            path = Path(tempfile.gettempdir()) / f"fxfuse-kernels-{getattr(os, 'getuid', lambda: 'user')()}" / path.name
-            logger.warning("fxfuse: cannot write the kernel cache (%s); using %s", e, path.parent)
-            _ensure_file(path, src)
-        module = _import(path)
-        logger.debug("fxfuse: loaded stage kernel %s for %d:%s", path, num_linears, text)
+        if module is None:
+            module = _write_and_import(render(num_linears, text), "fxfuse_stage")
+            logger.debug("fxfuse: loaded stage kernel %s for %d:%s", module.__file__, num_linears, text)
         _modules[key] = _modules[(num_linears, epilogue)] = module
         return module
+
+
+def generated_chain_kernel(epilogues: tuple[str, ...]) -> ModuleType:
+    """Import (generating if needed) the fused-chain kernel module for these stage epilogues.
+
+    The module has ``fused_chain_kernel`` and ``EPILOGUES`` (see :mod:`fxfuse.kernels.chain_template`).
+
+    Example:
+        >>> generated_chain_kernel(("relu(a0)", "a0")).EPILOGUES  # doctest: +SKIP
+        ['relu(a0)', 'a0']
+    """
+    key = ("chain", epilogues)
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    from .kernels.chain_template import render_chain
+
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            module = _write_and_import(render_chain(epilogues), "fxfuse_chain")
+            logger.debug("fxfuse: loaded chain kernel %s for %s", module.__file__, epilogues)
+            _modules[key] = module
+        return module
+
+
+def _write_and_import(src: str, prefix: str) -> ModuleType:
+    path = cache_dir() / _file_name(src, prefix)
+    try:
+        _ensure_file(path, src)
+    except OSError as e:  # read-only home or cache: fall back to a private temp dir
+        path = Path(tempfile.gettempdir()) / f"fxfuse-kernels-{getattr(os, 'getuid', lambda: 'user')()}" / path.name
+        logger.warning("fxfuse: cannot write the kernel cache (%s); using %s", e, path.parent)
+        _ensure_file(path, src)
+    return _import(path)

@@ -48,6 +48,17 @@ class GraphView:
     cluster_of: dict[fx.Node, Cluster]
     order: dict[fx.Node, int]  # position of every fx node in the graph
     _epilogues: dict[tuple[int, fx.Node], Any] = field(default_factory=dict, repr=False)
+    _components: Optional[list[set]] = field(default=None, repr=False)
+
+    def components(self) -> list[set]:
+        """Weakly connected components of the view, in graph order (computed once)."""
+        if self._components is None:
+            comps = list(nx.weakly_connected_components(self.graph))
+            self._components = sorted(comps, key=lambda c: min(self._position(n) for n in c))
+        return self._components
+
+    def _position(self, node) -> int:
+        return self.order[node] if isinstance(node, fx.Node) else min(self.order[n] for n in node.nodes)
 
     def epilogue(self, cluster: Cluster, exit_node: fx.Node) -> ClusterEpilogue:
         """The (cached) epilogue of ``cluster`` computing ``exit_node``; raises ``ValueError`` if none."""
@@ -113,6 +124,14 @@ def match(view: GraphView, pattern_graph: nx.DiGraph) -> Iterator[dict[Any, Any]
     Embeddings that differ only by an automorphism of the pattern (gate/up swapped) are all yielded;
     the planner keeps the first that passes its checks.
     """
-    matcher = DiGraphMatcher(view.graph, pattern_graph, node_match=_node_match, edge_match=_edge_match)
-    for mapping in matcher.subgraph_monomorphisms_iter():
-        yield {p: m for m, p in mapping.items()}
+    # Patterns are connected, so each embedding lies in one weakly connected component of the view.
+    # Matching component by component keeps VF2's search local (a 12-block model is 12+ small
+    # components, not one graph of a hundred nodes to pair against every pattern node).
+    size = pattern_graph.number_of_nodes()
+    for component in view.components():
+        if len(component) < size:
+            continue
+        sub = view.graph.subgraph(component)
+        matcher = DiGraphMatcher(sub, pattern_graph, node_match=_node_match, edge_match=_edge_match)
+        for mapping in matcher.subgraph_monomorphisms_iter():
+            yield {p: m for m, p in mapping.items()}

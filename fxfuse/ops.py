@@ -35,6 +35,7 @@ from torch.library import triton_op
 
 from . import epilogue as ep
 from .spec import MLPSpec
+from .strategy import FUSED_CHAIN, choose_strategy
 
 __all__ = ["mlp", "reference_mlp", "kernel_fallback_reason"]
 
@@ -131,22 +132,37 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _strategy(spec: str, widths: tuple[int, ...]) -> str:
+    return choose_strategy(MLPSpec.loads(spec), widths)
+
+
 def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
                  operands: Sequence[Tensor], spec: str) -> Tensor:
-    from .kernels import run_stage
+    from .kernels import run_chain, run_stage
 
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
-    w = b = o = 0
-    for stage in _plan(spec)[0]:
+    stages = _plan(spec)[0]
+    per_stage_biases, per_stage_ops = [], []
+    b = o = 0
+    for stage in stages:
         stage_biases = []
         for flag in stage.has_bias:
             stage_biases.append(biases[b] if flag else None)
             b += flag
-        ops = [t.reshape(-1) for t in operands[o:o + stage.num_operands]]
-        h = run_stage(h, weights[w:w + stage.num_linears], stage_biases, ops, stage.epilogue, check=False)
-        w += stage.num_linears
+        per_stage_biases.append(stage_biases)
+        per_stage_ops.append([t.reshape(-1) for t in operands[o:o + stage.num_operands]])
         o += stage.num_operands
+    widths = (h.shape[1], *(w.shape[0] for w in weights))
+    if _strategy(spec, widths) == FUSED_CHAIN:
+        h = run_chain(h, weights, [bs[0] for bs in per_stage_biases], per_stage_ops,
+                      tuple(s.epilogue for s in stages))
+    else:
+        w = 0
+        for stage, stage_biases, ops in zip(stages, per_stage_biases, per_stage_ops):
+            h = run_stage(h, weights[w:w + stage.num_linears], stage_biases, ops, stage.epilogue, check=False)
+            w += stage.num_linears
     return h.reshape(*lead, h.shape[-1])
 
 

@@ -19,6 +19,7 @@ from .normalize import normalize
 from .plan import find_regions
 from .report import FusionReport, RegionReport
 from .rewrite import fused_call_args, replace_regions
+from .strategy import FUSED_CHAIN, choose_strategy
 
 __all__ = ["fuse_graph"]
 
@@ -37,6 +38,8 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
         _propagate_shapes(gm, example_inputs)
     normalize(gm)
     regions, rejections = find_regions(gm)
+    for region in regions:
+        _refine_strategy(gm, region)
     if gm.training:
         for region in regions:
             if any(_requires_grad(gm, w) for w in region.weights):
@@ -52,13 +55,26 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
     return FusionReport(regions=reports, rejections=rejections, graphs=1, seconds=time.perf_counter() - start)
 
 
+def _refine_strategy(gm: fx.GraphModule, region) -> None:
+    """With every weight's shape known, say which kernels will run (the op decides the same way)."""
+    if region.replacement is not None:
+        return
+    infos = [tensor_info(gm, w) for w in region.weights]
+    if any(i is None or len(i.shape) != 2 or None in i.shape for i in infos):
+        return
+    widths = (infos[0].shape[1], *(i.shape[0] for i in infos))
+    region.strategy = choose_strategy(region.spec, widths)
+
+
 def _kernel_files(region) -> list[str]:
     """Where the region's generated kernels are (written now, so the user can read them)."""
     if region.replacement is not None:
         return []
-    from .codegen import kernel_path
+    from .codegen import generated_chain_kernel, kernel_path
 
     try:
+        if region.strategy == FUSED_CHAIN:
+            return [generated_chain_kernel(tuple(s.epilogue for s in region.spec.stages)).__file__]
         return [str(kernel_path(s.num_linears, s.epilogue)) for s in region.spec.stages]
     except Exception as err:  # a report must not break optimize(); the op reports real errors when run
         log.debug("fxfuse: could not generate the kernel source for the report: %s", err)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .capture import CaptureFailure
 from .records import FusionRegion, Rejection
+from .strategy import launches
 
 __all__ = ["FusionReport", "RegionReport"]
 
@@ -29,8 +30,8 @@ class RegionReport:
         if region.replacement is not None:
             strategy = "user replacement"
         else:
-            stages = len(region.spec.stages)
-            strategy = f"{region.strategy} ({stages} launch{'es' if stages > 1 else ''})"
+            n = launches(region.spec, region.strategy)
+            strategy = f"{region.strategy} ({n} launch{'es' if n > 1 else ''})"
         return cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels))
 
 

@@ -1,0 +1,64 @@
+"""Python wrapper of the fused-chain kernel (:mod:`fxfuse.kernels.chain_template`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+from .. import codegen
+from .launch import _input_precision, _tracing
+from .template import m_bucket
+
+__all__ = ["run_chain"]
+
+
+def _pad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+              operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, ...]) -> torch.Tensor:
+    """Every stage of a narrow chain in one kernel launch; returns a new ``[M, D_last]`` tensor.
+
+    Args:
+        x: ``[M, D0]``, any strides.
+        weights: one ``[D_{i+1}, D_i]`` weight per stage, any strides (widths ≤ ``MAX_CHAIN_WIDTH``).
+        biases: one per stage, ``[D_{i+1}]`` or ``None``.
+        operands: per stage, the 1-D tensors (N elements or one) named ``v0, v1, ...`` in its epilogue.
+        epilogues: one canonical epilogue text per stage, over ``a0`` (see :mod:`fxfuse.epilogue`).
+
+    The caller (``torch.ops.fxfuse.mlp``) has checked shapes, dtypes and devices.
+
+    Example:
+        >>> run_chain(x, [w1, w2], [b1, b2], [[], []], ("relu(a0)", "a0"))  # doctest: +SKIP
+    """
+    M = x.shape[0]
+    dims = [x.shape[1]] + [w.shape[0] for w in weights]
+    out = torch.empty((M, dims[-1]), dtype=x.dtype, device=x.device)
+    kernel = codegen.generated_chain_kernel(tuple(epilogues)).fused_chain_kernel
+    args: dict = {"x_ptr": x, "out_ptr": out, "M": M, "M_BUCKET": m_bucket(M),
+                  "stride_xm": x.stride(0), "stride_xk": x.stride(1),
+                  "stride_om": out.stride(0), "stride_on": out.stride(1),
+                  "INPUT_PRECISION": _input_precision(x.dtype)}
+    for i, (w, b, ops) in enumerate(zip(weights, biases, operands)):
+        args[f"w{i}_ptr"] = w
+        args[f"stride_w{i}n"], args[f"stride_w{i}k"] = w.stride(0), w.stride(1)
+        args[f"b{i}_ptr"] = b if b is not None else w  # any valid pointer; unread without bias
+        args[f"stride_b{i}"] = b.stride(0) if b is not None else 0
+        args[f"HAS_BIAS{i}"] = b is not None
+        for j, v in enumerate(ops):
+            args[f"v{i}_{j}_ptr"] = v
+            args[f"stride_v{i}_{j}"] = 0 if v.numel() == 1 else v.stride(0)
+    for i, d in enumerate(dims):
+        args[f"D{i}"], args[f"P{i}"] = d, _pad(d)
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]),)
+
+    launcher = wrap_triton(kernel) if _tracing(x) else kernel
+    launcher[grid](**args)
+    return out
