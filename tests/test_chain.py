@@ -53,7 +53,7 @@ def test_wide_or_gated_regions_run_per_stage():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("spec,dims", CHAINS + [("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0",
                                                  [64, 256, 256, 256, 64])])
-@pytest.mark.parametrize("m", [1, 1000, 70000])
+@pytest.mark.parametrize("m", [1, 70000])
 def test_chain_kernel_on_gpu(spec, dims, dtype, m):
     args = make_args(spec, dims, dtype, device="cuda", lead=(m,))
     assert rel_err(mlp(*args), reference_mlp(*f64(args))) < (1e-4 if dtype == torch.float32 else 1e-2)
