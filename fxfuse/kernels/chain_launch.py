@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Optional
 
@@ -15,13 +14,6 @@ from .launch import _input_precision, _tracing
 from .template import m_bucket
 
 __all__ = ["run_chain"]
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: one program walks every tile
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _pad(d: int) -> int:
@@ -64,10 +56,8 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
     for i, d in enumerate(dims):
         args[f"D{i}"], args[f"P{i}"] = d, _pad(d)
 
-    sms = _sm_count(x.device)
-
-    def grid(meta):  # persistent: at most PER_SM programs per multiprocessor
-        return (min(triton.cdiv(M, meta["BLOCK_M"]), sms * meta["PER_SM"]),)
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]),)
 
     launcher = wrap_triton(kernel) if _tracing(x) else kernel
     launcher[grid](**args)

@@ -26,7 +26,7 @@ from .. import epilogue as ep
 
 __all__ = ["CHAIN_TEMPLATE_VERSION", "MAX_CHAIN_WIDTH", "chain_configs", "render_chain"]
 
-CHAIN_TEMPLATE_VERSION = 2
+CHAIN_TEMPLATE_VERSION = 1
 # Widest layer the fused chain takes: a [BLOCK_M, 256] fp32 tile plus one 256×256 weight tile per layer.
 MAX_CHAIN_WIDTH = 256
 
@@ -61,9 +61,7 @@ _DOC = '''\
     out_ptr:   output ``[M, D{layers}]`` (``stride_om``, ``stride_on``).
     M:         rows; M_BUCKET: power-of-2 bucket of M (autotuning key only).
     D{{i}}:      true widths; P{{i}}: the same padded to a power of two >= 16 (tile sizes).
-    INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs; BLOCK_M: rows per tile.
-    HOIST:     load weights, biases and operands once per program (persistent grid) instead of per tile.
-    PER_SM:    programs per multiprocessor in the persistent grid (read by the launcher's grid only).
+    INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs; BLOCK_M: rows per program.
     """
 '''
 
@@ -91,52 +89,46 @@ def render_chain(epilogues: Sequence[str]) -> str:
     params += [f"D{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"P{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"HAS_BIAS{i}: tl.constexpr" for i in range(layers)]
-    params += ["INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "HOIST: tl.constexpr",
-               "PER_SM: tl.constexpr"]
+    params += ["INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr"]
 
     src = _HEADER.format(version=CHAIN_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
                          last=layers - 1, epilogue_list=texts,
                          dim_keys=", ".join(f'"D{i}"' for i in range(layers + 1)))
     src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers)
-    # Persistent: each program walks tiles pid, pid + nprog, ...; with HOIST the (small) weights,
-    # biases and operands are loaded once per program instead of once per tile.
-    loads: list[str] = []
-    for i, e in enumerate(exprs):
-        loads += [
-            f"k{i} = tl.arange(0, P{i})",
-            f"n{i} = tl.arange(0, P{i + 1})",
-            f"n{i}_mask = n{i} < D{i + 1}",
-            f"w{i} = tl.load(w{i}_ptr + k{i}[:, None] * stride_w{i}k + n{i}[None, :] * stride_w{i}n,",
-            f"             mask=(k{i}[:, None] < D{i}) & n{i}_mask[None, :], other=0.0)",
-            f"bias{i} = tl.load(b{i}_ptr + n{i} * stride_b{i}, mask=n{i}_mask & HAS_BIAS{i}, other=0.0)"
-            f".to(tl.float32)[None, :]",
-        ]
-        loads += [f"v{i}_{j} = tl.load(v{i}_{j}_ptr + n{i} * stride_v{i}_{j}, mask=n{i}_mask, other=1.0)"
-                  f".to(tl.float32)[None, :]" for j in range(ep.num_operands(e))]
-    body = ["pid = tl.program_id(0)", "nprog = tl.num_programs(0)", "num_tiles = tl.cdiv(M, BLOCK_M)",
-            "if HOIST:"] + [f"    {line}" for line in loads]
-    body += [
-        "for tile in range(pid, num_tiles, nprog):",
-        "    if not HOIST:",
-    ] + [f"        {line}" for line in loads] + [
-        "    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)",
-        "    m_mask = offs_m < M",
-        "    h = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0[None, :] * stride_xk,",
-        "                mask=m_mask[:, None] & (k0[None, :] < D0), other=0.0)",
+    body = [
+        "pid = tl.program_id(0)",
+        "offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "m_mask = offs_m < M",
+        "k = tl.arange(0, P0)",
+        "h = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,",
+        "            mask=m_mask[:, None] & (k[None, :] < D0), other=0.0)",
     ]
     for i, e in enumerate(exprs):
         n_ops = ep.num_operands(e)
-        lines, result = ep.to_triton(e, acc_names=["acc"], operand_names=[f"v{i}_{j}" for j in range(n_ops)],
-                                     indent="    ", prefix=f"_e{i}_")
-        body += [f"    # layer {i}: {texts[i]}",
-                 f"    acc = tl.dot(h, w{i}, input_precision=INPUT_PRECISION) + bias{i}"] + lines
+        body += [
+            f"# layer {i}: {texts[i]}",
+            f"k = tl.arange(0, P{i})",
+            f"n = tl.arange(0, P{i + 1})",
+            f"n_mask = n < D{i + 1}",
+            f"w = tl.load(w{i}_ptr + k[:, None] * stride_w{i}k + n[None, :] * stride_w{i}n,",
+            f"            mask=(k[:, None] < D{i}) & n_mask[None, :], other=0.0)",
+            "acc = tl.dot(h, w, input_precision=INPUT_PRECISION)",
+            f"if HAS_BIAS{i}:",
+            f"    acc += tl.load(b{i}_ptr + n * stride_b{i}, mask=n_mask, other=0.0).to(tl.float32)[None, :]",
+        ]
+        for j in range(n_ops):
+            body.append(f"v{j} = tl.load(v{i}_{j}_ptr + n * stride_v{i}_{j}, mask=n_mask, other=1.0)"
+                        f".to(tl.float32)[None, :]")
+        lines, result = ep.to_triton(e, acc_names=["acc"], operand_names=[f"v{j}" for j in range(n_ops)],
+                                     indent="", prefix=f"_e{i}_")
+        body += lines
         if i < layers - 1:
-            body.append(f"    h = {result}.to(x_ptr.dtype.element_ty)  # eager rounds every intermediate")
+            body.append(f"h = {result}.to(x_ptr.dtype.element_ty)  # eager rounds every intermediate")
         else:
             body += [
-                f"    out = {result}.to(out_ptr.dtype.element_ty)",
-                f"    tl.store(out_ptr + offs_m[:, None] * stride_om + n{i}[None, :] * stride_on, out,",
-                f"             mask=m_mask[:, None] & n{i}_mask[None, :])",
+                f"out = {result}.to(out_ptr.dtype.element_ty)",
+                "tl.store(out_ptr + offs_m[:, None] * stride_om + n[None, :] * stride_on, out,",
+                "         mask=m_mask[:, None] & n_mask[None, :])",
             ]
     src += "".join(f"    {line}\n" for line in body)
     return src
@@ -147,30 +139,18 @@ def _interpreting() -> bool:
 
 
 def chain_configs() -> list[triton.Config]:
-    """Tile rows, warps, programs per SM and weight hoisting (one small config in the interpreter)."""
+    """Rows per program and warps (one small config in the interpreter)."""
     if _interpreting():
-        return [triton.Config({"BLOCK_M": 16, "HOIST": True, "PER_SM": 1}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "HOIST": hoist, "PER_SM": per_sm}, num_warps=w, num_stages=s)
-            for bm, w, s, per_sm, hoist in [
-                (128, 4, 2, 4, True), (128, 8, 2, 2, True), (64, 4, 2, 8, True), (256, 8, 2, 2, True),
-                (128, 4, 2, 4, False), (64, 4, 2, 8, False), (128, 8, 2, 4, False), (256, 8, 2, 2, False)]]
+        return [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
+            for bm, w, s in [(64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2), (64, 8, 2)]]
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    pads = [v for k, v in sorted(args.items()) if k.startswith("P") and k[1:].isdigit()]
-    widest = max(pads)
-    weight_elems = sum(a * b for a, b in zip(pads, pads[1:]))
-    kept = []
-    for c in configs:
-        threads = 32 * c.num_warps
-        # A [BLOCK_M, widest] fp32 tile per live intermediate must fit the registers, and hoisted
-        # weights must leave room for it (~64 fp16 weight values per thread at most).
-        if c.kwargs["BLOCK_M"] * widest > 128 * 128 * (2 if c.num_warps == 8 else 1):
-            continue
-        if c.kwargs["HOIST"] and weight_elems > 64 * threads:
-            continue
-        kept.append(c)
+    widest = max(v for k, v in args.items() if k.startswith("P") and k[1:].isdigit())
+    # A [BLOCK_M, widest] fp32 tile per live intermediate: keep it within the register file.
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] * widest <= 128 * 128 * (2 if c.num_warps == 8 else 1)]
     kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
     if os.environ.get("FXFUSE_AUTOTUNE", "1") == "0":
         kept = kept[:1]
