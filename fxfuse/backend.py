@@ -28,17 +28,22 @@ log = logging.getLogger(__name__)
 _OPTIONS = {"inductor"}
 
 
-def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optional[dict] = None, **kwargs):
-    """Dynamo backend: fuse the MLP chains of ``gm``, then hand it to Inductor (or run it as is)."""
+def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optional[dict] = None,
+                   mode: Optional[str] = None):
+    """Dynamo backend: fuse the MLP chains of ``gm``, then hand it to Inductor (or run it as is).
+
+    ``mode`` (``torch.compile(..., mode=...)``) is Inductor's, e.g. ``"max-autotune-no-cudagraphs"``.
+    """
     options = dict(options or {})
     unknown = set(options) - _OPTIONS
-    if unknown or kwargs:
-        raise ValueError(f"fxfuse backend: unknown option(s) {sorted(unknown | set(kwargs))}; "
-                         f"known: {sorted(_OPTIONS)}")
+    if unknown:
+        raise ValueError(f"fxfuse backend: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     report = fuse_graph(gm)  # Dynamo's nodes carry their example values: no shape propagation needed
     record_backend_report(report)
     if not options.get("inductor", True):
         return gm.forward
+    import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    patches = torch._inductor.list_mode_options(mode) if mode else None
+    return compile_fx(gm, example_inputs, config_patches=patches)
