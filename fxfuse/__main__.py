@@ -1,0 +1,110 @@
+"""Command line: ``python -m fxfuse profile pkg.module:factory [options]``.
+
+``factory()`` returns ``(model, example_inputs)`` (one tensor or a tuple). The report is printed and
+written to ``--out`` (roofline.png, report.html and, on a GPU, trace_before.json / trace_after.json)::
+
+    python -m fxfuse profile examples/profile_demo.py:seed_geglu --device cuda --out prof/
+    python -m fxfuse profile mypkg.models:build --device meta --dtype bf16 --shape 8,2048 --gpu H100
+
+``--device meta`` profiles the structure of a model of any size without allocating it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def _load(target: str):
+    where, _, name = target.partition(":")
+    name = name or "factory"
+    if where.endswith(".py") or os.sep in where:
+        spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"cannot load {where}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(where)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise SystemExit(f"{where} has no callable {name!r}")
+    return factory
+
+
+def _build(args):
+    factory = _load(args.target)
+    shape = tuple(int(s) for s in args.shape.split(",")) if args.shape else None
+    takes_shape = "shape" in inspect.signature(factory).parameters
+    model, inputs = factory(shape=shape) if shape and takes_shape else factory()
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if shape and not takes_shape:  # a fresh first input of that shape
+        x = inputs[0]
+        if x.device.type == "meta":
+            new = torch.empty(shape, dtype=x.dtype, device=x.device)
+        elif x.is_floating_point():
+            new = torch.randn(shape, dtype=x.dtype, device=x.device)
+        else:
+            new = torch.randint(0, max(int(x.max()) + 1, 2) if x.numel() else 2, shape, dtype=x.dtype,
+                                device=x.device)
+        inputs = (new, *inputs[1:])
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here: use --device cpu or meta for the structural report")
+    model = model.to(device=args.device) if args.device else model
+    model = model.to(dtype=dtype) if dtype else model
+    inputs = tuple(_move(t, args.device, dtype) for t in inputs)
+    return model.eval(), inputs
+
+
+def _move(t, device, dtype):
+    if not isinstance(t, torch.Tensor):
+        return t
+    if device:
+        t = t.to(device)
+    return t.to(dtype) if dtype and t.is_floating_point() else t
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fxfuse", description="fxfuse command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("profile", help="profile every fused MLP region of a model, before and after fxfuse")
+    p.add_argument("target", help="pkg.module:factory or path/to/file.py:factory; factory() returns "
+                                  "(model, example_inputs)")
+    p.add_argument("--device", help="move the model and inputs there: cuda (timed), cpu or meta (structure only)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model and floating inputs")
+    p.add_argument("--shape", help="input shape, e.g. 64,128,768: passed as factory(shape=...) when the factory "
+                                   "takes it, else the first input is replaced by a random tensor of that shape")
+    p.add_argument("--gpu", help="named GPU whose ceilings to use (H200, H100, A100): the prediction without a "
+                                 "GPU (default H200), or instead of measuring on one")
+    p.add_argument("--out", default="fxfuse-profile", help="folder for roofline.png, report.html, traces")
+    p.add_argument("--iters", type=int, default=10, help="profiled iterations per side (GPU)")
+    p.add_argument("--no-save", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+
+    from .profile import profile
+
+    model, inputs = _build(args)
+    rep = profile(model, inputs, gpu=args.gpu, iters=args.iters)
+    print(rep)
+    if not args.no_save:
+        for path in rep.save(args.out).values():
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,669 @@
+"""``fxfuse.profile``: what each fused MLP region costs before and after, and what bounds it.
+
+    rep = fxfuse.profile(model, (x,))      # runs the original and the optimized model
+    print(rep)                             # per region: kernels, GPU µs, TFLOP/s, GB/s, floor, regime
+    rep.save("profile/")                   # roofline.png, report.html, trace_before.json, trace_after.json
+
+How: ``fxfuse.optimize`` turns every region into one ``torch.ops.fxfuse.mlp`` call. While the optimized
+model runs under a ``TorchFunctionMode`` that intercepts that op, each call is named by the module its
+weights live in (as ``fxfuse.report`` names regions) and runs inside
+``record_function("fxfuse region <path>")``: either the fused op ("after") or
+``fxfuse.ops.reference_mlp``, the region's original ops ("before"). Under ``torch.profiler`` every
+kernel launched inside a label belongs to that region (:func:`attribute`). A first run records each
+call's arguments, from which :func:`fxfuse.roofline.count_call` counts FLOPs and bytes. End-to-end
+times are ``triton.testing.do_bench`` medians of the original and the optimized model themselves, with
+nothing intercepted, as in ``benchmarks/bench_workloads.py``.
+
+Without a GPU (inputs on the CPU or the ``meta`` device) nothing is timed: the report has the
+structure (regions, FLOPs, bytes, kernel counts) and the regime predicted for a named GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .ops import reference_mlp
+from .report import FusionReport
+from .roofline import CallWork, Ceilings, Point, Verdict, classify, count_call, measure_ceilings, named_ceilings
+from .spec import MLPSpec
+
+__all__ = ["ProfileReport", "RegionProfile", "Side", "profile"]
+
+REGION = "fxfuse region "
+ITERATION = "fxfuse iteration "
+_HOST_TIMED = False  # tests only: run the timed path on the CPU (host timers, CPU ops as "kernels")
+NEED_GPU = "timings need a GPU: run with the model and inputs on a CUDA device for kernels, times and regimes"
+
+
+# ------------------------------------------------------------------------------------------ records
+
+@dataclass
+class Side:
+    """One implementation of a region: ``before`` (the original ops) or ``after`` (fxfuse)."""
+
+    launches: float  # kernels per forward: measured, or predicted without a GPU
+    traffic_bytes: int  # estimated bytes moved (eager: every intermediate written and read back)
+    verdict: Verdict
+    kernels: dict[str, float] = field(default_factory=dict)  # kernel (or, predicted, op) name -> per forward
+    gpu_us: Optional[float] = None  # median per forward of the region's kernel time
+    host_us: Optional[float] = None  # median per forward of the host time inside the region (profiled)
+    tflops: Optional[float] = None
+    gbps: Optional[float] = None  # minimum bytes / GPU time
+
+    @property
+    def regime(self) -> str:
+        return self.verdict.regime
+
+
+@dataclass
+class RegionProfile:
+    """One fused region: its work, its floor, and both sides."""
+
+    module_path: str
+    pattern: str
+    spec: str
+    strategy: str
+    calls: int  # calls per forward
+    m: int
+    dims: str
+    dtype: str
+    flops: int  # per forward
+    min_bytes: int
+    compute_floor_us: float
+    memory_floor_us: float
+    before: Side
+    after: Side
+
+    @property
+    def floor_us(self) -> float:
+        return max(self.compute_floor_us, self.memory_floor_us)
+
+    @property
+    def bound(self) -> str:
+        """Which floor is higher: what the work itself is bound by, whatever runs it."""
+        return "compute" if self.compute_floor_us >= self.memory_floor_us else "memory"
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.min_bytes if self.min_bytes else 0.0
+
+    @property
+    def speedup(self) -> Optional[float]:
+        b, a = self.before.gpu_us, self.after.gpu_us
+        return b / a if b and a else None
+
+
+@dataclass
+class ProfileReport:
+    """What :func:`profile` found. ``str()`` is a table; :meth:`save` writes the files."""
+
+    model: str
+    device: str
+    ceilings: Ceilings
+    regions: list[RegionProfile]
+    timed: bool
+    before_us: Optional[float] = None  # end to end, GPU median (do_bench) of the original model
+    after_us: Optional[float] = None  # ... of the optimized model
+    before_wall_us: Optional[float] = None  # wall time per call of back-to-back calls
+    after_wall_us: Optional[float] = None
+    before_kernel_us: Optional[float] = None  # kernel time per forward under the profiler, whole model
+    after_kernel_us: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
+    fusion: Optional[FusionReport] = field(default=None, repr=False)
+    traces: dict[str, Any] = field(default_factory=dict, repr=False)  # "before"/"after" -> torch.profiler.profile
+
+    @property
+    def speedup(self) -> Optional[float]:
+        return self.before_us / self.after_us if self.before_us and self.after_us else None
+
+    def __str__(self) -> str:
+        return "\n".join(_text(self))
+
+    def _repr_pretty_(self, p, cycle):  # IPython
+        p.text(str(self))
+
+    def plot(self, path) -> None:
+        """The roofline PNG: every region before (hollow) and after (filled) under the ceilings."""
+        from .roofline import plot_roofline
+
+        kind = "measured" if self.timed else f"predicted for {self.ceilings.name}"
+        plot_roofline(_points(self), self.ceilings, path, predicted=not self.timed,
+                      title=f"{self.model}: {len(self.regions)} fused region(s), {kind} ({self.device})")
+
+    def to_html(self, png: Optional[bytes] = None) -> str:
+        return _html(self, png)
+
+    def save(self, out_dir) -> dict[str, Path]:
+        """Write ``roofline.png``, ``report.html`` and (timed) ``trace_before.json``/``trace_after.json``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written: dict[str, Path] = {}
+        png = None
+        try:
+            self.plot(out / "roofline.png")
+            written["png"] = out / "roofline.png"
+            png = written["png"].read_bytes()
+        except ImportError:
+            self.notes.append("no roofline.png: matplotlib is not installed")
+        (out / "report.html").write_text(self.to_html(png), encoding="utf-8")
+        written["html"] = out / "report.html"
+        for side, prof in self.traces.items():
+            path = out / f"trace_{side}.json"
+            prof.export_chrome_trace(str(path))
+            written[f"trace_{side}"] = path
+        return written
+
+
+# ------------------------------------------------------------------------------------------ the API
+
+def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = None,
+            optimized: Optional[nn.Module] = None, iters: int = 10, warmup: int = 3) -> ProfileReport:
+    """Run ``model`` and its fxfuse-optimized version on ``example_inputs``; report every fused region.
+
+    On a CUDA device (the inputs' device): GPU time of each region and end to end, its kernels, achieved
+    TFLOP/s and GB/s against ceilings measured now (``gpu="H200"`` uses the table instead), and traces.
+    Elsewhere (CPU, ``meta`` tensors: nothing is allocated): the structure and the regime predicted for
+    ``gpu`` (default "H200"). ``optimized``: a result of ``fxfuse.optimize(model)`` to use instead of
+    optimizing here. Inference only: runs under ``torch.no_grad()``; put the model in ``eval()`` first.
+
+    Example:
+        >>> rep = fxfuse.profile(model.cuda().bfloat16(), (x,))          # doctest: +SKIP
+        >>> print(rep); rep.save("profile")                               # doctest: +SKIP
+    """
+    from .api import optimize, report
+
+    inputs = tuple(example_inputs)
+    device = _device_of(model, inputs)
+    timed = device.type == "cuda" or (device.type == "cpu" and _HOST_TIMED)
+    with torch.no_grad():
+        opt = optimized if optimized is not None else optimize(model, inputs)
+        fusion = report(opt)
+        regions = _Regions(opt, fusion)
+        work: dict[str, list[CallWork]] = defaultdict(list)
+
+        def record(site, x, weights, biases, operands, spec):
+            work[site.label].append(count_call(spec, x, weights, biases, operands, launches=site.launches))
+            return reference_mlp(x, weights, biases, operands, spec)
+
+        with _Intercept(regions, record):
+            opt(*inputs)
+    dtypes = sorted({w.dtype for calls in work.values() for w in calls}) or ["bfloat16"]
+    if gpu is None and device.type == "cuda":
+        ceil = measure_ceilings(device, dtypes)
+    else:
+        ceil = named_ceilings(gpu or "H200")
+    rep = ProfileReport(type(model).__name__, _device_name(device), ceil, [], timed, fusion=fusion)
+    skipped = [r.module_path for r in fusion.regions if r.strategy == "user replacement"]
+    if skipped:
+        rep.notes.append(f"not profiled (user replacements): {', '.join(skipped)}")
+    measured: dict[str, dict[str, _Measured]] = {}
+    if timed:
+        with torch.no_grad():
+            measured = _time(rep, model, opt, regions, inputs, device, iters, warmup)
+    else:
+        rep.notes.append(NEED_GPU)
+    for label, site in regions.sites.items():
+        if work[label]:  # (a call seen only while timing, not in the first run, has no shapes: skipped)
+            rep.regions.append(_region(site, work[label], ceil, measured.get("before", {}).get(label),
+                                       measured.get("after", {}).get(label), timed))
+    for r in regions.unclaimed:
+        rep.notes.append(f"{r.module_path}: fused, but not run by these inputs")
+    return rep
+
+
+# ------------------------------------------------------------------------------------------ intercepting
+
+@dataclass
+class _Site:
+    label: str
+    path: str
+    pattern: str
+    spec: str
+    strategy: str
+    launches: int
+
+
+class _Regions:
+    """Names each ``fxfuse.mlp`` call by the module its weights live in, as the fusion report does."""
+
+    def __init__(self, model: nn.Module, fusion: FusionReport):
+        self.names: dict[int, str] = {}
+        for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers()):
+            self.names.setdefault(id(t), name)
+        self.unclaimed = [r for r in fusion.regions if r.strategy != "user replacement"]
+        self.sites: dict[str, _Site] = {}
+        self._by_key: dict[tuple, _Site] = {}
+
+    def site(self, weights: Sequence[torch.Tensor], spec: str) -> _Site:
+        idents = tuple(self._ident(w) for w in weights)
+        found = self._by_key.get((idents, spec))
+        if found is not None:
+            return found
+        paths = [self.names[i].split(".")[:-1] for i in idents if i in self.names]
+        path = (".".join(_common(paths)) or "<root>") if len(paths) == len(idents) else f"region {len(self.sites)}"
+        rep = next((r for r in self.unclaimed if r.module_path == path and r.spec == spec), None) or \
+            next((r for r in self.unclaimed if r.spec == spec), None)
+        if rep is not None:
+            self.unclaimed.remove(rep)
+            path = rep.module_path
+        label = REGION + path
+        if label in self.sites:
+            label += f" #{sum(s.path == path for s in self.sites.values()) + 1}"
+        strategy = rep.strategy if rep else "?"
+        n = re.search(r"\((\d+) launch", strategy)
+        site = _Site(label, path, rep.pattern if rep else "?", spec, strategy,
+                     int(n.group(1)) if n else len(MLPSpec.loads(spec).stages))
+        self._by_key[(idents, spec)] = self.sites[label] = site
+        return site
+
+    def _ident(self, t: torch.Tensor) -> int:
+        while id(t) not in self.names and getattr(t, "_base", None) is not None:  # a transposed weight
+            t = t._base
+        return id(t)
+
+
+def _common(paths: list[list[str]]) -> list[str]:
+    common = paths[0] if paths else []
+    for p in paths[1:]:
+        i = 0
+        while i < min(len(common), len(p)) and common[i] == p[i]:
+            i += 1
+        common = common[:i]
+    return common
+
+
+_MLP_NAMES = ("x", "weights", "biases", "operands", "spec")
+
+
+class _Intercept(TorchFunctionMode):
+    """While active, every ``torch.ops.fxfuse.mlp`` call runs ``handler(site, *args)`` instead.
+
+    Inside the handler the mode is off: the op or the reference ops it calls run as usual.
+    """
+
+    def __init__(self, regions: _Regions, handler: Callable):
+        super().__init__()
+        self.regions, self.handler = regions, handler
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.fxfuse.mlp.default or func is torch.ops.fxfuse.mlp:
+            a = dict(zip(_MLP_NAMES, args), **kwargs)
+            x, weights, biases, operands, spec = (a[k] for k in _MLP_NAMES)
+            return self.handler(self.regions.site(weights, spec), x, weights, biases, operands, spec)
+        return func(*args, **kwargs)
+
+
+def _before(site, x, weights, biases, operands, spec):
+    with torch.profiler.record_function(site.label):
+        return reference_mlp(x, weights, biases, operands, spec)
+
+
+def _after(site, x, weights, biases, operands, spec):
+    with torch.profiler.record_function(site.label):
+        return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
+
+
+def _device_of(model: nn.Module, inputs: tuple) -> torch.device:
+    for t in (*inputs, *model.parameters(), *model.buffers()):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+@dataclass
+class _Measured:
+    gpu_us: float
+    host_us: float
+    kernels: dict[str, float]
+    launches: float
+
+
+def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: torch.device, iters: int,
+          warmup: int) -> dict[str, dict[str, _Measured]]:
+    for m in (model, opt):  # first calls: Triton compiles and autotunes here
+        m(*inputs)
+    _sync(device)
+    rep.before_us = _median_us(lambda: model(*inputs), device)
+    rep.after_us = _median_us(lambda: opt(*inputs), device)
+    rep.before_wall_us = _wall_us(lambda: model(*inputs), rep.before_us, device)
+    rep.after_wall_us = _wall_us(lambda: opt(*inputs), rep.after_us, device)
+    cuda = device.type == "cuda"
+    flush = torch.empty((256 if cuda else 1) << 20, dtype=torch.int8, device=device)  # as do_bench: cold L2
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    out = {}
+    for side, handler in (("before", _before), ("after", _after)):
+        with _Intercept(regions, handler):
+            for _ in range(warmup):
+                opt(*inputs)
+            _sync(device)
+            with torch.profiler.profile(activities=acts) as prof:
+                for i in range(iters):
+                    flush.zero_()
+                    with torch.profiler.record_function(f"{ITERATION}{i}"):
+                        opt(*inputs)
+                    _sync(device)
+        rep.traces[side] = prof
+        out[side], total = attribute(prof.events(), iters, host_ops=not cuda)
+        setattr(rep, f"{side}_kernel_us", total)
+        if not out[side]:
+            rep.notes.append(f"{side}: no kernel could be attributed to a region (see trace_{side}.json)")
+    for side in ("before", "after"):  # do_bench times the GPU from launch to end: idle gaps are host time
+        busy, span = getattr(rep, f"{side}_kernel_us"), getattr(rep, f"{side}_us")
+        if busy and span > 1.3 * busy:
+            rep.notes.append(f"{side}: the GPU is busy {busy / span:.0%} of the time ({_f(busy)} µs of kernels in "
+                             f"{_f(span)} µs): launch and host overhead dominate end to end")
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_us(fn, device: torch.device) -> float:
+    """GPU median by ``triton.testing.do_bench`` (L2 flushed), as the benchmark; a host timer elsewhere."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, return_mode="median") * 1e3
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
+
+
+def _wall_us(fn, gpu_us: float, device: torch.device) -> float:
+    """Wall µs per call of back-to-back calls, synchronized before and after (median of 3 loops)."""
+    calls = max(10, min(200, int(50_000 / max(gpu_us, 1.0)))) if device.type == "cuda" else 2
+    vals = []
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        vals.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(vals)
+
+
+def attribute(events, iters: int, host_ops: bool = False) -> tuple[dict[str, _Measured], Optional[float]]:
+    """Per region label: median GPU and host µs per iteration, and the kernels, from profiler events.
+
+    A device event (kernel, memcpy, memset) belongs to the CPU op that launched it (its
+    ``linked_correlation_id``), hence to the region and iteration labels around that op; without that
+    link, to the labels around its launch call (the runtime event of the same correlation id).
+    Also returns the median kernel time per iteration of the whole model. ``host_ops`` (tests on the
+    CPU): the leaf CPU ops stand in for kernels.
+    """
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    labels = [e for e in cpu if e.name.startswith(REGION)]
+    iterations = [e for e in cpu if e.name.startswith(ITERATION)]
+    if host_ops:
+        device = [e for e in cpu if not e.cpu_children and not e.name.startswith("fxfuse ")]
+    else:
+        device = [e for e in events if e.device_type != DeviceType.CPU
+                  and not getattr(e, "is_user_annotation", False) and not e.name.startswith("fxfuse ")
+                  and getattr(e, "activity_type", "kernel") != "gpu_user_annotation"]
+    ops = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+    launches = {e.id: e for e in cpu if getattr(e, "linked_correlation_id", 0)}
+
+    def around(e, prefix: str, candidates):
+        walk = e
+        while walk is not None:
+            if walk.name.startswith(prefix):
+                return walk
+            walk = walk.cpu_parent
+        t = e.time_range.start
+        return next((c for c in candidates if c.time_range.start <= t <= c.time_range.end), None)
+
+    def index(it) -> int:
+        return int(it.name[len(ITERATION):])
+
+    gpu: dict[str, list[float]] = defaultdict(lambda: [0.0] * iters)
+    host: dict[str, list[float]] = defaultdict(lambda: [0.0] * iters)
+    names: dict[str, Counter] = defaultdict(Counter)
+    total = [0.0] * iters
+    found = []  # (owner CPU event, kernel name, µs)
+    for d in device:
+        linked = getattr(d, "linked_correlation_id", 0)
+        owner = d if host_ops else (ops.get(linked) if linked else None) or launches.get(d.id)
+        if owner is not None:
+            found.append((owner, d.name, d.time_range.end - d.time_range.start))
+    if not found:  # no device events of their own: the kernels torch attached to the ops that launched them
+        found = [(e, k.name, k.duration) for e in cpu for k in getattr(e, "kernels", ())]
+    for owner, name, dur in found:
+        it = around(owner, ITERATION, iterations)
+        if it is None or not 0 <= index(it) < iters:
+            continue  # outside the timed iterations (the L2 flush)
+        total[index(it)] += dur
+        label = around(owner, REGION, labels)
+        if label is not None:
+            gpu[label.name][index(it)] += dur
+            names[label.name][short_kernel_name(name)] += 1
+    for lab in labels:
+        it = around(lab, ITERATION, iterations)
+        if it is not None and 0 <= index(it) < iters:
+            host[lab.name][index(it)] += lab.time_range.end - lab.time_range.start
+    result = {
+        name: _Measured(statistics.median(gpu[name]), statistics.median(host[name]),
+                        {k: v / iters for k, v in names[name].most_common()}, sum(names[name].values()) / iters)
+        for name in gpu
+    }
+    return result, (statistics.median(total) if any(total) else None)
+
+
+def short_kernel_name(name: str, width: int = 60) -> str:
+    """``void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl…>(…)`` →
+    ``vectorized_elementwise_kernel<GeluCUDAKernelImpl>``; short names stay as they are."""
+    s = name.removeprefix("void ").strip()
+    head = re.split(r"[<(]", s, maxsplit=1)[0]
+    base = head.split("::")[-1] or head
+    if "<" in s[len(head):len(head) + 1]:
+        generic = {"BinaryFunctor", "AUnaryFunctor", "BUnaryFunctor", "UnaryFunctor", base}
+        tags = [t for t in re.findall(r"(\w+(?:Functor|Impl|_kernel))\b", s[len(head):]) if t not in generic]
+        if tags:
+            base = f"{base}<{tags[0]}>"
+    return base if len(base) <= width else base[:width - 1] + "…"
+
+
+# ------------------------------------------------------------------------------------------ assembling
+
+def _region(site: _Site, calls: list[CallWork], ceil: Ceilings, before: Optional[_Measured],
+            after: Optional[_Measured], timed: bool) -> RegionProfile:
+    first = calls[0]
+    flops = sum(c.flops for c in calls)
+    min_bytes = sum(c.min_bytes for c in calls)
+    dtype = first.dtype
+    sides = {}
+    for side, traffic, launches, meas in (
+            ("before", sum(c.eager_bytes for c in calls), sum(c.eager_launches for c in calls), before),
+            ("after", sum(c.fused_bytes for c in calls), site.launches * len(calls), after)):
+        if meas is not None:
+            verdict = classify(flops, traffic, round(meas.launches), ceil, dtype, meas.gpu_us, meas.host_us)
+            t = meas.gpu_us
+            sides[side] = Side(meas.launches, traffic, verdict, meas.kernels, t, meas.host_us,
+                               flops / t / 1e6 if t else None, min_bytes / t / 1e3 if t else None)
+        else:
+            verdict = classify(flops, traffic, launches, ceil, dtype)
+            if side == "before":
+                kernels = dict(Counter(op for c in calls for op in c.eager_ops))
+            else:
+                kernels = {f"{site.strategy.split(' (')[0]} kernel": float(launches)}
+            sides[side] = Side(launches, traffic, verdict, kernels)
+            if timed:
+                sides[side].verdict = Verdict(verdict.regime, "not measured: no kernel attributed",
+                                              verdict.predicted_us)
+    return RegionProfile(site.path, site.pattern, site.spec, site.strategy, len(calls), first.m, first.dims,
+                         dtype, flops, min_bytes, flops / ceil.matmul(dtype) * 1e6,
+                         min_bytes / ceil.copy_bytes_per_s * 1e6, sides["before"], sides["after"])
+
+
+def _points(rep: ProfileReport) -> list[Point]:
+    """One point per group of identical regions (``layers.*.mlp ×22``), at the median of the group."""
+    groups: dict[tuple, list[RegionProfile]] = defaultdict(list)
+    for r in rep.regions:
+        groups[(r.pattern, r.spec, r.m, r.dims, r.dtype, r.calls)].append(r)
+    points = []
+    for members in groups.values():
+        ys = {}
+        for side in ("before", "after"):
+            vals = []
+            for r in members:
+                s = getattr(r, side)
+                t = s.gpu_us if s.gpu_us else s.verdict.predicted_us
+                vals.append(r.flops / t / 1e6 if t else 0.0)
+            ys[side] = statistics.median(vals)
+        label = _group_label([rep.model if r.module_path == "<root>" else r.module_path for r in members])
+        points.append(Point(label, members[0].intensity, ys["before"], ys["after"], members[0].dtype))
+    return points
+
+
+def _group_label(paths: list[str]) -> str:
+    if len(paths) == 1:
+        return paths[0]
+    parts = [p.split(".") for p in paths]
+    if len({len(p) for p in parts}) == 1:
+        label = ".".join(col[0] if len(set(col)) == 1 else "*" for col in zip(*parts))
+    else:
+        label = paths[0] + ", …"
+    return f"{label} ×{len(paths)}"
+
+
+# ------------------------------------------------------------------------------------------ text / HTML
+
+def _f(v) -> str:
+    """µs, TFLOP/s, counts: whole numbers from 100 up, one decimal from 1, two digits below; "—" for none."""
+    if v is None:
+        return "—"
+    v = float(v)
+    if v.is_integer() and abs(v) < 1e5:
+        return str(int(v))
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.2g}"
+
+
+def _x(ratio: Optional[float]) -> str:
+    return f"{ratio:.2f}×" if ratio else "—"
+
+
+def _summary(rep: ProfileReport) -> list[str]:
+    head = (f"fxfuse profile: {rep.model} on {rep.device}, {len(rep.regions)} fused region(s)"
+            + ("" if rep.timed else f"; structure only, regimes predicted for {rep.ceilings.name}"))
+    dtypes = sorted({r.dtype for r in rep.regions})
+    lines = [head, "ceilings: " + rep.ceilings.describe(dtypes)]
+    if rep.timed:
+        lines.append(f"end to end (GPU median, do_bench): before {_f(rep.before_us)} µs → after {_f(rep.after_us)} µs"
+                     f" = {_x(rep.speedup)}; wall {_f(rep.before_wall_us)} → {_f(rep.after_wall_us)} µs/call")
+        if rep.before_kernel_us and rep.after_kernel_us:
+            rb = sum(r.before.gpu_us or 0 for r in rep.regions)
+            ra = sum(r.after.gpu_us or 0 for r in rep.regions)
+            lines.append(f"kernel time per forward (profiled): regions {_f(rb)} → {_f(ra)} µs, rest of the model "
+                         f"{_f(rep.before_kernel_us - rb)} → {_f(rep.after_kernel_us - ra)} µs")
+    return lines
+
+
+def _rows(rep: ProfileReport) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    t = "GPU µs" if rep.timed else "pred. µs"
+    header = ("region", "pattern", "M", "dims", "dtype", "GFLOP", "min MB", "floor µs", "side", "kernels", t,
+              "TFLOP/s", "GB/s", "speedup", "regime")
+    rows = []
+    for r in rep.regions:
+        name = r.module_path + (f" ×{r.calls}" if r.calls > 1 else "")
+        for side in ("before", "after"):
+            s = getattr(r, side)
+            first = side == "before"
+            time_us = s.gpu_us if s.gpu_us is not None else (None if rep.timed else s.verdict.predicted_us)
+            rows.append((
+                name if first else "", r.pattern if first else "", str(r.m) if first else "",
+                r.dims if first else "", r.dtype if first else "",
+                f"{r.flops / 1e9:.3g}" if first else "", f"{r.min_bytes / 1e6:.3g}" if first else "",
+                f"{_f(r.floor_us)} {r.bound[0]}" if first else "",
+                side, _f(s.launches), _f(time_us),
+                _f(s.tflops), _f(s.gbps),
+                _x(r.speedup) if not first else "", str(s.verdict)))
+    return header, rows
+
+
+def _kernel_lines(rep: ProfileReport) -> list[tuple[str, str, str]]:
+    out = []
+    for r in rep.regions:
+        for side in ("before", "after"):
+            s = getattr(r, side)
+            out.append((r.module_path, side, ", ".join(f"{k} ×{_f(v)}" for k, v in s.kernels.items())))
+    return out
+
+
+def _table(header, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip()] + [fmt.format(*row).rstrip() for row in rows]
+
+
+def _legend(rep: ProfileReport) -> str:
+    timing = ("GPU µs: the region's kernel time per forward, median of the profiled runs (L2 flushed before "
+              "each); GB/s: minimum bytes / GPU µs. " if rep.timed else
+              "pred. µs: the largest of the regime terms. ")
+    return (f"{timing}floor: max(FLOPs / matmul ceiling, minimum bytes / copy bandwidth), c/m: compute/memory. "
+            "Regime: the largest of the matmul time, the estimated bytes moved at copy bandwidth, and the launch "
+            f"overhead (launches × {rep.ceilings.launch_us:.0f} µs, or the host time when the GPU waits for it).")
+
+
+def _text(rep: ProfileReport) -> list[str]:
+    lines = _summary(rep)
+    if rep.regions:
+        lines += _table(*_rows(rep))
+        lines.append("kernels per forward" + ("" if rep.timed else " (predicted: eager ops, fxfuse launches)") + ":")
+        lines += [f"  {p} {side}: {k}" for p, side, k in _kernel_lines(rep)]
+        lines.append(_legend(rep))
+    lines += [f"note: {n}" for n in rep.notes]
+    return lines
+
+
+_CSS = ("body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;"
+        "font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}"
+        "th{background:#f3f3f3}img{max-width:100%}pre{background:#f7f7f7;padding:1em;font-size:12px}")
+
+
+def _html_table(header, rows) -> str:
+    h = "".join(f"<th>{html.escape(str(c))}</th>" for c in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{h}</tr>{body}</table>"
+
+
+def _html(rep: ProfileReport, png: Optional[bytes]) -> str:
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>fxfuse profile: {html.escape(rep.model)}"
+             f"</title><style>{_CSS}</style></head><body><h1>fxfuse profile: {html.escape(rep.model)}</h1>"]
+    parts += [f"<p>{html.escape(line)}</p>" for line in _summary(rep)]
+    parts += [f"<p><b>{html.escape(n)}</b></p>" for n in rep.notes]
+    if png:
+        parts.append(f"<img alt='roofline' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+    parts.append("<h2>Regions</h2>" + _html_table(*_rows(rep)))
+    parts.append(f"<p>{html.escape(_legend(rep))}</p>")
+    parts.append("<h2>Kernels per forward</h2>" + _html_table(("region", "side", "kernels"), _kernel_lines(rep)))
+    if rep.fusion is not None:
+        parts.append(f"<h2>Fusion report</h2><pre>{html.escape(str(rep.fusion))}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

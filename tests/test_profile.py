@@ -1,0 +1,305 @@
+"""fxfuse.profile: the structural report (CPU, meta), its files, the command line, kernel attribution.
+
+FLOPs and bytes below are computed by hand: FLOPs = 2·M·ΣK·N; minimum bytes = input + weights +
+biases + output, each once; eager traffic = every op reads its inputs and writes its output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models import GPT2MLP, ControlFlowModel, GatedMLP, Stack
+from torch import nn
+from torch.autograd import DeviceType
+
+from fxfuse.__main__ import main
+from fxfuse.profile import NEED_GPU, attribute, profile, short_kernel_name
+from fxfuse.roofline import classify, count_call, named_ceilings
+
+fxprofile = importlib.import_module("fxfuse.profile")  # the module, even once fxfuse exports profile()
+HERE = Path(__file__).resolve().parent
+PNG = b"\x89PNG\r\n\x1a\n"
+BF16 = torch.bfloat16
+
+
+def tiny_factory(shape=(2, 5, 32)):
+    """For the command line: ``python -m fxfuse profile test_profile:tiny_factory``."""
+    torch.manual_seed(0)
+    return GatedMLP(act="gelu").eval(), (torch.randn(shape),)
+
+
+class BigGated(nn.Module):
+    """A gated MLP of any size, without biases (GeGLU with gelu_tanh, or SwiGLU)."""
+
+    def __init__(self, d, h, act="gelu", device="meta", dtype=BF16):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(d, h, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(h, d, bias=False, device=device, dtype=dtype)
+        self.act = nn.GELU(approximate="tanh") if act == "gelu" else nn.SiLU()
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def _launches(region) -> int:
+    return 1 if region.strategy.startswith("fused_chain") else 2
+
+
+# ------------------------------------------------------------------------------------------ structure (CPU)
+
+def test_gpt2_mlp_structure():
+    rep = profile(GPT2MLP(32, 96).eval(), (torch.randn(2, 5, 32),))
+    assert not rep.timed and rep.device == "cpu" and rep.ceilings.name == "H200"
+    assert len(rep.regions) == 1
+    r = rep.regions[0]
+    assert (r.module_path, r.pattern, r.spec, r.m, r.dims, r.dtype) == \
+        ("<root>", "mlp", "1b:gelu_tanh(a0);1b:a0", 10, "32→96→32", "float32")
+    assert r.flops == 2 * 10 * 32 * 96 * 2 == 122880
+    assert r.min_bytes == 4 * (10 * 32 + (96 * 32 + 96) + (32 * 96 + 32) + 10 * 32) == 27648
+    # eager: linear (x, W1, b1 -> h), gelu (h -> h), linear (h, W2, b2 -> y)
+    assert r.before.traffic_bytes == 4 * ((320 + 3168 + 960) + (960 + 960) + (960 + 3104 + 320)) == 43008
+    assert r.before.launches == 3 and r.before.kernels == {"linear": 2, "gelu_tanh": 1}
+    assert r.after.launches == _launches(r)
+    assert r.after.traffic_bytes == (27648 if _launches(r) == 1 else 4 * ((320 + 3168 + 960) + (960 + 3104 + 320)))
+    assert r.before.gpu_us is None and r.after.gpu_us is None and r.speedup is None
+    text = str(rep)
+    assert NEED_GPU in text and "<root>" in text and "predicted" in text
+
+
+def test_gated_mlp_structure():
+    rep = profile(GatedMLP(32, 80, act="gelu").eval(), (torch.randn(3, 7, 32),), gpu="A100")
+    assert rep.ceilings.name == "A100"
+    (r,) = rep.regions
+    assert (r.pattern, r.m, r.dims) == ("gated_mlp", 21, "32→2×80→32")
+    assert r.spec.startswith("2--:") and "gelu_tanh" in r.spec
+    assert r.flops == 2 * 21 * (32 * 80 * 2 + 80 * 32) == 322560
+    assert r.min_bytes == 4 * (21 * 32 + 3 * 32 * 80 + 21 * 32) == 36096
+    h = 21 * 80  # one intermediate
+    eager = 2 * (672 + 2560 + h) + 2 * h + 3 * h + (h + 2560 + 672)  # gate, up, gelu, mul, down
+    assert r.before.traffic_bytes == 4 * eager
+    assert r.after.traffic_bytes == 4 * ((672 + 5120 + h) + (h + 2560 + 672))  # gated stage, then down
+    assert r.before.launches == 5 and r.after.launches == 2
+    assert r.before.kernels == {"linear": 3, "gelu_tanh": 1, "mul": 1}
+
+
+def test_predicted_regimes_on_h200_at_full_size():
+    """meta tensors: full-size workloads of workloads.md, nothing allocated."""
+    seed = profile(BigGated(768, 3072), (torch.empty(64, 128, 768, device="meta", dtype=BF16),), gpu="H200")
+    (r,) = seed.regions
+    assert r.m == 8192 and r.dtype == "bfloat16"
+    assert r.flops == 2 * 8192 * 768 * 3072 * 3 == 115_964_116_992  # benchmark table: 116.0 GFLOP
+    assert r.min_bytes == 2 * (8192 * 768 * 2 + 3 * 768 * 3072) == 39_321_600  # benchmark table: 39.3 MB
+    assert r.bound == "compute" and round(r.floor_us) == 165  # workloads.md: floor 165 µs
+    assert r.before.regime == r.after.regime == "compute"
+
+    llama = profile(BigGated(4096, 14336, act="silu"), (torch.empty(1, 4096, device="meta", dtype=BF16),))
+    (r,) = llama.regions
+    assert r.bound == "memory" and round(r.floor_us) == 83  # workloads.md: floor 83 µs
+    assert r.before.regime == r.after.regime == "memory"
+
+    gpt2m = profile(GPT2MLP(1024, 4096).to("meta", BF16).eval(), (torch.empty(1, 1024, device="meta", dtype=BF16),))
+    (r,) = gpt2m.regions
+    assert r.bound == "memory" and round(r.floor_us) == 4  # workloads.md: floor 4 µs
+    assert r.before.regime == r.after.regime == "overhead"  # ≥ 2 launches × 5 µs > 4 µs of weights
+    assert "launch" in str(r.after.verdict)
+
+
+def test_region_paths_of_a_stack_and_of_an_untraceable_model():
+    rep = profile(Stack(3).eval(), (torch.randn(2, 4, 32),))
+    assert [r.module_path for r in rep.regions] == ["blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"]
+    assert [r.module_path for r in profile(ControlFlowModel().eval(), (torch.randn(4, 32),)).regions] == ["mlp"]
+
+
+def test_profile_uses_the_given_optimized_model_and_leaves_it_alone():
+    import fxfuse
+
+    model = GatedMLP().eval()
+    x = torch.randn(4, 32)
+    opt = fxfuse.optimize(model, (x,))
+    rep = profile(model, (x,), optimized=opt)
+    assert len(rep.regions) == 1 and rep.fusion is fxfuse.report(opt)
+    assert torch._C._len_torch_function_stack() == 0  # the interception is over
+    torch.testing.assert_close(opt(x), model(x))
+
+
+def test_save_writes_png_and_html(tmp_path):
+    rep = profile(Stack(2).eval(), (torch.randn(2, 4, 32),))
+    written = rep.save(tmp_path)
+    assert set(written) == {"png", "html"}  # no traces without a GPU
+    assert (tmp_path / "roofline.png").read_bytes().startswith(PNG)
+    page = (tmp_path / "report.html").read_text()
+    assert "<table>" in page and "blocks.1.mlp" in page and "data:image/png;base64," in page
+    assert NEED_GPU in page and "Fusion report" in page
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+def test_cli_main(tmp_path, capsys):
+    assert main(["profile", "test_profile:tiny_factory", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "gated_mlp" in out and NEED_GPU in out and "32→2×80→32" in out
+    assert (tmp_path / "roofline.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "report.html").exists()
+
+
+def test_cli_shape_dtype_and_named_gpu(capsys):
+    assert main(["profile", f"{HERE / 'test_profile.py'}:tiny_factory", "--shape", "6,32", "--dtype", "fp16",
+                 "--gpu", "H100", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "float16" in out and "H100" in out and "  6  " in out
+
+
+def test_cli_subprocess(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "fxfuse", "profile", "test_profile:tiny_factory", "--device", "cpu",
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "gated_mlp" in run.stdout and "timings need a GPU" in run.stdout
+    assert (tmp_path / "report.html").exists()
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+def test_count_call_chain_in_one_launch_moves_the_minimum():
+    x = torch.empty(100, 16, device="meta")
+    ws = [torch.empty(32, 16, device="meta"), torch.empty(8, 32, device="meta")]
+    bs = [torch.empty(32, device="meta"), torch.empty(8, device="meta")]
+    one = count_call("1b:relu(a0);1b:a0", x, ws, bs, [], launches=1)
+    two = count_call("1b:relu(a0);1b:a0", x, ws, bs, [], launches=2)
+    assert one.min_bytes == one.fused_bytes == 4 * (1600 + 512 + 32 + 256 + 8 + 800)
+    assert two.fused_bytes == one.min_bytes + 2 * 4 * 100 * 32  # the intermediate written and read once
+    assert one.eager_launches == 3 and one.eager_ops == ("linear", "relu", "linear")
+
+
+def test_classify_measured():
+    c = named_ceilings("NVIDIA H200")
+    flops, nbytes = 116e9, 39.3e6
+    v = classify(flops, nbytes, 2, c, "bfloat16", gpu_us=236.0, host_us=60.0)
+    assert v.regime == "compute" and "70% of the matmul ceiling" in v.detail
+    v = classify(0.35e9, 352e6, 2, c, "bfloat16", gpu_us=95.0, host_us=30.0)
+    assert v.regime == "memory" and "88% of copy bandwidth" in v.detail
+    v = classify(0.35e9, 352e6, 2, c, "bfloat16", gpu_us=95.0, host_us=150.0)  # the GPU waits for the host
+    assert v.regime == "overhead" and "host 150 µs" in v.detail
+    with pytest.raises(ValueError):
+        named_ceilings("TPU")
+
+
+def test_short_kernel_name():
+    gelu = ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl("
+            "at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::"
+            "{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, at::native::GeluCUDAKernelImpl("
+            "at::TensorIteratorBase&, at::native::GeluType))")
+    assert short_kernel_name(gelu) == "vectorized_elementwise_kernel<GeluCUDAKernelImpl>"
+    mul = ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, "
+           "c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, ...)")
+    assert short_kernel_name(mul) == "vectorized_elementwise_kernel<MulFunctor>"
+    assert short_kernel_name("fused_stage_kernel") == "fused_stage_kernel"
+    assert short_kernel_name("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_NTN") == "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_NTN"
+    assert len(short_kernel_name("x" * 200)) == 60
+
+
+def _ev(name, id, start, end, *, device=DeviceType.CPU, linked=0, parent=None, annotation=False):
+    e = SimpleNamespace(name=name, id=id, device_type=device, linked_correlation_id=linked,
+                        time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent, cpu_children=[],
+                        is_user_annotation=annotation)
+    if parent is not None:
+        parent.cpu_children.append(e)
+    return e
+
+
+def test_attribute_kernels_to_regions_and_iterations():
+    """Synthetic profiler events: kernels found by their launching op, or by their launch call's time."""
+    cuda = DeviceType.CUDA
+    events = []
+    for i in range(2):
+        t = 1000 * i
+        it = _ev(f"fxfuse iteration {i}", 100 * i + 1, t, t + 900, annotation=True)
+        region = _ev("fxfuse region blocks.0.mlp", 100 * i + 2, t + 10, t + 50, parent=it, annotation=True)
+        op = _ev("fxfuse::mlp", 100 * i + 3, t + 12, t + 48, parent=region)
+        launch = _ev("cuLaunchKernelEx", 5000 + 10 * i, t + 13, t + 14, linked=op.id, parent=op)
+        bare_launch = _ev("cuLaunchKernelEx", 5001 + 10 * i, t + 20, t + 21, linked=999)  # unlinked: by time
+        other = _ev("aten::add", 100 * i + 4, t + 60, t + 70, parent=it)
+        events += [it, region, op, launch, bare_launch, other,
+                   _ev("fused_stage_kernel", 5000 + 10 * i, t + 100, t + 130, device=cuda, linked=op.id),
+                   _ev("fused_stage_kernel", 5001 + 10 * i, t + 130, t + 150 + 10 * i, device=cuda),
+                   _ev("vectorized_elementwise_kernel<AddFunctor>", 7000 + i, t + 200, t + 205, device=cuda,
+                       linked=other.id),
+                   _ev("fxfuse region blocks.0.mlp", 8000 + i, t + 100, t + 150, device=cuda, annotation=True)]
+    flush_op = _ev("aten::zero_", 9000, 2000, 2010)
+    events += [flush_op, _ev("memset", 9001, 2020, 2400, device=cuda, linked=flush_op.id)]
+    per_region, total = attribute(events, iters=2)
+    m = per_region["fxfuse region blocks.0.mlp"]
+    assert m.kernels == {"fused_stage_kernel": 2.0} and m.launches == 2.0
+    assert m.gpu_us == pytest.approx((30 + 20 + 30 + 30) / 2)  # per iteration 50, 60: median 55
+    assert m.host_us == pytest.approx(40)
+    assert total == pytest.approx((55 + 65) / 2)  # the region plus the add; not the flush
+
+
+def test_attribute_falls_back_to_the_kernels_torch_attached_to_ops():
+    it = _ev("fxfuse iteration 0", 1, 0, 100, annotation=True)
+    region = _ev("fxfuse region mlp", 2, 10, 50, parent=it, annotation=True)
+    op = _ev("aten::mm", 3, 12, 20, parent=region)
+    op.kernels = [SimpleNamespace(name="nvjet_tst_128x64", device=0, duration=7.0)] * 2
+    per_region, total = attribute([it, region, op], iters=1)
+    assert per_region["fxfuse region mlp"].kernels == {"nvjet_tst_128x64": 2.0}
+    assert per_region["fxfuse region mlp"].gpu_us == total == 14.0
+
+
+def test_host_timed_path_on_cpu(monkeypatch, tmp_path):
+    """The timed path end to end, with host timers and CPU ops standing in for kernels."""
+    monkeypatch.setattr(fxprofile, "_HOST_TIMED", True)
+    rep = profile(GatedMLP(16, 32).eval(), (torch.randn(4, 16),), iters=2, warmup=1)
+    assert rep.timed and rep.before_us > 0 and rep.after_us > 0 and rep.speedup > 0
+    (r,) = rep.regions
+    for side in (r.before, r.after):
+        assert side.gpu_us > 0 and side.host_us > 0 and side.kernels and side.tflops > 0
+        assert "predicted" not in str(side.verdict)
+    assert NEED_GPU not in str(rep) and "end to end" in str(rep)
+    written = rep.save(tmp_path)
+    assert {"png", "html", "trace_before", "trace_after"} <= set(written)
+    trace = json.loads((tmp_path / "trace_before.json").read_text())
+    assert any(str(e.get("name", "")).startswith("fxfuse region") for e in trace["traceEvents"])
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+def test_profile_on_the_gpu(tmp_path):
+    model = BigGated(256, 512, device="cuda").eval()
+    x = torch.randn(4, 128, 256, device="cuda", dtype=BF16)
+    rep = profile(model, (x,), iters=5)
+    assert rep.timed
+    assert rep.ceilings.copy_bytes_per_s > 1e11 and rep.ceilings.matmul("bfloat16") > 1e13
+    assert rep.before_us > 0 and rep.after_us > 0
+    (r,) = rep.regions
+    assert r.after.launches == 2, r.after.kernels  # gate+up with the epilogue, then down
+    assert r.before.launches >= 5, r.before.kernels  # 3 GEMMs, gelu, mul (cuBLAS may add its own)
+    assert r.before.gpu_us > 0 and r.after.gpu_us > 0 and r.speedup > 0
+    assert sum(r.after.kernels.values()) == r.after.launches
+    assert r.after.gpu_us <= rep.after_kernel_us + 1e-6
+    written = rep.save(tmp_path)
+    for side in ("before", "after"):
+        trace = json.loads(written[f"trace_{side}"].read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "fxfuse region <root>" in names
+    assert written["png"].read_bytes().startswith(PNG)
+
+
+@pytest.mark.gpu
+def test_profile_region_time_agrees_with_do_bench_of_the_region_alone():
+    """One region that is the whole model: its kernel time ≈ the model's do_bench median (within 25%)."""
+    model = BigGated(1024, 4096, device="cuda").eval()  # ~300 µs of GPU work: not host-bound
+    x = torch.randn(8192, 1024, device="cuda", dtype=BF16)
+    rep = profile(model, (x,), iters=10)
+    (r,) = rep.regions
+    assert r.after.gpu_us == pytest.approx(rep.after_us, rel=0.25)
+    assert r.before.gpu_us == pytest.approx(rep.before_us, rel=0.25)
