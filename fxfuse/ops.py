@@ -35,7 +35,7 @@ from torch.library import triton_op
 
 from . import epilogue as ep
 from .spec import MLPSpec
-from .strategy import FUSED_CHAIN, choose_strategy
+from .strategy import FUSED_CHAIN, choose_strategy, kernels_are_faster, measured_choice_enabled
 
 __all__ = ["mlp", "reference_mlp", "kernel_fallback_reason"]
 
@@ -169,7 +169,12 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
 def _dispatch(x, weights, biases, operands, spec):
     reason = kernel_fallback_reason(x, weights, biases, operands, spec)
     if reason is None:
-        return _run_kernels(x, weights, biases, operands, spec)
+        if x.device.type != "cuda" or type(x) is not Tensor or not measured_choice_enabled():
+            return _run_kernels(x, weights, biases, operands, spec)
+        args = (x, weights, biases, operands, spec)
+        if kernels_are_faster(args, lambda: _run_kernels(*args), lambda: reference_mlp(*args)):
+            return _run_kernels(*args)
+        return reference_mlp(*args)
     if reason not in _logged_fallbacks:
         _logged_fallbacks.add(reason)
         log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
