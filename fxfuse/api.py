@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Optional
@@ -11,11 +11,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .capture import capture
-from .pipeline import fuse_graph
+from .capture import CaptureFailure, discover, record_inputs
+from .hosts import assemble, fused_graphs, place
 from .report import FusionReport
 
-__all__ = ["optimize", "report"]
+__all__ = ["fused_graphs", "optimize", "report"]
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,16 @@ _backend_reports: list[FusionReport] = []
 def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] = None) -> nn.Module:
     """Return a module that computes what ``model`` computes, its MLP chains fused into Triton kernels.
 
-    ``model`` itself is not modified; the result shares its parameters (nothing is copied) and has
-    the same ``state_dict()``. ``example_inputs``, if given, are run once so that every shape and
-    dtype is known when deciding what to fuse. ``fxfuse.report(result)`` says what was fused and why
-    the rest was not.
+    The result is a shallow copy of ``model``, of the same class, with the same methods (``generate``),
+    attributes (``config``) and ``state_dict()``: parameters, buffers and untouched submodules are shared
+    (nothing is copied); only the modules that run a fused chain, and their parents, are new objects.
+    Each chain runs from the smallest method that contains it (``LlamaMLP.forward``,
+    ``BertLayer.feed_forward_chunk``...), so models that cannot be traced whole are fused too; a call
+    that is not one the fused graph stands for (another training mode, autocast, other arguments) runs
+    the original method. ``model`` itself is not modified.
+
+    ``example_inputs``, if given, are run once so that every shape and dtype is known when deciding what
+    to fuse. ``fxfuse.report(result)`` says what was fused, what was not and why.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
@@ -41,43 +47,44 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
         raise TypeError(f"fxfuse.optimize takes an nn.Module, got {type(model).__name__}")
     start = time.perf_counter()
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
-    captured = capture(model, example_inputs)
-    full_report = FusionReport(capture_failures=captured.failures)
-    replacements: dict[str, nn.Module] = {}
-    for unit in captured.graphs:
-        unit_report = fuse_graph(unit.gm, unit.example_inputs, prefix=unit.module_path)
-        full_report.extend(unit_report)
-        if unit.module_path == "" or unit_report.num_fused:
-            replacements[unit.module_path] = unit.gm
+    module_inputs = record_inputs(model, example_inputs) if example_inputs is not None else {}
+    found = discover(model)
+    placement = place(model, found, module_inputs)  # (adds the graphs it could not analyze to found.failures)
+    try:
+        result = assemble(model, placement.hosts, placement.inline)
+    except Exception as err:  # pragma: no cover - a module that cannot be copied: nothing is fused
+        log.info("fxfuse: could not install the fused methods (%s: %s)", type(err).__name__, err,
+                 exc_info=log.isEnabledFor(logging.DEBUG))
+        found.failures.append(CaptureFailure("", f"not installed: {type(err).__name__}: {err}"))
+        placement.hosts, placement.inline, placement.inline_reports = [], [], []
+        result = assemble(model, [], [])
+    full_report = FusionReport(rejections=placement.rejections, capture_failures=_summarize(found.failures),
+                               graphs=placement.graphs)
+    reported: set[frozenset[int]] = set()
+    for host in placement.hosts:
+        for region, weights in zip(host.report.regions, host.fused):
+            if weights in reported:
+                continue
+            reported.add(weights)
+            if host.method != "forward":
+                cls = type(model.get_submodule(host.module_path)).__name__
+                region.notes.append(f"runs from {cls}.{host.method}")
+            full_report.regions.append(region)
+        full_report.graphs += all(host.scope is not s for s in found.scopes)  # (a discovery graph reused)
+    full_report.regions += placement.inline_reports
     full_report.seconds = time.perf_counter() - start
-
-    if "" in replacements:
-        result = replacements[""]
-    else:
-        result = _with_children_replaced(model, replacements)
     setattr(result, _REPORT_ATTR, full_report)
     log.info("%s", full_report)
     return result
 
 
-def _with_children_replaced(model: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
-    """A shallow copy of ``model`` in which the modules at these paths are swapped.
-
-    Only the modules on the way to a replaced child are copied (with their own ``_modules`` dict);
-    everything else, parameters included, is shared with ``model``, which stays as it was.
-    """
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
-    for path, new_child in replacements.items():
-        parent = root
-        *parents, leaf = path.split(".")
-        for name in parents:
-            child = copy.copy(parent._modules[name])
-            child._modules = dict(child._modules)
-            parent._modules[name] = child
-            parent = child
-        parent._modules[leaf] = new_child
-    return root
+def _summarize(failures: list[CaptureFailure]) -> list[CaptureFailure]:
+    """One line per kind of failure: ``layers.*.self_attn (x12)`` instead of twelve lines."""
+    groups: dict[tuple[str, str], int] = {}
+    for f in failures:
+        key = (re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", f.module_path), f.error)
+        groups[key] = groups.get(key, 0) + 1
+    return [CaptureFailure(path if n == 1 else f"{path} (x{n})", err) for (path, err), n in groups.items()]
 
 
 def report(model: Optional[nn.Module] = None) -> FusionReport:

@@ -1,28 +1,62 @@
-"""Capture: turn the user's model into FX graphs, as much of it as can be traced.
+"""Capture: trace the parts of a model that can be traced, as FX graphs that remember where each op came from.
 
-First the whole model goes through ``torch.fx.symbolic_trace``. Most real models have Python
-control flow somewhere (on input values, shapes, optional arguments), so when that fails the
-children are tried one by one, recursively: every submodule that traces becomes its own graph,
-and the ones that do not are reported with the tracer's error.
+Real models rarely trace whole: attention has Python control flow, ``forward`` takes ``**kwargs`` and
+caches, layers check dtypes. Capture therefore works on *scopes* (one method of one module) with a
+tracer built for that:
 
-The graphs share the user's parameters and submodules (nothing is copied), and each keeps every
-parameter and buffer of the module it stands for, so ``state_dict()`` is unchanged.
+* **Failing submodules become leaves.** When tracing fails inside a submodule (attention, a rotary
+  embedding), that submodule is kept opaque (a ``call_module`` node) and the scope is traced again.
+  Only an error in the scope's own code makes the scope fail.
+* **Arguments are specialized, and the specialization is recorded.** A parameter without a default
+  is a placeholder; one whose default is ``None`` (or a bool, number, string) is traced with that
+  default; ``*args`` / ``**kwargs`` are traced empty. :class:`ArgSpec` records this so that the code
+  running the fused graph can check, on each call, that the call is one the graph stands for
+  (:mod:`fxfuse.hosts`).
+* **Every op remembers its Python frames** (``node.meta["fxfuse_frames"]``: the module path and code
+  object of each enclosing method of a module of the scope), so the smallest method that contains a
+  chain can be found even when the chain spans sibling submodules or sits inline in a layer.
+* Known activation modules (``transformers.activations``, ``torch.nn``) stay leaves, classified by
+  class.
+
+:func:`discover` walks the model top-down: it traces ``forward`` of the largest modules it can, recurses
+into whatever stayed opaque, and where a ``forward`` cannot be traced at all, tries the module's other
+methods that call its submodules (``BertLayer.feed_forward_chunk``, ``TransformerEncoderLayer._ff_block``)
+and then its children. Discovery traces are *permissive* (a Python ``if`` on a traced value takes the
+``False`` branch): they only say where the chains are; the graphs that run are traced strictly.
+
+Nothing is copied: graphs reference the user's modules and parameters.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections import OrderedDict
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Capture", "CaptureFailure", "CapturedGraph", "capture", "trace_module"]
+from .pointwise import is_known_activation
+
+__all__ = ["ArgSpec", "CaptureFailure", "Discovery", "Scope", "discover", "record_inputs", "trace_scope",
+           "weight_count"]
 
 log = logging.getLogger(__name__)
+
+_FX_DIR = os.path.dirname(fx.__file__)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MAX_LEAF_RETRIES = 24
+# Methods never traced during discovery (they change the model or are not computations).
+_LIFECYCLE_PREFIXES = ("_init", "init_", "reset", "tie_", "_tie", "load", "_load", "save", "_save", "set_", "_set",
+                       "get_", "_get", "resize", "prune", "post_init", "gradient_checkpointing", "register",
+                       "_register", "_apply", "_replicate", "_conv_forward", "extra_repr")
+_LIFECYCLE_NAMES = {"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "train", "eval", "apply",
+                    "zero_grad", "share_memory", "requires_grad_", "type", "ipu", "xpu", "mtia", "to_empty"}
 
 
 @dataclass
@@ -31,107 +65,347 @@ class CaptureFailure:
     error: str
 
 
-@dataclass
-class CapturedGraph:
-    module_path: str  # where the graph stands in the model ("" is the whole model)
-    gm: fx.GraphModule
-    example_inputs: Optional[tuple] = None
+@dataclass(frozen=True)
+class ArgSpec:
+    """How one parameter of a traced method was treated.
 
-
-@dataclass
-class Capture:
-    graphs: list[CapturedGraph] = field(default_factory=list)
-    failures: list[CaptureFailure] = field(default_factory=list)
-
-
-def trace_module(module: nn.Module) -> fx.GraphModule:
-    """``symbolic_trace`` that keeps the module's class name and its whole state (see module doc)."""
-    tracer = fx.Tracer()
-    graph = tracer.trace(module)
-    gm = fx.GraphModule(tracer.root, graph, module.__class__.__name__)
-    _adopt_state(gm, module)
-    return gm
-
-
-def _adopt_state(gm: fx.GraphModule, module: nn.Module) -> None:
-    """Give ``gm`` every child, parameter and buffer of ``module`` (shared), in the original order.
-
-    GraphModule keeps only the attributes its graph uses; a dropped child (an eval-mode dropout,
-    an unused layer) would otherwise vanish from ``state_dict()``.
+    ``mode`` is ``"proxy"`` (a placeholder of the graph), ``"const"`` (traced with ``value``: a call must
+    pass exactly that value, or leave the default) or ``"empty"`` (``*args`` / ``**kwargs``: must be empty).
     """
-    for name, child in module.named_children():
-        if name not in gm._modules:
-            gm.add_module(name, child)
-    for name, p in module.named_parameters(recurse=False):
-        if name not in gm._parameters:
-            gm.register_parameter(name, p)
-    non_persistent = getattr(module, "_non_persistent_buffers_set", set())
-    for name, b in module.named_buffers(recurse=False):
-        if name not in gm._buffers:
-            gm.register_buffer(name, b, persistent=name not in non_persistent)
-    # Same key order as the original (state_dict follows registration order).
-    gm._modules = OrderedDict((k, gm._modules[k]) for k in _ordered(module._modules, gm._modules))
-    gm._parameters = OrderedDict((k, gm._parameters[k]) for k in _ordered(module._parameters, gm._parameters))
-    gm._buffers = OrderedDict((k, gm._buffers[k]) for k in _ordered(module._buffers, gm._buffers))
-    gm.train(module.training)
+
+    name: str
+    kind: inspect._ParameterKind
+    mode: str
+    value: Any = None
+    has_default: bool = False
 
 
-def _ordered(original: dict, current: dict) -> list:
-    return [k for k in original if k in current] + [k for k in current if k not in original]
+@dataclass
+class Scope:
+    """One traced method of one module: ``gm`` (root = that module), and how it was traced."""
+
+    module_path: str
+    method: str
+    gm: fx.GraphModule
+    args: list[ArgSpec]
+    leaves: list[str] = field(default_factory=list)  # submodules kept opaque because they failed to trace
+    permissive_used: bool = False  # a Python branch on a traced value was taken blindly (discovery only)
+    permissive_reason: str = ""
+    constants: dict[str, Any] = field(default_factory=dict)  # attributes the tracer created (tensor constants)
+    mode_dependent: bool = True  # the graph may differ between training and eval mode
 
 
-def _may_hold_a_chain(module: nn.Module) -> bool:
-    """Worth a graph of its own: callable and with at least two weight matrices below it."""
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        return False
-    return sum(1 for p in module.parameters() if p.dim() == 2) >= 2
+def weight_count(module: nn.Module) -> int:
+    """Number of weight matrices (2-D parameters) at or below ``module``."""
+    return sum(1 for p in module.parameters() if p.dim() == 2)
 
 
 def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
+    """The error's type and first sentence."""
+    lines = str(err).strip().splitlines()
+    first = lines[0] if lines else ""
+    cut = first.find(". ")
+    return f"{type(err).__name__}: {first[:cut + 1] if cut > 0 else first}"[:200]
 
 
-def capture(model: nn.Module, example_inputs: Optional[tuple] = None) -> Capture:
-    """Trace ``model`` whole, or else its largest traceable submodules (see module doc)."""
-    result = Capture()
-    try:
-        result.graphs.append(CapturedGraph("", trace_module(model), example_inputs))
-        return result
-    except Exception as err:  # the tracer raises many kinds: TraceError, TypeError, NotImplementedError…
-        result.failures.append(CaptureFailure("", _short(err)))
-        log.info("fxfuse: the whole model could not be traced (%s); trying its submodules", _short(err))
-    child_inputs = _record_inputs(model, example_inputs) if example_inputs is not None else {}
-    _capture_children(model, "", child_inputs, result)
-    return result
+class _Tracer(fx.Tracer):
+    def __init__(self, forced_leaves: set[int], permissive: bool):
+        # No autowrapping of ``math`` functions: it rescans each module's globals on every call.
+        super().__init__(autowrap_modules=())
+        self.forced_leaves = forced_leaves
+        self.permissive = permissive
+        self.permissive_used = False
+        self.permissive_reason = ""
+        self.arg_specs: list[ArgSpec] = []
 
+    # --- what stays opaque
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self.forced_leaves or is_known_activation(m):
+            return True
+        return super().is_leaf_module(m, qualname)
 
-def _capture_children(module: nn.Module, prefix: str, inputs: dict[int, tuple], result: Capture) -> None:
-    for name, child in module.named_children():
-        path = f"{prefix}.{name}" if prefix else name
-        if not _may_hold_a_chain(child):
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                _capture_children(child, path, inputs, result)
-            continue
+    def call_module(self, m, forward, args, kwargs):
         try:
-            gm = trace_module(child)
+            return super().call_module(m, forward, args, kwargs)
         except Exception as err:
-            result.failures.append(CaptureFailure(path, _short(err)))
-            log.debug("fxfuse: %s could not be traced: %s", path, _short(err))
-            _capture_children(child, path, inputs, result)
+            if not hasattr(err, "_fxfuse_module"):  # the innermost module the error came from
+                try:
+                    err._fxfuse_module = self.path_of_module(m)
+                except Exception:
+                    pass
+            raise
+
+    # --- control flow on traced values
+    def to_bool(self, obj) -> bool:
+        if not self.permissive:
+            return super().to_bool(obj)
+        if not self.permissive_used:
+            self.permissive_used = True
+            try:
+                super().to_bool(obj)
+            except Exception as err:
+                self.permissive_reason = _short(err)
+        return False
+
+    # --- arguments: placeholders for required parameters, defaults for the rest (recorded)
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        sig = inspect.signature(inspect.unwrap(root_fn))
+        params = list(sig.parameters.values())[1:]  # drop self
+        pos: list[Any] = []
+        kw: dict[str, Any] = {}
+        specs: list[ArgSpec] = []
+        for p in params:
+            if p.kind is p.VAR_POSITIONAL or p.kind is p.VAR_KEYWORD:
+                specs.append(ArgSpec(p.name, p.kind, "empty"))
+                continue
+            has_default = p.default is not p.empty
+            if has_default:  # not passed: the call sees its default, as a plain call would
+                specs.append(ArgSpec(p.name, p.kind, "const", p.default, True))
+                continue
+            value = self.create_proxy("placeholder", p.name, (), {})
+            specs.append(ArgSpec(p.name, p.kind, "proxy"))
+            if p.kind is p.KEYWORD_ONLY:
+                kw[p.name] = value
+            else:
+                pos.append(value)
+        self.arg_specs = specs
+        root = self.root
+
+        def call(*_):
+            return root_fn(root, *pos, **kw)
+
+        return call, []
+
+    # --- where every op comes from
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind in ("call_function", "call_method", "call_module"):
+            node.meta["fxfuse_frames"] = self._frames()
+        return node
+
+    def _frames(self) -> tuple:
+        """(module path, code) of every enclosing method of a module of the scope, outermost first."""
+        paths = self.submodule_paths or {}
+        out = []
+        f = sys._getframe(2)
+        while f is not None:
+            code = f.f_code
+            if code is _TRACE_CODE:
+                break
+            if code.co_argcount and code.co_varnames[0] == "self" and not code.co_filename.startswith(_FX_DIR):
+                owner = f.f_locals.get("self")
+                if isinstance(owner, nn.Module):
+                    path = paths.get(owner)
+                    if path is not None:
+                        out.append((path, code))
+            f = f.f_back
+        out.reverse()
+        return tuple(out)
+
+
+_TRACE_CODE = fx.Tracer.trace.__code__
+
+try:  # code generated only when used: most discovery graphs are only read
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # pragma: no cover
+    _GraphModule = fx.GraphModule
+
+
+def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward", *, permissive: bool = False,
+                leaves: Optional[set[int]] = None, failing: Optional[dict] = None) -> Scope:
+    """Trace ``module.<method>`` (see the module doc); raise the tracer's error if its own code fails.
+
+    ``leaves``: ids of submodules to keep opaque from the start. ``failing``: a cache shared between
+    calls: submodule classes that failed before start as leaves, which saves a retry per layer.
+    ``Scope.mode_dependent`` says whether the graph may differ between training and eval mode (it reads
+    ``.training`` somewhere, or has a dropout).
+    """
+    forced = set(leaves or ())
+    failing = failing if failing is not None else {}
+    for sub in module.modules():
+        if sub is not module and type(sub) in failing:
+            forced.add(id(sub))
+
+    before = set(vars(module))
+    for _ in range(_MAX_LEAF_RETRIES):
+        tracer = _Tracer(forced, permissive)
+        tracer.traced_func_name = method
+        codes: set = set()
+        state = _snapshot(module)
+        try:
+            graph = _trace_watching(tracer, module, codes)
+            gm = _GraphModule(module, graph, type(module).__name__)
+        except Exception as err:
+            culprit = getattr(err, "_fxfuse_module", None)
+            if not culprit:
+                raise
+            sub = module.get_submodule(culprit)
+            failing[type(sub)] = True
+            # Every module of that class (the same attention in each layer) is kept opaque at once.
+            forced.update(id(m) for m in module.modules() if type(m) is type(sub) and m is not module)
+            log.debug("fxfuse: %s kept opaque in %s.%s: %s", culprit, module_path or "<root>", method, _short(err))
             continue
-        result.graphs.append(CapturedGraph(path, gm, inputs.get(id(child))))
+        finally:
+            constants = _take_new_attributes(module, before)
+            _restore(state)
+        leaf_paths = {n.target for n in graph.nodes if n.op == "call_module"}
+        opaque = {p for p in leaf_paths if id(module.get_submodule(p)) in forced}
+        return Scope(module_path, method, gm, tracer.arg_specs, sorted(opaque), tracer.permissive_used,
+                     tracer.permissive_reason, constants, _mode_dependent(gm, codes))
+    raise RuntimeError(f"too many submodules fail to trace (> {_MAX_LEAF_RETRIES})")
 
 
-def _record_inputs(model: nn.Module, example_inputs: tuple) -> dict[int, tuple]:
-    """Run ``model`` once and keep the positional inputs each submodule saw (for shape propagation)."""
-    seen: dict[int, tuple] = {}
+def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set) -> fx.Graph:
+    """``tracer.trace(module)``, collecting the code objects that ran and read a ``training`` attribute
+    (``None`` in ``codes`` when that cannot be watched: another profiler is installed)."""
+    if sys.getprofile() is not None:
+        codes.add(None)
+        return tracer.trace(module)
+
+    def profile(frame, event, arg):
+        if event == "call" and "training" in frame.f_code.co_names:
+            codes.add(frame.f_code)
+
+    sys.setprofile(profile)
+    try:
+        return tracer.trace(module)
+    finally:
+        sys.setprofile(None)
+
+
+_DROPOUT_TARGETS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+
+
+def _mode_dependent(gm: fx.GraphModule, codes: set) -> bool:
+    if None in codes or any(not c.co_filename.startswith(_TORCH_DIR) for c in codes):
+        return True
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.dropout._DropoutNd):
+            return True
+        if node.op == "call_function" and node.target in _DROPOUT_TARGETS:
+            return True
+    return False
+
+
+def _snapshot(module: nn.Module) -> list[tuple[nn.Module, dict, dict, dict]]:
+    """The attributes of every module below ``module`` (model code may cache values on modules while it
+    runs: with a tracer those would be proxies)."""
+    return [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+
+
+def _restore(state: list[tuple[nn.Module, dict, dict, dict]]) -> None:
+    """Undo whatever tracing changed on the user's modules."""
+    for m, attrs, params, buffers in state:
+        current = vars(m)
+        if current.keys() != attrs.keys() or any(current[k] is not v for k, v in attrs.items()):
+            current.clear()
+            current.update(attrs)
+        for live, saved in ((m._parameters, params), (m._buffers, buffers)):
+            if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
+                live.clear()
+                live.update(saved)
+
+
+def _take_new_attributes(module: nn.Module, before: set[str]) -> dict[str, Any]:
+    """The tracer stores tensor constants on the traced module: move them off the user's module."""
+    created = {k: v for k, v in vars(module).items() if k not in before}
+    for k in created:
+        delattr(module, k)
+    return created
+
+
+# ------------------------------------------------------------------------------------------- discovery
+
+@dataclass
+class Discovery:
+    scopes: list[Scope] = field(default_factory=list)
+    failures: list[CaptureFailure] = field(default_factory=list)
+
+
+def discover(model: nn.Module) -> Discovery:
+    """Trace the model top-down, as large as possible, to find where its chains are (see the module doc)."""
+    out = Discovery()
+    failing: dict = {}
+    _visit(model, "", out, failing, set())
+    return out
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: set[int]) -> None:
+    if id(module) in seen or weight_count(module) < 2:
+        return
+    seen.add(id(module))
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:
+        for name, child in module.named_children():
+            _visit(child, _join(path, name), out, failing, seen)
+        return
+    try:
+        # A class whose forward failed in its own code fails again (attention in every layer): skip it.
+        known = failing.get(("forward", type(module)))
+        if known is not None:
+            raise known
+        scope = trace_scope(module, path, permissive=True, failing=failing)
+    except Exception as err:
+        failing[("forward", type(module))] = err
+        out.failures.append(CaptureFailure(path, _short(err)))
+        log.debug("fxfuse: %s could not be traced: %s", path or "<root>", _short(err))
+        for method in _candidate_methods(module):
+            try:
+                out.scopes.append(trace_scope(module, path, method, permissive=True, failing=failing))
+            except Exception as m_err:
+                log.debug("fxfuse: %s.%s could not be traced: %s", path or "<root>", method, _short(m_err))
+        for name, child in module.named_children():
+            _visit(child, _join(path, name), out, failing, seen)
+        return
+    out.scopes.append(scope)
+    if scope.permissive_used:  # only its chains are used (each from a method that traces strictly)
+        out.failures.append(CaptureFailure(path, scope.permissive_reason))
+    # Whatever the trace kept opaque may hold chains of its own.
+    for node in scope.gm.graph.nodes:
+        if node.op == "call_module":
+            sub = module.get_submodule(node.target)
+            if not is_known_activation(sub):
+                _visit(sub, _join(path, node.target), out, failing, seen)
+
+
+def _candidate_methods(module: nn.Module) -> list[str]:
+    """Methods (other than ``forward``) of the module's class that call at least two of its submodules
+    and take an input: where a chain spanning siblings lives when ``forward`` itself cannot be traced."""
+    if hasattr(type(module), "from_pretrained"):  # a whole model: its methods are not computations
+        return []
+    children = set(module._modules)
+    found = []
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object) or cls.__module__.startswith("torch.nn.modules.module"):
+            break
+        for name, fn in vars(cls).items():
+            if name == "forward" or name.startswith("__") or name in found or not inspect.isfunction(fn):
+                continue
+            if name in _LIFECYCLE_NAMES or name.startswith(_LIFECYCLE_PREFIXES):
+                continue
+            code = inspect.unwrap(fn).__code__
+            if code.co_argcount < 2:
+                continue
+            if len(children & set(code.co_names)) >= 2:
+                found.append(name)
+    return found
+
+
+# ------------------------------------------------------------------------------------------ example inputs
+
+def record_inputs(model: nn.Module, example_inputs: tuple) -> dict[int, tuple[tuple, dict]]:
+    """Run ``model`` once and keep the ``(args, kwargs)`` of the first call of every submodule."""
+    seen: dict[int, tuple[tuple, dict]] = {}
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        if not kwargs and id(mod) not in seen:
-            seen[id(mod)] = args
+        if id(mod) not in seen:
+            seen[id(mod)] = (args, dict(kwargs))
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules() if m is not model]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
     try:
         with torch.no_grad():
             model(*example_inputs)

@@ -23,13 +23,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
-__all__ = ["TensorInfo", "constant_value", "get_attr_value", "info_of_value", "tensor_info"]
+__all__ = ["TensorInfo", "constant_value", "get_attr_value", "info_of_value", "param_getter", "tensor_info"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +116,24 @@ def constant_value(node: Any) -> Optional[float]:
     if isinstance(value, (torch.SymInt, torch.SymFloat)) and expr is not None and getattr(expr, "is_number", False):
         return float(expr)
     return None
+
+
+def param_getter(paths: list[str]) -> Callable[[torch.nn.Module], Sequence[torch.Tensor]]:
+    """``self -> [tensors at paths]`` through the modules' own dicts (``getattr`` on modules is slow)."""
+    split = [p.split(".") for p in paths]
+    getters = [operator.attrgetter(p) for p in paths]
+
+    def get(module: torch.nn.Module) -> Sequence[torch.Tensor]:
+        out = []
+        try:
+            for parts in split:
+                m = module
+                for part in parts[:-1]:
+                    m = m._modules[part]
+                t = m._parameters.get(parts[-1])
+                out.append(t if t is not None else m._buffers[parts[-1]])
+        except (KeyError, AttributeError):  # not a plain parameter/buffer path: the slow way
+            return [g(module) for g in getters]
+        return out
+
+    return get

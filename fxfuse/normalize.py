@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .meta import TensorInfo, tensor_info
-from .pointwise import PointwiseOp, Unsupported, classify
+from .pointwise import PointwiseOp, Unsupported, classify, is_identity_module
 
 __all__ = ["normalize", "is_linear", "module_path_of", "DROPOUT_ACTIVE"]
 
@@ -101,6 +101,12 @@ def normalize(gm: fx.GraphModule) -> None:
     for node in list(graph.nodes):
         if node.graph is graph and _is_add(node):
             _fold_bias(gm, node)
+    for node in list(graph.nodes):
+        if node.graph is graph and _is_view(node):
+            _fold_flatten(gm, node)
+    for node in list(graph.nodes):
+        if node.graph is graph and _is_chunk(node):
+            _split_packed(gm, node)
     for node in graph.nodes:
         node.meta.pop("fxfuse_pointwise", None)
         if is_linear(node) and "fxfuse_module_path" not in node.meta:
@@ -119,7 +125,7 @@ def normalize(gm: fx.GraphModule) -> None:
 
 def _rewrite_module(gm: fx.GraphModule, node: fx.Node) -> None:
     mod = gm.get_submodule(node.target)
-    if isinstance(mod, nn.Identity):
+    if is_identity_module(mod):
         _bypass(node, node.args[0] if node.args else None)
     elif isinstance(mod, nn.modules.dropout._DropoutNd):
         if not mod.training or mod.p == 0:
@@ -241,6 +247,9 @@ def _linear_from(gm: fx.GraphModule, at: fx.Node, x: fx.Node, w_mat: fx.Node, bi
             weight = src
         new = graph.call_function(LINEAR, (x, weight, bias))
     new.meta.update(at.meta)
+    owner = src if not transpose else w_mat
+    if owner.op == "get_attr":  # the module that owns the weight (HF Conv1D: "mlp.c_fc")
+        new.meta["fxfuse_module_path"] = str(owner.target).rpartition(".")[0]
     return new
 
 
@@ -297,3 +306,194 @@ def _fold_bias(gm: fx.GraphModule, node: fx.Node) -> None:
 def _drop_if_dead(node: fx.Node) -> None:
     if not node.users and node.op in ("call_function", "call_method") and _transposed_source(node) is not None:
         node.graph.erase_node(node)
+
+
+# ------------------------------------------------------------------------ flatten -> linear -> unflatten
+
+_VIEWS = {"view", "reshape", torch.reshape}
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op in ("call_method", "call_function") and node.target in _VIEWS and not node.kwargs
+
+
+def _view_shape(node: fx.Node) -> tuple:
+    rest = tuple(node.args[1:])
+    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+
+
+def _is_last_dim_of(node, x: fx.Node, k: int) -> bool:
+    """``node`` is ``x.size(-1)`` / ``x.shape[-1]`` (or the number ``k``)."""
+    if isinstance(node, int):
+        return node == k
+    if not isinstance(node, fx.Node) or node.kwargs:
+        return False
+    if node.op == "call_method" and node.target == "size" and node.args == (x, -1):
+        return True
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == -1:
+        return _is_shape_of(node.args[0], x)
+    return False
+
+
+def _is_shape_of(node, x: fx.Node) -> bool:
+    """``node`` is ``x.size()`` / ``x.shape``."""
+    return isinstance(node, fx.Node) and not node.kwargs and (
+        (node.op == "call_method" and node.target == "size" and node.args == (x,))
+        or (node.op == "call_function" and node.target is getattr and node.args == (x, "shape")))
+
+
+def _static_int(gm: fx.GraphModule, node) -> Optional[int]:
+    """The value of ``node`` if it is a number fixed for the graph: an int, or a static dim of a parameter
+    (``w.shape[1]``, ``w.size(1)``)."""
+    if isinstance(node, int) and not isinstance(node, bool):
+        return node
+    if not isinstance(node, fx.Node) or node.kwargs:
+        return None
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+        src = node.args[0]
+        if isinstance(src, fx.Node) and src.op == "call_function" and src.target is getattr \
+                and src.args[1] == "shape":
+            tensor, dim = src.args[0], node.args[1]
+        else:
+            return None
+    elif node.op == "call_method" and node.target == "size" and len(node.args) == 2 and isinstance(node.args[1], int):
+        tensor, dim = node.args
+    else:
+        return None
+    info = tensor_info(gm, tensor) if isinstance(tensor, fx.Node) and tensor.op == "get_attr" else None
+    if info is None or not -info.ndim <= dim < info.ndim:
+        return None
+    return info.shape[dim]
+
+
+def _is_leading_shape_plus(gm: fx.GraphModule, node, x: fx.Node, n: int) -> bool:
+    """``node`` is ``x.size()[:-1] + (n,)`` (how HF ``Conv1D`` writes its output shape)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.add
+            and len(node.args) == 2 and not node.kwargs):
+        return False
+    lead, tail = node.args
+    if not isinstance(tail, (tuple, list)) or len(tail) != 1 or _static_int(gm, tail[0]) != n:
+        return False
+    return (isinstance(lead, fx.Node) and lead.op == "call_function" and lead.target is operator.getitem
+            and lead.args[1] == slice(None, -1, None) and _is_shape_of(lead.args[0], x))
+
+
+def _fold_flatten(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``linear(x.view(-1, K), w, b).view(x.size()[:-1] + (N,))`` -> ``F.linear(x, w, b)``.
+
+    HF ``Conv1D`` (GPT-2) flattens the leading dims around ``addmm``; ``F.linear`` takes any leading
+    dims, so the pair of views goes away when it provably restores ``x``'s leading shape.
+    """
+    lin = node.args[0]
+    if not (isinstance(lin, fx.Node) and is_linear(lin) and len(lin.users) == 1):
+        return
+    flat = lin.args[0]
+    if not (isinstance(flat, fx.Node) and _is_view(flat) and len(flat.users) == 1):
+        return
+    x = flat.args[0]
+    w_info = tensor_info(gm, lin.args[1]) if isinstance(lin.args[1], fx.Node) else None
+    if not isinstance(x, fx.Node) or w_info is None or w_info.ndim != 2 or None in w_info.shape:
+        return
+    n, k = w_info.shape
+    flat_shape = _view_shape(flat)
+    if len(flat_shape) != 2 or flat_shape[0] != -1 or not _is_last_dim_of(flat_shape[1], x, k):
+        return
+    out_shape = _view_shape(node)
+    if len(out_shape) != 1 or not _is_leading_shape_plus(gm, out_shape[0], x, n):
+        return
+    graph = gm.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(LINEAR, (x, lin.args[1], lin.args[2]))
+    new.meta.update(lin.meta)
+    for key in ("val", "example_value", "tensor_meta"):
+        new.meta.pop(key, None)
+        if key in node.meta:
+            new.meta[key] = node.meta[key]
+    _replace(node, new)
+    graph.erase_node(lin)
+    graph.erase_node(flat)
+    _erase_dead_shape_nodes(graph, out_shape[0])
+    _erase_dead_shape_nodes(graph, flat_shape[1])
+
+
+def _erase_dead_shape_nodes(graph: fx.Graph, node) -> None:
+    """Drop the size/getitem/add nodes that only computed the removed views' shapes."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n.users or n.graph is not graph:
+            continue
+        pure = (n.op == "call_method" and n.target == "size") or \
+            (n.op == "call_function" and n.target in (operator.getitem, operator.add, getattr))
+        if pure:
+            inputs = list(n.all_input_nodes)
+            graph.erase_node(n)
+            stack.extend(inputs)
+
+
+# ------------------------------------------------------------------ packed gate/up: one linear, then chunk
+
+_VALUE_KEYS = ("val", "example_value", "tensor_meta")
+
+
+def _is_chunk(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in ("chunk", "split")) or \
+        (node.op == "call_function" and node.target in (torch.chunk, torch.split))
+
+
+def _split_packed(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``a, b = F.linear(x, W, bias).chunk(2, dim=-1)`` -> ``a = F.linear(x, W[:H], bias[:H])``, ``b = ...[H:]``.
+
+    How packed gated MLPs are written (Phi-3 ``gate_up_proj``, timm ``GluMlp`` / ``SwiGLUPacked``): after the
+    split, the gated pattern sees its two linears. The halves are views of the parameter (nothing is copied).
+    """
+    is_split = node.target in ("split", torch.split)
+    names = ("tensor", "split_size_or_sections" if is_split else "chunks", "dim")
+    lin, pieces, dim = _bind(node, names, (None, None, 0))
+    if not (isinstance(lin, fx.Node) and is_linear(lin) and len(lin.users) == 1):
+        return
+    w, b = lin.args[1], lin.args[2]
+    w_info = tensor_info(gm, w) if isinstance(w, fx.Node) else None
+    if w_info is None or w_info.ndim != 2 or None in w_info.shape or w_info.shape[0] % 2:
+        return
+    n, k = w_info.shape
+    half = n // 2
+    if not (pieces == 2 if not is_split else pieces in (half, [half, half], (half, half))):
+        return
+    out_info = tensor_info(gm, lin)
+    if dim != -1 and not (out_info is not None and dim == out_info.ndim - 1):
+        return
+    users = list(node.users)
+    if not users or any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1)
+                        or u.kwargs for u in users):
+        return
+    graph = gm.graph
+    halves = []
+    with graph.inserting_before(node):
+        for i in range(2):
+            rows = slice(i * half, (i + 1) * half)
+            w_i = graph.call_function(operator.getitem, (w, rows))
+            w_i.meta.update(fxfuse_helper=True, fxfuse_info=TensorInfo((half, k), w_info.dtype, w_info.device,
+                                                                       w_info.requires_grad))
+            b_i = None
+            if b is not None:
+                b_info = tensor_info(gm, b)
+                if b_info is None or b_info.shape != (n,):
+                    graph.erase_node(w_i)
+                    for done in halves:
+                        graph.erase_node(done)
+                    return
+                b_i = graph.call_function(operator.getitem, (b, rows))
+                b_i.meta.update(fxfuse_helper=True, fxfuse_info=TensorInfo((half,), b_info.dtype, b_info.device,
+                                                                           b_info.requires_grad))
+            lin_i = graph.call_function(LINEAR, (lin.args[0], w_i, b_i))
+            lin_i.meta.update({key: v for key, v in lin.meta.items() if key not in _VALUE_KEYS})
+            halves.append(lin_i)
+    for u in users:
+        piece = halves[u.args[1]]
+        for key in ("val", "example_value", "tensor_meta"):
+            if key in u.meta:
+                piece.meta[key] = u.meta[key]
+        _replace(u, piece)
+    graph.erase_node(node)
+    graph.erase_node(lin)

@@ -103,6 +103,8 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
         return f"{device.type} tensors run the reference ops (the kernels need CUDA)"
     if dtype not in _KERNEL_DTYPES:
         return f"dtype {dtype} is not supported by the kernels"
+    if device.type == "cpu" and dtype == torch.bfloat16:  # the interpreter's tl.dot is wrong on bf16
+        return "bfloat16 on the CPU runs the reference ops (the Triton interpreter cannot multiply bf16)"
     if x.numel() == 0 or x.dim() == 0:
         return "empty input"
     for t in (*weights, *biases):

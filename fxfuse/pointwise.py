@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from . import epilogue as ep
 
-__all__ = ["PointwiseOp", "Unsupported", "classify", "describe", "INPLACE_UNSAFE"]
+__all__ = ["PointwiseOp", "Unsupported", "classify", "describe", "is_identity_module", "is_known_activation",
+           "INPLACE_UNSAFE"]
 
 INPLACE_UNSAFE = "in-place op on a value that is used elsewhere"
 
@@ -90,8 +91,8 @@ def _gelu(b, arg):
     return b.call({"none": "gelu", "tanh": "gelu_tanh"}[approx], arg(0, "input", None))
 
 
-def _clamp(lo: Any, hi: Any, x: Any, b: _Builder) -> ep.Expr:
-    e = b.leaf(x)
+def _clamp(lo: Any, hi: Any, x: Any, b: _Builder, expr: Optional[ep.Expr] = None) -> ep.Expr:
+    e = expr if expr is not None else b.leaf(x)
     if lo is not None:
         e = b.call("clamp_min", e, lo)
     if hi is not None:
@@ -156,6 +157,47 @@ _MODULES: dict[type, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
     nn.Hardtanh: lambda m, x, b: _clamp(float(m.min_val), float(m.max_val), x, b),
 }
 
+# Activation modules of other libraries, by class (``module.qualname``): they are kept as leaves when
+# tracing and classified by what they compute. ``transformers.activations`` (the ``ACT2FN`` classes):
+# the tanh-GELU variants (NewGELU, FastGELU, AccurateGELU, GELUTanh) all compute
+# 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), which is ``gelu_tanh``.
+_HF = "transformers.activations."
+_NAMED_MODULES: dict[str, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
+    _HF + "GELUActivation": lambda m, x, b: b.call("gelu", x),
+    _HF + "GELUTanh": lambda m, x, b: b.call("gelu_tanh", x),
+    _HF + "PytorchGELUTanh": lambda m, x, b: b.call("gelu_tanh", x),
+    _HF + "NewGELUActivation": lambda m, x, b: b.call("gelu_tanh", x),
+    _HF + "FastGELUActivation": lambda m, x, b: b.call("gelu_tanh", x),
+    _HF + "AccurateGELUActivation": lambda m, x, b: b.call("gelu_tanh", x),
+    _HF + "SiLUActivation": lambda m, x, b: b.call("silu", x),
+    _HF + "QuickGELUActivation": lambda m, x, b: b.call("mul", b.leaf(x), b.call("sigmoid", b.call("mul", 1.702, x))),
+    _HF + "ReLUSquaredActivation": lambda m, x, b: b.call("pow", b.call("relu", x), 2.0),
+    _HF + "ClippedGELUActivation": lambda m, x, b: _clamp(float(m.min), float(m.max), None, b, b.call("gelu", x)),
+}
+# Modules that return their input unchanged.
+_IDENTITY_MODULES = {_HF + "LinearActivation"}
+
+
+def _class_key(mod: Any) -> str:
+    cls = type(mod)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _module_rule(mod: Any):
+    rule = _MODULES.get(type(mod))
+    return rule if rule is not None else _NAMED_MODULES.get(_class_key(mod))
+
+
+def is_known_activation(mod: Any) -> bool:
+    """A module fxfuse classifies by its class (kept as a leaf when tracing)."""
+    return _module_rule(mod) is not None or _class_key(mod) in _IDENTITY_MODULES
+
+
+def is_identity_module(mod: Any) -> bool:
+    """``nn.Identity`` and the like: a call returns its argument."""
+    return isinstance(mod, nn.Identity) or _class_key(mod) in _IDENTITY_MODULES
+
+
 _CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "int", "long", "bool"}
 
 
@@ -211,7 +253,7 @@ def classify(root: Optional[nn.Module], node: fx.Node) -> Union[PointwiseOp, Uns
     try:
         if node.op == "call_module":
             mod = root.get_submodule(node.target) if root is not None else None
-            rule = _MODULES.get(type(mod))
+            rule = _module_rule(mod)
             if rule is None or len(node.args) != 1 or node.kwargs:
                 return None
             inplace = bool(getattr(mod, "inplace", False))

@@ -19,12 +19,12 @@ FUSED_OP = torch.ops.fxfuse.mlp.default
 
 
 def count_fused(module: nn.Module) -> int:
-    """Calls to the fxfuse op in every graph of ``module`` (whole-model or per-submodule capture)."""
+    """Calls to the fxfuse op in the fused graph of every module of ``module`` that runs one."""
     return sum(
         1
         for m in module.modules()
-        if isinstance(m, torch.fx.GraphModule)
-        for n in m.graph.nodes
+        for gm in getattr(type(m), "_fxfuse_graphs", {}).values()
+        for n in gm.graph.nodes
         if n.op == "call_function" and n.target is FUSED_OP
     )
 

@@ -1,0 +1,245 @@
+"""What an optimized model does with inputs and operations its author did not plan for: bad dtypes and
+shapes (eager's error), any input rank and strides, dtype/device moves, train/eval, autocast, keyword
+calls, export, copies. Never a wrong result, never a crash inside fxfuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import GPT2MLP, Block, GatedMLP, Stack, nerf_mlp
+from real_models import fused_calls
+from torch import nn
+
+import fxfuse
+
+
+def same_error(fn_eager, fn_fused):
+    """Both raise, the same exception type with the same message."""
+    with pytest.raises(Exception) as eager:
+        fn_eager()
+    with pytest.raises(Exception) as fused:
+        fn_fused()
+    assert type(fused.value) is type(eager.value)
+    assert str(fused.value) == str(eager.value)
+
+
+class InlineStyle(nn.Module):
+    """A chain inline in a forward that cannot be traced: fused by the hand-off between fc1 and fc2."""
+
+    def __init__(self, d: int = 32, hidden: int = 64):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        if x.numel() and x.abs().amax() > 1e6:  # data-dependent
+            x = x.clamp(-1e6, 1e6)
+        h = self.act(self.fc1(x))
+        h = self.fc2(h)
+        return h
+
+
+MODELS = {
+    "gpt2_mlp": lambda: GPT2MLP(),
+    "gated": lambda: GatedMLP(act="gelu"),
+    "nerf": lambda: nerf_mlp(),
+    "block": lambda: Block(),
+    "inline": lambda: InlineStyle(),
+}
+
+
+def width(model: nn.Module) -> int:
+    return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bad_inputs_raise_what_eager_raises(name):
+    model = MODELS[name]().eval()
+    fast = fxfuse.optimize(model)
+    d = width(model)
+    for bad in (torch.randn(3, d, dtype=torch.float64),  # unsupported dtype
+                torch.randint(0, 5, (3, d)),  # integers
+                torch.randn(3, d + 1),  # wrong width
+                torch.randn(d)[None, None, :].expand(2, 3, d).contiguous()[..., :-1]):  # wrong width, strided
+        same_error(lambda bad=bad: model(bad), lambda bad=bad: fast(bad))
+    same_error(lambda: model(torch.randn(3, d), torch.randn(3, d)), lambda: fast(torch.randn(3, d), torch.randn(3, d)))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_any_rank_any_strides_and_empty(name):
+    model = MODELS[name]().eval()
+    fast = fxfuse.optimize(model)
+    d = width(model)
+    base = torch.randn(4, 6, 2 * d)
+    inputs = [
+        torch.randn(5, d),  # 2-D
+        torch.randn(2, 5, d),  # 3-D
+        torch.randn(2, 3, 4, d),  # 4-D
+        torch.randn(5, 2, d).transpose(0, 1),  # non-contiguous leading dims
+        base[..., ::2],  # strided last dim
+        torch.randn(0, d),  # empty batch
+        torch.randn(d),  # 1-D: a single vector
+    ]
+    for x in inputs:
+        with torch.no_grad():
+            ref = model(x)
+            out = fast(x)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert fused_calls(fast, torch.randn(2, 3, 4, d))[0] == 1
+
+
+def test_moves_between_dtypes_after_optimize():
+    model = Stack(blocks=2).eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(2, 5, 32)
+    for dtype, tol in ((torch.float16, 2e-2), (torch.float64, 1e-12), (torch.float32, 1e-5)):
+        fast.to(dtype)  # moves the shared parameters: the original model moves with it
+        assert next(model.parameters()).dtype == dtype
+        n, out = fused_calls(fast, x.to(dtype))
+        assert n == 2 and out.dtype == dtype
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x.to(dtype)), rtol=tol, atol=tol)
+
+
+def test_train_eval_switch_keeps_dropout_semantics():
+    model = GPT2MLP().eval()  # dropout after the chain
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 32)
+    assert fused_calls(fast, x)[0] == 1
+    fast.train()
+    model.train()
+    torch.manual_seed(5)
+    ref = model(x)
+    torch.manual_seed(5)
+    n, out = fused_calls(fast, x)
+    assert n == 0  # traced in eval mode (dropout removed): in training mode the original forward runs
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    fast.eval()
+    assert fused_calls(fast, x)[0] == 1
+
+    class DropInside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.drop, self.fc2 = nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+    model = DropInside().train()
+    fast = fxfuse.optimize(model)  # active dropout inside the chain: left unfused, with the reason
+    assert fused_calls(fast, torch.randn(3, 16))[0] == 0
+    assert any("dropout" in r.reason for r in fxfuse.report(fast).rejections)
+    torch.manual_seed(2)
+    ref = model(x[:3, :16])
+    torch.manual_seed(2)
+    torch.testing.assert_close(fast(x[:3, :16]), ref, rtol=0, atol=0)
+
+
+def test_autocast_runs_the_original_ops():
+    model = GatedMLP().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        n, out = fused_calls(fast, x)
+        ref = model(x)
+    assert n == 0 and out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_keyword_calls_and_guards():
+    class WithOptions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 48), nn.Linear(48, 16)
+
+        def forward(self, x, scale=None, *, square=False):
+            y = self.fc2(torch.relu(self.fc1(x)))
+            if scale is not None:
+                y = y * scale
+            return y * y if square else y
+
+    model = WithOptions().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 16)
+    for kwargs, fused in (({}, 1), ({"x": x}, 1), ({"scale": None}, 1), ({"square": False}, 1),
+                          ({"scale": 2.0}, 0), ({"square": True}, 0)):
+        args = () if "x" in kwargs else (x,)
+        n, out = fused_calls(fast, *args, **kwargs)
+        assert n == fused, kwargs  # a call the graph was not traced for runs the original forward
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(*args, **kwargs), rtol=1e-5, atol=1e-6)
+    assert "fused only for calls with scale=None, square=False" in str(fxfuse.report(fast))
+
+
+def test_state_dict_both_ways_copies_and_reoptimizing():
+    model = Stack(blocks=2).eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(2, 3, 32)
+    other = fxfuse.optimize(Stack(blocks=2).eval())
+    other.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x))
+    fresh = Stack(blocks=2).eval()
+    fresh.load_state_dict(fast.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), model(x))
+    twin = copy.deepcopy(fast)  # an independent copy, still fused
+    with torch.no_grad():
+        next(twin.parameters()).add_(1.0)
+    assert not torch.equal(next(twin.parameters()), next(model.parameters()))
+    assert fused_calls(twin, x)[0] == 2
+    again = fxfuse.optimize(fast)  # optimizing an optimized model is harmless
+    n, out = fused_calls(again, x)
+    assert n == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_export_with_a_dynamic_batch():
+    model = Stack(blocks=2).eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 5, 32)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    exported = torch.export.export(fast, (x,), dynamic_shapes=({0: batch},))
+    assert sum(1 for n in exported.graph.nodes if "fxfuse" in str(n.target)) == 2
+    for b in (1, 4, 9):
+        xb = torch.randn(b, 5, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(exported.module()(xb), model(xb), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_nn_transformer_layers():
+    """torch.nn's own layers: forward has fast-path checks, the MLP is in ``_ff_block``."""
+    model = nn.Transformer(32, 4, 1, 1, 64, dropout=0.1, batch_first=True).eval()
+    fast = fxfuse.optimize(model)
+    assert sorted(r.module_path for r in fxfuse.report(fast).regions) == ["decoder.layers.0", "encoder.layers.0"]
+    src, tgt = torch.randn(2, 5, 32), torch.randn(2, 3, 32)
+    n, out = fused_calls(fast, src, tgt)
+    assert n == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(src, tgt), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["module", "inline"])
+def test_cuda_model_cpu_input_and_moves(kind):
+    model = (GPT2MLP(64, 256) if kind == "module" else InlineStyle(64, 256)).eval()
+    fast = fxfuse.optimize(model).to("cuda")  # moved after optimize
+    x = torch.randn(3, 5, 64, device="cuda")
+    n, out = fused_calls(fast, x)
+    assert n == 1
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+    same_error(lambda: model(x.cpu()), lambda: fast(x.cpu()))  # a CPU tensor into a CUDA model
+    same_error(lambda: model(x.double()), lambda: fast(x.double()))
+    fast.to(torch.bfloat16)
+    for shape in ((7, 64), (2, 3, 64), (2, 2, 3, 64)):
+        xb = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        n, out = fused_calls(fast, xb)
+        assert n == 1
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(xb), rtol=3e-2, atol=3e-2)
