@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -308,19 +309,31 @@ def to_triton(expr: Expr, *, acc_names: Sequence[str], operand_names: Sequence[s
 
 def evaluate(expr: Expr, accs: Sequence[torch.Tensor], operands: Sequence[torch.Tensor]) -> torch.Tensor:
     """The torch reference of ``expr``: the same ops eager PyTorch would run, in the tensors' dtype."""
+    return _compiled(expr)(accs, operands)
 
-    def run(e: Expr):
-        if isinstance(e, Acc):
-            return accs[e.index]
-        if isinstance(e, Operand):
-            return operands[e.index]
-        if isinstance(e, Const):
-            return e.value
-        args = [run(a) for a in e.args]
-        fn = OPS[e.op].torch
-        if e.op in ("maximum", "minimum"):  # these two take tensors only
-            args = [a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=accs[0].dtype, device=accs[0].device)
-                    for a in args]
-        return fn(*args)
 
-    return run(expr)
+@functools.lru_cache(maxsize=1024)
+def _compiled(expr: Expr) -> Callable:
+    """``expr`` as nested closures, built once: the reference path runs on every forward."""
+    if isinstance(expr, Acc):
+        i = expr.index
+        return lambda accs, ops: accs[i]
+    if isinstance(expr, Operand):
+        i = expr.index
+        return lambda accs, ops: ops[i]
+    if isinstance(expr, Const):
+        value = expr.value
+        return lambda accs, ops: value
+    fn = OPS[expr.op].torch
+    children = [_compiled(a) for a in expr.args]
+    if expr.op in ("maximum", "minimum"):  # these two take tensors only
+        def tensors(accs, ops):
+            args = [c(accs, ops) for c in children]
+            return fn(*[a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=accs[0].dtype,
+                                                                           device=accs[0].device) for a in args])
+        return tensors
+    if len(children) == 1:
+        (c0,) = children
+        return lambda accs, ops: fn(c0(accs, ops))
+    c0, c1 = children
+    return lambda accs, ops: fn(c0(accs, ops), c1(accs, ops))

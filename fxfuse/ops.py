@@ -55,14 +55,15 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
                   operands: Sequence[Tensor], spec: str) -> Tensor:
     """What the region computed before fusion, op by op (eager semantics, errors included)."""
     h = x
-    w = o = 0
-    parsed = MLPSpec.loads(spec)
-    biases = expand_biases(biases, parsed)
-    for stage in parsed.stages:
-        accs = [F.linear(h, weights[w + j], biases[w + j]) for j in range(stage.num_linears)]
+    w = b = o = 0
+    for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path
+        accs = []
+        for has_bias in stage.has_bias:
+            accs.append(F.linear(h, weights[w], biases[b] if has_bias else None))
+            w += 1
+            b += has_bias
         ops = [t.reshape(-1) for t in operands[o:o + stage.num_operands]]
         h = ep.evaluate(stage.expr, accs, ops)
-        w += stage.num_linears
         o += stage.num_operands
     return h
 
@@ -77,13 +78,14 @@ class _StagePlan:
     epilogue: str
     num_operands: int
     has_bias: tuple[bool, ...]
+    expr: ep.Expr
 
 
 @functools.cache
 def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
     """Everything the forward needs from ``spec``, parsed once: (stages, #weights, #biases, #operands)."""
     parsed = MLPSpec.loads(spec)
-    stages = tuple(_StagePlan(s.num_linears, s.epilogue, s.num_operands, s.has_bias) for s in parsed.stages)
+    stages = tuple(_StagePlan(s.num_linears, s.epilogue, s.num_operands, s.has_bias, s.expr) for s in parsed.stages)
     return stages, parsed.num_linears, sum(parsed.has_bias), parsed.num_operands
 
 
