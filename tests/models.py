@@ -87,3 +87,20 @@ class ControlFlowModel(nn.Module):
         if x.mean() > 0:  # data-dependent branch: symbolic_trace fails here
             x = self.norm(x)
         return self.head(self.mlp(x))
+
+
+def dynamo_graph(model: nn.Module, *inputs):
+    """The graph and example inputs a torch.compile backend receives, captured on the CPU."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    finally:
+        torch._dynamo.reset()
+    assert len(seen) == 1
+    return seen[0]

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from models import dynamo_graph
 from torch.fx.passes.shape_prop import ShapeProp
 
 from fxfuse import epilogue as ep
@@ -22,19 +23,7 @@ FORMS = ["symbolic", "symbolic_noshapes", "dynamo"]
 
 
 def capture(model: nn.Module, *inputs):
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    finally:
-        torch._dynamo.reset()
-    assert len(seen) == 1
-    return seen[0][0]
+    return dynamo_graph(model, *inputs)[0]
 
 
 def graph_of(model: nn.Module, form: str, *inputs) -> fx.GraphModule:

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from models import dynamo_graph
 from torch.fx.passes.shape_prop import ShapeProp
 
 from fxfuse.meta import TensorInfo, tensor_info
@@ -18,20 +19,7 @@ from fxfuse.pointwise import INPLACE_UNSAFE
 
 
 def capture(model: nn.Module, *inputs):
-    """The graph (and example inputs) a torch.compile backend receives, captured on the CPU."""
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    finally:
-        torch._dynamo.reset()
-    assert len(seen) == 1
-    return seen[0]
+    return dynamo_graph(model, *inputs)
 
 
 def trace(model: nn.Module, *inputs, shapes: bool = True) -> fx.GraphModule:
