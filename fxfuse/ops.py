@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -34,6 +33,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from . import epilogue as ep
+from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import FUSED_CHAIN, choose_strategy, kernels_are_faster, measured_choice_enabled
 
@@ -66,10 +66,6 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
         h = ep.evaluate(stage.expr, accs, ops)
         o += stage.num_operands
     return h
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)

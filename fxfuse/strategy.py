@@ -14,12 +14,12 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .kernels.chain_template import MAX_CHAIN_WIDTH
+from .kernels.template import autotune_enabled
 from .spec import MLPSpec
 
 __all__ = ["FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "choose_strategy", "kernels_are_faster",
@@ -52,7 +52,7 @@ _choices: dict[tuple, bool] = {}
 
 def measured_choice_enabled() -> bool:
     """Off with ``FXFUSE_AUTOTUNE=0`` (then the kernels always run: what the GPU tests check)."""
-    return os.environ.get("FXFUSE_AUTOTUNE", "1") != "0"
+    return autotune_enabled()
 
 
 def kernels_are_faster(args: tuple, run_kernels: Callable[[], torch.Tensor],

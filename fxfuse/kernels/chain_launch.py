@@ -10,14 +10,11 @@ import triton
 from torch.library import wrap_triton
 
 from .. import codegen
+from .chain_template import pad_width
 from .launch import _input_precision, _tracing
 from .template import m_bucket
 
 __all__ = ["run_chain"]
-
-
-def _pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
 
 
 def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
@@ -54,7 +51,7 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
             args[f"v{i}_{j}_ptr"] = v
             args[f"stride_v{i}_{j}"] = 0 if v.numel() == 1 else v.stride(0)
     for i, d in enumerate(dims):
-        args[f"D{i}"], args[f"P{i}"] = d, _pad(d)
+        args[f"D{i}"], args[f"P{i}"] = d, pad_width(d)
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]),)

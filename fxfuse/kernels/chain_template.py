@@ -17,12 +17,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import triton
 
 from .. import epilogue as ep
+from .template import autotune_enabled
+from .template import interpreting as _interpreting
 
 __all__ = ["CHAIN_TEMPLATE_VERSION", "MAX_CHAIN_WIDTH", "chain_configs", "render_chain"]
 
@@ -66,7 +67,8 @@ _DOC = '''\
 '''
 
 
-def _pad(d: int) -> int:
+def pad_width(d: int) -> int:
+    """A width as a tile size: the next power of two, at least 16 (what ``tl.dot`` needs)."""
     return max(16, triton.next_power_of_2(d))
 
 
@@ -134,10 +136,6 @@ def render_chain(epilogues: Sequence[str]) -> str:
     return src
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def chain_configs() -> list[triton.Config]:
     """Rows per program and warps (one small config in the interpreter)."""
     if _interpreting():
@@ -152,7 +150,7 @@ def _prune(configs, named_args, **kwargs):
     # A [BLOCK_M, widest] fp32 tile per live intermediate: keep it within the register file.
     kept = [c for c in configs if c.kwargs["BLOCK_M"] * widest <= 128 * 128 * (2 if c.num_warps == 8 else 1)]
     kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
-    if os.environ.get("FXFUSE_AUTOTUNE", "1") == "0":
+    if not autotune_enabled():
         kept = kept[:1]
     return kept
 

@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen  # module import: codegen imports .template, which runs this package
 from .. import epilogue as ep
-from .template import _interpreting, m_bucket
+from .template import interpreting as _interpreting
+from .template import m_bucket
 
 logger = logging.getLogger(__name__)
 

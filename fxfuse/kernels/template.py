@@ -153,8 +153,15 @@ def fused_stage_kernel(
 '''
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET``), i.e. on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def autotune_enabled() -> bool:
+    """``FXFUSE_AUTOTUNE=0``: one heuristic config per shape and no timing against the original ops."""
+    return os.environ.get("FXFUSE_AUTOTUNE", "1") != "0"
+
 
 
 def autotune_configs() -> list[triton.Config]:
@@ -164,7 +171,7 @@ def autotune_configs() -> list[triton.Config]:
         >>> all(c.kwargs["BLOCK_M"] in (16, 32, 64, 128) for c in autotune_configs())
         True
     """
-    if _interpreting():
+    if interpreting():
         # Autotuning in the interpreter only costs time; one small tile exercises every mask.
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4}, num_warps=4, num_stages=1)]
     return gpu_configs()
@@ -244,7 +251,7 @@ def _prune(configs, named_args, **kwargs):
         kept.append(c)
     if not kept:
         kept = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
-    if os.environ.get("FXFUSE_AUTOTUNE", "1") == "0":
+    if not autotune_enabled():
         kept = kept[:1]  # no benchmarking: the first (largest) tile that suits the shape
     logger.debug("M=%s gated=%s: %d of %d configs kept", m, gated, len(kept), len(configs))
     return kept
@@ -252,6 +259,6 @@ def _prune(configs, named_args, **kwargs):
 
 def prune_configs() -> dict | None:
     """``prune_configs_by`` for ``triton.autotune``: keep the configs that suit M, the dtype and gating."""
-    if _interpreting():
+    if interpreting():
         return None
     return {"early_config_prune": _prune}
