@@ -46,6 +46,7 @@ from .capture import ArgSpec, CaptureFailure, Discovery, Scope, trace_scope
 from .inline import InlineChain, chain_modules, install_parts, prove
 from .meta import param_getter
 from .normalize import normalize
+from .ops import is_fused_call
 from .pipeline import fuse_graph
 from .plan import find_regions
 from .records import Rejection
@@ -434,8 +435,7 @@ def _fused_weights(gm: fx.GraphModule) -> tuple[list[frozenset[int]], list[str]]
         if "fxfuse_region" not in node.meta:
             continue
         ids = set()
-        ours = isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "fxfuse"
-        args = node.args[1] if ours else list(node.kwargs.values())
+        args = node.args[1] if is_fused_call(node) else list(node.kwargs.values())  # else: a user replacement
         for a in args:
             found = _resolve_param(gm, a)
             if found is not None and found[1].dim() == 2:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .meta import param_getter
+from .ops import fused_mlp
 from .pointwise import is_identity_module, is_known_activation
 
 __all__ = ["InlineChain", "prove", "install_parts"]
@@ -313,8 +314,8 @@ def _role_forward(orig: Any, role: str):
             return _TOKEN
         chain = st.chain
         h, st.x, st.stage = st.x, None, -1
-        return torch.ops.fxfuse.mlp.default(h, list(_attrs(st.parent, st.weights)),
-                                            list(_attrs(st.parent, st.biases)), [], chain.spec)
+        return fused_mlp(h, list(_attrs(st.parent, st.weights)),
+                         list(_attrs(st.parent, st.biases)), [], chain.spec)
 
     functools.update_wrapper(forward, orig)
     return forward

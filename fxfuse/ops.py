@@ -31,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import FUSED_CHAIN, choose_strategy, kernels_are_faster, measured_choice_enabled
 
-__all__ = ["mlp", "reference_mlp", "kernel_fallback_reason"]
+__all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,47 @@ def mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[T
     return _dispatch(x, weights, biases, operands, spec)
 
 
+def _needs_dispatcher(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                      operands: Sequence[Tensor]) -> bool:
+    """Whether this call needs what the op's dispatcher adds: autograd, tracing, or a mode to see it."""
+    if type(x) is not Tensor or torch.compiler.is_compiling():
+        return True  # FakeTensor, FunctionalTensor, Proxy, a subclass; Dynamo / export tracing
+    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return True  # make_fx, FakeTensorMode, a profiler or counter watching torch.ops calls
+    if torch.is_grad_enabled():
+        for group in (weights, biases, operands):
+            for t in group:
+                if t.requires_grad:
+                    return True
+        return x.requires_grad
+    return False
+
+
+def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
+    """What a fused graph calls: ``torch.ops.fxfuse.mlp``, without the dispatcher when nothing needs it.
+
+    The op's dispatch (autograd wrapper, custom-op checks, device redispatch) costs tens of microseconds
+    per call, as much as a decode-size MLP takes on the GPU. Plain inference on plain tensors runs the
+    op's implementation directly; anything that needs the op (gradients, torch.compile / export, a
+    dispatch or function mode) calls it.
+
+    Example:
+        >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
+        >>> with torch.no_grad():
+        ...     y = fused_mlp(x, [w1, w2], [], [], "1:relu(a0);1:a0")
+        >>> torch.allclose(y, torch.relu(x @ w1.T) @ w2.T, atol=1e-5)
+        True
+    """
+    if _needs_dispatcher(x, weights, biases, operands):
+        return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
+    return _dispatch(x, weights, biases, operands, spec)
+
+
+def is_fused_call(node) -> bool:
+    """Whether an FX node is a fused region's call (``fused_mlp`` or the op itself)."""
+    return node.op == "call_function" and node.target in FUSED_TARGETS
+
+
 @mlp.register_kernel("cpu")
 def _mlp_cpu(x, weights, biases, operands, spec):
     # Without a GPU the reference ops run, unless the Triton interpreter is on (tests use it to run
@@ -246,3 +288,5 @@ def _backward(ctx, grad):
 
 
 mlp.register_autograd(_backward, setup_context=_setup_context)
+
+FUSED_TARGETS = (fused_mlp, torch.ops.fxfuse.mlp.default)

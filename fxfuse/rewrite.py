@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from . import ops  # noqa: F401  (registers torch.ops.fxfuse.*)
+from . import ops
 from .records import FusionRegion
 
 __all__ = ["replace_regions", "fused_call_args"]
@@ -48,7 +48,7 @@ def replace_regions(gm: fx.GraphModule, regions: Sequence[FusionRegion]) -> None
                 kwargs = {k: renamed.get(v, v) for k, v in region.replacement_args.items()}
                 fused = graph.call_function(region.replacement, kwargs=kwargs)
             else:
-                fused = graph.call_function(torch.ops.fxfuse.mlp.default, fused_call_args(region, renamed))
+                fused = graph.call_function(ops.fused_mlp, fused_call_args(region, renamed))
         renamed[region.output] = fused
         for key in _VALUE_META:
             if key in region.output.meta:

@@ -14,6 +14,7 @@ from models import GPT2MLP, Block, ControlFlowModel, GatedMLP, Stack, nerf_mlp
 from torch import nn
 
 import fxfuse
+from fxfuse.ops import is_fused_call
 
 FUSED_OP = torch.ops.fxfuse.mlp.default
 
@@ -25,7 +26,7 @@ def count_fused(module: nn.Module) -> int:
         for m in module.modules()
         for gm in getattr(type(m), "_fxfuse_graphs", {}).values()
         for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is FUSED_OP
+        if is_fused_call(n)
     )
 
 

@@ -57,3 +57,47 @@ def test_wide_or_gated_regions_run_per_stage():
 def test_chain_kernel_on_gpu(spec, dims, dtype, m):
     args = make_args(spec, dims, dtype, device="cuda", lead=(m,))
     assert rel_err(mlp(*args), reference_mlp(*f64(args))) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+def _chain_call(spec, dims, dtype, m, device="cpu"):
+    x, w, b, o, _ = args = make_args(spec, dims, dtype, device=device, lead=(m,))
+    parsed = MLPSpec.loads(spec)
+    per_stage_ops, start = [], 0
+    for stage in parsed.stages:
+        per_stage_ops.append(o[start:start + stage.num_operands])
+        start += stage.num_operands
+    call = (x, w, ops.expand_biases(b, parsed), per_stage_ops, tuple(s.epilogue for s in parsed.stages))
+    return call, reference_mlp(*f64(args))
+
+
+@pytest.mark.parametrize("variant", [dict(preload=1), dict(preload=1, persistent=1, loop_stages=2, per_sm=1)])
+@pytest.mark.parametrize("spec,dims", CHAINS[:2])
+def test_chain_variants_match_float64_reference(spec, dims, variant):
+    # Weights loaded up front, and the persistent loop (4 programs here, so each walks several tiles).
+    from fxfuse.kernels.chain_template import _config
+
+    call, ref = _chain_call(spec, dims, torch.float32, 150)
+    out = run_chain(*call, config=_config(16, 4, **variant))
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dims", [[32, 64, 64, 64, 16], [64, 128, 128, 128, 64], [3, 20, 17, 5]])
+def test_every_chain_config_on_gpu(dims, dtype):
+    # FXFUSE_AUTOTUNE=0 runs only the first config: check every variant the autotuner may pick.
+    from fxfuse.kernels.chain_template import chain_configs
+
+    spec = ";".join(["1b:relu(a0)"] * (len(dims) - 2) + ["1b:a0"])
+    call, ref = _chain_call(spec, dims, dtype, 70001, device="cuda")
+    from triton.runtime.errors import OutOfResources
+
+    ran = 0
+    for config in chain_configs():
+        try:
+            out = run_chain(*call, config=config)
+        except OutOfResources:  # the autotuner skips these too
+            continue
+        assert rel_err(out, ref) < 1e-2, config
+        ran += 1
+    assert ran >= len(chain_configs()) // 2

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 import triton
-from torch.library import wrap_triton
 
 from .. import codegen
 from .chain_template import pad_width
-from .launch import _input_precision, _tracing
+from .launch import _input_precision, launch_kernel
 from .template import m_bucket
 
 __all__ = ["run_chain"]
 
 
 def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
-              operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, ...]) -> torch.Tensor:
+              operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, ...],
+              config: Optional[triton.Config] = None) -> torch.Tensor:
     """Every stage of a narrow chain in one kernel launch; returns a new ``[M, D_last]`` tensor.
 
     Args:
@@ -27,6 +28,7 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         biases: one per stage, ``[D_{i+1}]`` or ``None``.
         operands: per stage, the 1-D tensors (N elements or one) named ``v0, v1, ...`` in its epilogue.
         epilogues: one canonical epilogue text per stage, over ``a0`` (see :mod:`fxfuse.epilogue`).
+        config: run this variant (one of ``chain_configs()``) instead of the autotuned choice.
 
     The caller (``torch.ops.fxfuse.mlp``) has checked shapes, dtypes and devices.
 
@@ -54,8 +56,20 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         args[f"D{i}"], args[f"P{i}"] = d, pad_width(d)
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]),)
+        tiles = triton.cdiv(M, meta["BLOCK_M"])
+        if meta["PERSISTENT"]:
+            return (max(1, min(tiles, _num_sms(x.device) * meta["PER_SM"])),)
+        return (tiles,)
 
-    launcher = wrap_triton(kernel) if _tracing(x) else kernel
-    launcher[grid](**args)
+    if config is not None:  # one variant, bypassing the autotuner (tests and probes)
+        kernel.fn[grid](**args, **config.all_kwargs())
+    else:
+        launch_kernel(kernel, grid, args, x)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so the persistent loop runs several tiles each
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -27,7 +27,7 @@ from .template import interpreting as _interpreting
 
 __all__ = ["CHAIN_TEMPLATE_VERSION", "MAX_CHAIN_WIDTH", "chain_configs", "render_chain"]
 
-CHAIN_TEMPLATE_VERSION = 1
+CHAIN_TEMPLATE_VERSION = 2
 # Widest layer the fused chain takes: a [BLOCK_M, 256] fp32 tile plus one 256×256 weight tile per layer.
 MAX_CHAIN_WIDTH = 256
 
@@ -43,11 +43,12 @@ import triton
 import triton.language as tl
 
 from fxfuse.kernels.chain_template import chain_configs, prune_chain_configs
+from fxfuse.kernels.tuning import autotune
 
 EPILOGUES = {epilogue_list!r}
 
 
-@triton.autotune(configs=chain_configs(), key=["M_BUCKET", {dim_keys}], prune_configs_by=prune_chain_configs())
+@autotune(configs=chain_configs(), key=["M_BUCKET", {dim_keys}], prune_configs_by=prune_chain_configs())
 @triton.jit
 def fused_chain_kernel(
 '''
@@ -62,7 +63,10 @@ _DOC = '''\
     out_ptr:   output ``[M, D{layers}]`` (``stride_om``, ``stride_on``).
     M:         rows; M_BUCKET: power-of-2 bucket of M (autotuning key only).
     D{{i}}:      true widths; P{{i}}: the same padded to a power of two >= 16 (tile sizes).
-    INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs; BLOCK_M: rows per program.
+    INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs; BLOCK_M: rows per tile.
+    PRELOAD:   load every weight tile before the first layer (one memory latency, not one per layer).
+    PERSISTENT: loop over tiles (stride = number of programs), weights loaded once per program;
+               LOOP_STAGES: tiles of x in flight in that loop; PER_SM: programs per SM (the launcher's grid).
     """
 '''
 
@@ -91,15 +95,52 @@ def render_chain(epilogues: Sequence[str]) -> str:
     params += [f"D{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"P{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"HAS_BIAS{i}: tl.constexpr" for i in range(layers)]
-    params += ["INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr"]
+    params += ["INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "PRELOAD: tl.constexpr",
+               "PERSISTENT: tl.constexpr", "LOOP_STAGES: tl.constexpr", "PER_SM: tl.constexpr"]
 
     src = _HEADER.format(version=CHAIN_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
                          last=layers - 1, epilogue_list=texts,
                          dim_keys=", ".join(f'"D{i}"' for i in range(layers + 1)))
     src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers)
+    weights = _weight_loads(exprs)
+    body = ["pid = tl.program_id(0)"]
+    # Persistent: the weights are loaded once per program and the x tile of the next iteration is
+    # prefetched while this one multiplies (LOOP_STAGES); otherwise one tile per program, its weight
+    # loads issued up front (PRELOAD) so their latencies overlap instead of adding up.
+    body += ["if PERSISTENT:"] + _indent(weights, 1)
+    body += ["    num_tiles = tl.cdiv(M, BLOCK_M)",
+             "    for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):"]
+    body += _indent(_tile(exprs, texts, "tile", preloaded=True), 2)
+    body += ["else:", "    if PRELOAD:"] + _indent(weights, 2)
+    body += _indent(_tile(exprs, texts, "pid", preloaded=None), 1)
+    src += "".join(f"    {line}\n" for line in body)
+    return src
+
+
+def _indent(lines: list[str], levels: int) -> list[str]:
+    return [" " * (4 * levels) + line for line in lines]
+
+
+def _weight_loads(exprs: Sequence[ep.Expr]) -> list[str]:
+    """Load every layer's weight (and bias) tile: ``w{i}`` is ``[P{i}, P{i+1}]`` (transposed W), ``bias{i}``."""
+    lines = []
+    for i in range(len(exprs)):
+        lines += [
+            f"k{i} = tl.arange(0, P{i})",
+            f"n{i} = tl.arange(0, P{i + 1})",
+            f"w{i} = tl.load(w{i}_ptr + k{i}[:, None] * stride_w{i}k + n{i}[None, :] * stride_w{i}n,",
+            f"               mask=(k{i}[:, None] < D{i}) & (n{i}[None, :] < D{i + 1}), other=0.0)",
+            f"if HAS_BIAS{i}:",
+            f"    bias{i} = tl.load(b{i}_ptr + n{i} * stride_b{i}, mask=n{i} < D{i + 1}, other=0.0).to(tl.float32)",
+        ]
+    return lines
+
+
+def _tile(exprs: Sequence[ep.Expr], texts: Sequence[str], tile: str, preloaded) -> list[str]:
+    """One block of rows through every layer. ``preloaded``: True (weights loaded), None (``if not PRELOAD``)."""
+    layers = len(exprs)
     body = [
-        "pid = tl.program_id(0)",
-        "offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)",
+        f"offs_m = {tile} * BLOCK_M + tl.arange(0, BLOCK_M)",
         "m_mask = offs_m < M",
         "k = tl.arange(0, P0)",
         "h = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,",
@@ -107,16 +148,15 @@ def render_chain(epilogues: Sequence[str]) -> str:
     ]
     for i, e in enumerate(exprs):
         n_ops = ep.num_operands(e)
+        body.append(f"# layer {i}: {texts[i]}")
+        if preloaded is None:
+            body += ["if not PRELOAD:"] + _indent(_weight_loads(exprs)[6 * i:6 * i + 6], 1)
         body += [
-            f"# layer {i}: {texts[i]}",
-            f"k = tl.arange(0, P{i})",
             f"n = tl.arange(0, P{i + 1})",
             f"n_mask = n < D{i + 1}",
-            f"w = tl.load(w{i}_ptr + k[:, None] * stride_w{i}k + n[None, :] * stride_w{i}n,",
-            f"            mask=(k[:, None] < D{i}) & n_mask[None, :], other=0.0)",
-            "acc = tl.dot(h, w, input_precision=INPUT_PRECISION)",
+            f"acc = tl.dot(h, w{i}, input_precision=INPUT_PRECISION)",
             f"if HAS_BIAS{i}:",
-            f"    acc += tl.load(b{i}_ptr + n * stride_b{i}, mask=n_mask, other=0.0).to(tl.float32)[None, :]",
+            f"    acc += bias{i}[None, :]",
         ]
         for j in range(n_ops):
             body.append(f"v{j} = tl.load(v{i}_{j}_ptr + n * stride_v{i}_{j}, mask=n_mask, other=1.0)"
@@ -132,23 +172,48 @@ def render_chain(epilogues: Sequence[str]) -> str:
                 "tl.store(out_ptr + offs_m[:, None] * stride_om + n[None, :] * stride_on, out,",
                 "         mask=m_mask[:, None] & n_mask[None, :])",
             ]
-    src += "".join(f"    {line}\n" for line in body)
-    return src
+    return body
+
+
+def _config(bm: int, warps: int, preload: int = 0, persistent: int = 0, loop_stages: int = 1, per_sm: int = 0,
+            ) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "PRELOAD": preload, "PERSISTENT": persistent, "LOOP_STAGES": loop_stages,
+                          "PER_SM": per_sm}, num_warps=warps, num_stages=2)
 
 
 def chain_configs() -> list[triton.Config]:
-    """Rows per program and warps (one small config in the interpreter)."""
+    """Rows per program, warps, and the variant: one tile per program (weights loaded inline or up front), or
+    persistent (``PER_SM`` programs per SM, weights loaded once, ``LOOP_STAGES`` tiles of x in flight).
+
+    One small config in the interpreter. ``PER_SM`` is read only by the launcher's grid.
+    """
     if _interpreting():
-        return [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s)
-            for bm, w, s in [(64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2), (64, 8, 2)]]
+        return [_config(16, 4)]
+    tiles = [_config(bm, w, preload) for bm, w in [(64, 4), (128, 4), (128, 8), (256, 8)] for preload in (0, 1)]
+    persistent = [_config(bm, w, 1, 1, ls, per_sm)
+                  for bm, w, ls, per_sm in [(64, 4, 2, 4), (64, 4, 3, 4), (128, 4, 2, 2), (128, 4, 3, 4),
+                                            (128, 8, 2, 2), (128, 8, 3, 2), (256, 8, 2, 1)]]
+    return tiles + persistent
+
+
+# Weights held on chip for the whole program (PRELOAD / PERSISTENT): they must fit in shared memory.
+_WEIGHT_BUDGET = 160 * 1024
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    widest = max(v for k, v in args.items() if k.startswith("P") and k[1:].isdigit())
-    # A [BLOCK_M, widest] fp32 tile per live intermediate: keep it within the register file.
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] * widest <= 128 * 128 * (2 if c.num_warps == 8 else 1)]
+    pads = [args[f"P{i}"] for i in range(sum(1 for k in args if k.startswith("P") and k[1:].isdigit()))]
+    widest = max(pads)
+    elem = args["x_ptr"].element_size() if hasattr(args["x_ptr"], "element_size") else 2
+    weight_bytes = sum(a * b for a, b in zip(pads, pads[1:])) * elem
+    kept = []
+    for c in configs:
+        # A [BLOCK_M, widest] fp32 tile per live intermediate: keep it within the register file.
+        if c.kwargs["BLOCK_M"] * widest > 128 * 128 * (2 if c.num_warps == 8 else 1):
+            continue
+        if (c.kwargs["PRELOAD"] or c.kwargs["PERSISTENT"]) and weight_bytes > _WEIGHT_BUDGET:
+            continue
+        kept.append(c)
     kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
     if not autotune_enabled():
         kept = kept[:1]

@@ -17,12 +17,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen  # module import: codegen imports .template, which runs this package
 from .. import epilogue as ep
+from . import fastlaunch
 from .template import interpreting as _interpreting
 from .template import m_bucket
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_DTYPES", "run_stage"]
+__all__ = ["SUPPORTED_DTYPES", "launch_kernel", "run_stage"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_MAX = 2**31 - 1  # the kernel indexes with int32 offsets
@@ -190,13 +191,24 @@ def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str, *, chec
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    # Inside torch.ops.fxfuse.mlp (triton_op) eager calls launch directly; a tracer (FakeTensor,
-    # FunctionalTensor, make_fx) gets a wrap_triton node. Called outside the op, wrap_triton would
-    # route plain eager launches through the slow higher-order-op path: launch directly then too.
-    launcher = wrap_triton(kernel) if _tracing(x) else kernel
-    launcher[grid](**args)
+    launch_kernel(kernel, grid, args, x)
     return out
 
 
 def _tracing(x: torch.Tensor) -> bool:
     return type(x) not in (torch.Tensor, torch.nn.Parameter) or _get_current_dispatch_mode() is not None
+
+
+def launch_kernel(kernel, grid, args: dict, x: torch.Tensor) -> None:
+    """``kernel[grid](**args)``, the way that suits ``x``.
+
+    A tracer (FakeTensor, FunctionalTensor, make_fx) gets a ``wrap_triton`` node. Eager calls launch
+    directly: through ``wrap_triton`` they would take the slow higher-order-op path. On a GPU, repeated
+    launches with the same signature skip Triton's Python launch path (:mod:`.fastlaunch`).
+    """
+    if _tracing(x):
+        wrap_triton(kernel)[grid](**args)
+    elif x.device.type == "cuda":
+        fastlaunch.launch(kernel, grid, args)
+    else:
+        kernel[grid](**args)

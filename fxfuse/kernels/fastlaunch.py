@@ -1,0 +1,139 @@
+"""A lean launch path for autotuned kernels: after the first launch, call the compiled kernel directly.
+
+``kernel[grid](**args)`` costs tens of microseconds of Python per launch (the autotuner's key, the JIT
+binder over ~25 arguments, the grid callback). At decode sizes that is more than the kernel itself. Once
+a launch has gone through Triton, everything its specialization depends on is known, so the next launch
+with the same *signature* can hand the arguments straight to the compiled kernel's launcher.
+
+The signature is what Triton specializes on, computed from the argument dict:
+
+* tensors: dtype and whether the address is 16-byte aligned;
+* ints: the value, except the ones named ``varying`` (M), which contribute only what Triton specializes
+  on (``== 1``, divisibility by 16, needs 64 bits);
+* everything else (constexpr flags, strings): the value.
+
+A miss (new signature) takes Triton's own path, which compiles or autotunes as usual, and records the
+compiled kernel and the chosen config for the next call. GPU only: the interpreter and tracers never
+come here, and neither do launches while a Triton launch hook (a profiler) is installed.
+
+Example:
+    >>> launcher = LeanLauncher(kernel, varying=("M",))  # doctest: +SKIP
+    >>> launcher.launch(lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),), args)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LeanLauncher", "launch", "lean_launch_enabled"]
+
+try:  # triton >= 3.4 keeps the launch hooks here
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton: always the normal path
+    _knobs = None
+
+_MAX_ENTRIES = 256  # signatures per kernel; past it, the oldest half is dropped
+
+
+def lean_launch_enabled() -> bool:
+    """False while a Triton launch hook is installed (profilers want every launch through Triton)."""
+    if _knobs is None:
+        return False
+    runtime = _knobs.runtime
+    return runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+
+
+# The current stream's handle, as Triton itself reads it.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def launch(kernel: Any, grid: Callable[[dict], tuple], args: dict, varying: Sequence[str] = ("M",)) -> None:
+    """``kernel[grid](**args)`` through the kernel's :class:`LeanLauncher` (one per kernel object)."""
+    lean = getattr(kernel, "_fxfuse_lean", None)
+    if lean is None:
+        lean = kernel._fxfuse_lean = LeanLauncher(kernel, varying)
+    lean.launch(grid, args)
+
+
+class _Entry:
+    __slots__ = ("run", "function", "packed_metadata", "order", "meta")
+
+    def __init__(self, compiled: Any, order: list[str], meta: dict):
+        compiled._init_handles()  # loads the module; ``run`` is the C launcher afterwards
+        self.run = compiled.run
+        self.function = compiled.function
+        self.packed_metadata = compiled.packed_metadata
+        self.order = order
+        self.meta = meta
+
+
+class LeanLauncher:
+    """Launches one autotuned Triton kernel, directly through its compiled launcher when it can.
+
+    Args:
+        kernel: the ``triton.autotune``-wrapped ``@triton.jit`` function.
+        varying: names of int arguments that change from call to call (the row count): they key the cache by
+            Triton's specialization of them, not by value.
+    """
+
+    def __init__(self, kernel: Any, varying: Sequence[str] = ("M",)):
+        self.kernel = kernel
+        self.varying = frozenset(varying)
+        self.arg_names: list[str] = list(getattr(kernel, "arg_names", None) or kernel.fn.arg_names)
+        self.entries: dict[tuple, _Entry] = {}
+        self.hits = 0  # launches that skipped Triton's Python path (tests read it)
+
+    def signature(self, args: dict) -> tuple:
+        key = []
+        for name, v in args.items():
+            if isinstance(v, torch.Tensor):
+                key.append((v.dtype, v.data_ptr() % 16 == 0))
+            elif type(v) is int and name in self.varying:
+                key.append((v == 1, v % 16 == 0, v > 0x7FFFFFFF))
+            else:
+                key.append(v)
+        return tuple(key)
+
+    def launch(self, grid: Callable[[dict], tuple], args: dict) -> None:
+        """Launch with ``args`` (every non-config argument, by name); ``grid(meta)`` as in ``kernel[grid]``."""
+        if not lean_launch_enabled():
+            self.kernel[grid](**args)
+            return
+        key = self.signature(args)
+        entry = self.entries.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](**args)
+            self._record(key, compiled, args)
+            return
+        full = {**args, **entry.meta}
+        g = grid(full)
+        device = next(v for v in args.values() if isinstance(v, torch.Tensor)).device
+        stream = _raw_stream(device.index)
+        entry.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, entry.function,
+                  entry.packed_metadata, None, None, None, *[full[n] for n in entry.order])
+        self.hits += 1
+
+    def _record(self, key: tuple, compiled: Any, args: dict) -> None:
+        config = getattr(self.kernel, "best_config", None)
+        if config is None or not hasattr(compiled, "packed_metadata"):
+            return  # not a Triton version this path knows: keep Triton's own path
+        meta = dict(config.kwargs)
+        order = self.arg_names
+        if any(n not in args and n not in meta for n in order):
+            return  # an argument with a default we did not pass: let Triton bind it
+        try:
+            entry = _Entry(compiled, order, meta)
+        except Exception as err:  # pragma: no cover - unexpected Triton internals: stay on the normal path
+            logger.debug("fxfuse: no lean launch for %s (%s)", getattr(self.kernel, "fn", self.kernel), err)
+            return
+        if len(self.entries) >= _MAX_ENTRIES:
+            for k in list(self.entries)[: _MAX_ENTRIES // 2]:
+                del self.entries[k]
+        self.entries[key] = entry
