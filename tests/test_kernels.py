@@ -309,3 +309,22 @@ def test_gpu_triton_op_compiles():
     assert rel_err(compiled(x, w0, w1), 2 * eager.double()) <= 1e-2
     x2 = rand(77, 512, dtype=torch.bfloat16)
     assert rel_err(compiled(x2, w0, w1), 2 * reference(x2, [w0, w1], [None, None], [], "mul(a0,silu(a1))")) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_lean_launch_matches_and_respects_alignment():
+    # After the first launch, calls with the same signature go straight to the compiled launcher; a
+    # different signature (a misaligned view, another M specialization) must take Triton's path again.
+    from fxfuse.kernels.fastlaunch import lean_launch_enabled
+
+    assert lean_launch_enabled()
+    w = torch.randn(96, 64, device="cuda", dtype=torch.float16)
+    kernel = codegen.generated_kernel(1, "relu(a0)").fused_stage_kernel
+    buf = torch.randn(40 * 64 + 1, device="cuda", dtype=torch.float16)
+    for m in (33, 33, 40, 1, 1):
+        for offset in (0, 1, 0):  # offset 1: a 2-byte-aligned x, which the aligned kernel must not read
+            x = buf[offset:offset + m * 64].view(m, 64)
+            out = run_stage(x, [w], [None], [], "relu(a0)")
+            ref = torch.relu(x.double() @ w.double().T)
+            assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, (m, offset)
+    assert kernel._fxfuse_lean.hits >= 6
