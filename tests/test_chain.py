@@ -82,8 +82,8 @@ def test_chain_variants_match_float64_reference(spec, dims, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("dims", [[32, 64, 64, 64, 16], [64, 128, 128, 128, 64], [3, 20, 17, 5]])
+@pytest.mark.parametrize("dims,dtype", [([32, 64, 64, 64, 16], torch.float16),
+                                        ([64, 128, 128, 128, 64], torch.bfloat16), ([3, 20, 17, 5], torch.bfloat16)])
 def test_every_chain_config_on_gpu(dims, dtype):
     # FXFUSE_AUTOTUNE=0 runs only the first config: check every variant the autotuner may pick.
     from fxfuse.kernels.chain_template import chain_configs
