@@ -1,0 +1,98 @@
+"""``autotune``: ``triton.autotune`` that caches its results on disk and logs its progress.
+
+The generated kernels use ``@autotune(configs=..., key=..., prune_configs_by=...)`` where they would use
+``@triton.autotune(...)``. Differences:
+
+* ``cache_results=True`` where Triton has it (3.4 on; the GPU machine runs 3.6): each tuning result is
+  written to Triton's cache folder (``$TRITON_CACHE_DIR``, keyed by Triton, the GPU, the kernel source,
+  the key values and the configs), so a new process at known shapes compiles one config instead of
+  benchmarking all. Triton reads that file without a guard (a corrupt one raises in the launch); here
+  such a file is logged at WARNING and the configs are benchmarked as if there were none.
+* Progress at INFO: ``tuning <kernel> for M_BUCKET=16, N=4096, K=1024 (4 configs)`` before the
+  benchmark, ``tuned <kernel>: best <config> in 3.2 s`` after (or ``... from Triton's disk cache``).
+
+The object returned is the ``Autotuner`` Triton built, with its class switched to a subclass that wraps
+``run``, ``prune_configs`` and ``check_disk_cache`` (methods of every Triton 3.x ``Autotuner``): the
+constructor's signature, which changes between releases, is never called here. If Triton's decorator
+returns something else than a plain ``Autotuner``, it is returned as it is (no progress log).
+
+Example:
+    >>> @autotune(configs=[triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})], key=["N"])
+    ... @triton.jit
+    ... def kernel(x_ptr, N, BLOCK: tl.constexpr): ...              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+
+import triton
+from triton.runtime.autotuner import Autotuner
+
+__all__ = ["CACHES_RESULTS", "ProgressAutotuner", "autotune"]
+
+log = logging.getLogger(__name__)
+
+CACHES_RESULTS = "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def autotune(**kwargs):
+    """``triton.autotune(**kwargs, cache_results=True)`` (when Triton has it), logging each new tuning."""
+    if CACHES_RESULTS:
+        kwargs.setdefault("cache_results", True)
+    decorate = triton.autotune(**kwargs)
+
+    def wrap(fn):
+        tuner = decorate(fn)
+        if type(tuner) is Autotuner:
+            tuner.__class__ = ProgressAutotuner
+        return tuner
+
+    return wrap
+
+
+class ProgressAutotuner(Autotuner):
+    """Triton's ``Autotuner``, logging when it benchmarks and tolerating a corrupt disk-cache entry."""
+
+    _tuning_since = None  # perf_counter() when a benchmark of several configs began in this run
+    _disk_hit = False
+
+    def prune_configs(self, kwargs):
+        # Triton calls this on a key it has not tuned yet, right before benchmarking what it returns.
+        configs = super().prune_configs(kwargs)
+        if len(configs) > 1:
+            args = {**(self.nargs or {}), **kwargs}
+            key = ", ".join(f"{k}={args[k]}" for k in self.keys if k in args)
+            log.info("fxfuse: tuning %s for %s (%d configs)", self._name(), key, len(configs))
+            self._tuning_since = time.perf_counter()
+            self._disk_hit = False
+        return configs
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        try:
+            self._disk_hit = super().check_disk_cache(tuning_key, configs, bench_fn)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+            log.warning("fxfuse: Triton's autotune cache entry for %s is unreadable (%s: %s); tuning again "
+                        "(clear $TRITON_CACHE_DIR to rewrite it)", self._name(), type(err).__name__, err)
+            if tuning_key not in self.cache:  # the failure came before the benchmark
+                bench_fn()
+            self._disk_hit = False
+        return self._disk_hit
+
+    def run(self, *args, **kwargs):
+        self._tuning_since = None
+        out = super().run(*args, **kwargs)
+        if self._tuning_since is not None:
+            how = "from Triton's disk cache" if self._disk_hit else \
+                f"in {time.perf_counter() - self._tuning_since:.1f} s"
+            log.info("fxfuse: tuned %s: best %s %s", self._name(), getattr(self, "best_config", "?"), how)
+            self._tuning_since = None
+        return out
+
+    def _name(self) -> str:
+        fn = getattr(self, "base_fn", None) or self.fn
+        what = getattr(fn, "__globals__", {}).get("EPILOGUE") or getattr(fn, "__globals__", {}).get("EPILOGUES")
+        return f"{fn.__name__} {json.dumps(what)}" if what else fn.__name__
