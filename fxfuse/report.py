@@ -1,15 +1,40 @@
-"""What fxfuse did to a model: fused regions, chains left alone (and why), parts not captured."""
+"""What fxfuse did to a model: fused regions, chains left alone (and why), parts not captured.
+
+Each fused region also shows the cost model's time (:mod:`fxfuse.cost`) of its kernels and of its
+original ops at the M seen when optimizing, and, once the region has run on a GPU, the two measured
+times (:func:`fxfuse.strategy.measurements`, read when the report is printed).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.fx as fx
 
 from .capture import CaptureFailure
+from .kernels.template import m_bucket
+from .meta import tensor_info
 from .records import FusionRegion, Rejection
-from .strategy import launches
+from .strategy import ORIGINAL_OPS, Measurement, launches, measurements
 
-__all__ = ["FusionReport", "RegionReport"]
+__all__ = ["FusedVsOriginal", "FusionReport", "RegionReport"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FusedVsOriginal:
+    """Two times of one region, in µs: its fused kernels and its original ops."""
+
+    fused_us: float
+    original_us: float
+
+    def __str__(self) -> str:
+        return f"{_us(self.fused_us)} / {_us(self.original_us)}"
 
 
 @dataclass
@@ -22,6 +47,12 @@ class RegionReport:
     strategy: str
     notes: list[str] = field(default_factory=list)
     kernels: list[str] = field(default_factory=list)  # generated Triton source files, one per stage
+    m: Optional[int] = None  # rows of the call seen when optimizing (example inputs, Dynamo's); None: unknown
+    widths: tuple[int, ...] = ()  # input width, then each linear's N (as the op's measurements are keyed)
+    dtype: str = ""
+    predicted_us: Optional[FusedVsOriginal] = None  # the cost model at ``m`` (None: M unknown, or no model)
+    predicted_regime: str = ""  # of the fused kernels: "compute", "memory" or "launch"
+    predicted_on: str = ""  # the GPU whose ceilings the prediction used
 
     @classmethod
     def from_region(cls, region: FusionRegion, spec: str, prefix: str = "",
@@ -32,7 +63,63 @@ class RegionReport:
         else:
             n = launches(region.spec, region.strategy)
             strategy = f"{region.strategy} ({n} launch{'es' if n > 1 else ''})"
-        return cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels))
+        report = cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels))
+        if region.replacement is None:
+            report._predict(region)
+        return report
+
+    @property
+    def measurements(self) -> list[Measurement]:
+        """This region's shape measured on a GPU so far in this process, one per M bucket (read now)."""
+        found = {r.m_bucket: r for r in measurements()
+                 if (r.spec, r.widths, r.dtype) == (self.spec, self.widths, self.dtype)}
+        return [found[b] for b in sorted(found)]
+
+    @property
+    def measured_us(self) -> Optional[FusedVsOriginal]:
+        """The measured times at the bucket of ``m`` (M unknown: the latest), or None before any GPU call."""
+        found = self.measurements
+        if self.m is not None:
+            found = [r for r in found if r.m_bucket == m_bucket(self.m)]
+        return FusedVsOriginal(found[-1].fused_us, found[-1].original_us) if found else None
+
+    def _predict(self, region: FusionRegion) -> None:
+        """Fill ``m``, ``widths``, ``dtype`` from the graph's metadata and predict both times at ``m``."""
+        from .cost import predict
+
+        try:
+            gm = region.input.graph.owning_module if isinstance(region.input, fx.Node) else None
+            x = tensor_info(gm, region.input) if gm is not None else None
+            ws = [tensor_info(gm, w) for w in region.weights] if gm is not None else []
+            if ws and all(w is not None and w.ndim == 2 and None not in w.shape for w in ws):
+                self.widths = (ws[0].shape[1], *(w.shape[0] for w in ws))
+                self.dtype = str(ws[0].dtype).replace("torch.", "")
+            if x is not None and x.ndim and None not in x.shape:
+                self.m = math.prod(x.shape[:-1])
+            if not self.widths or self.m is None:
+                return
+            fused = predict(region.spec, self.widths, self.m, self.dtype, region.strategy)
+            original = predict(region.spec, self.widths, self.m, self.dtype, ORIGINAL_OPS)
+        except Exception as err:  # a report must not break optimize()
+            log.debug("fxfuse: no prediction for %s: %s", self.module_path, err)
+            return
+        self.predicted_us = FusedVsOriginal(fused.predicted_us, original.predicted_us)
+        self.predicted_regime = fused.regime
+        self.predicted_on = fused.device
+
+    def predicted_cell(self) -> str:
+        """The table's text, e.g. ``97.6 / 117.6 at M=1, memory-bound``, or ``M unknown``."""
+        if self.predicted_us is None:
+            return "M unknown" if self.widths and self.m is None else "—"
+        return f"{self.predicted_us} at M={self.m}, {self.predicted_regime}-bound"
+
+    def measured_cell(self) -> str:
+        """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``."""
+        if not self.widths:  # shapes unknown here: the measurements cannot be told apart
+            return "—"
+        cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket}"
+                 f"{'' if r.fused else ' (original ops kept)'}" for r in self.measurements]
+        return "; ".join(cells) or "not yet"
 
 
 @dataclass
@@ -47,6 +134,7 @@ class FusionReport:
     capture_failures: list[CaptureFailure] = field(default_factory=list)
     graphs: int = 0
     seconds: float = 0.0
+    cuda_graphs: str = ""  # how optimize(cuda_graphs=...) set CUDA graphs up; "" when off
 
     @property
     def num_fused(self) -> int:
@@ -62,10 +150,17 @@ class FusionReport:
     def __str__(self) -> str:
         lines = [f"fxfuse: {len(self.regions)} region(s) fused, {len(self.rejections)} candidate(s) left unfused, "
                  f"{self.graphs} graph(s) captured in {self.seconds * 1e3:.0f} ms"]
+        if self.cuda_graphs:
+            lines.append(f"CUDA graphs: {self.cuda_graphs}")
         if self.regions:
             lines.append("fused:")
-            rows = [(r.module_path, r.pattern, r.strategy, r.spec) for r in self.regions]
-            lines += _table(("module", "pattern", "strategy", "spec"), rows)
+            rows = [(r.module_path, r.pattern, r.strategy, r.predicted_cell(), r.measured_cell(), r.spec)
+                    for r in self.regions]
+            lines += _table(("module", "pattern", "strategy", "predicted µs (fused / original)",
+                             "measured µs (fused / original)", "spec"), rows)
+            devices = sorted({r.predicted_on for r in self.regions if r.predicted_on})
+            lines.append(f"  predicted: cost model on {', '.join(devices) or 'H200'} ceilings (fxfuse.cost); "
+                         "measured: on the first GPU call at each M bucket")
             for r in self.regions:
                 lines += [f"  note ({r.module_path}): {n}" for n in r.notes]
             kernels = sorted({k for r in self.regions for k in r.kernels})
@@ -83,6 +178,10 @@ class FusionReport:
 
     def _repr_pretty_(self, p, cycle):  # IPython
         p.text(str(self))
+
+
+def _us(v: float) -> str:
+    return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
 
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:

@@ -46,12 +46,13 @@ import triton
 import triton.language as tl
 
 from fxfuse.kernels.template import autotune_configs, prune_configs
+from fxfuse.kernels.tuning import autotune
 
 NUM_LINEARS = $NUM_LINEARS
 EPILOGUE = "$EPILOGUE"
 
 
-@triton.autotune(
+@autotune(
     configs=autotune_configs(),
     key=["M_BUCKET", "N", "K"],  # dtypes are added by Triton; M only by power-of-2 bucket
     prune_configs_by=prune_configs(),

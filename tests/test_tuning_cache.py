@@ -1,0 +1,152 @@
+"""The on-disk tuning cache (fxfuse.tuning_cache), the measured choice that uses it, and the progress-logging
+Triton autotuner (fxfuse.kernels.tuning)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+from triton.runtime.autotuner import Autotuner
+
+from fxfuse import strategy, tuning_cache
+from fxfuse.kernels import tuning
+from fxfuse.tuning_cache import TunedChoice, cache_path, lookup, store
+
+KEY = "1b:relu(a0);1b:a0 | M~16 | 8x4,4x8 | float16"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXFUSE_CACHE_DIR", str(tmp_path / "kernels"))
+    tuning_cache.clear_loaded()
+    yield
+    tuning_cache.clear_loaded()
+
+
+def test_round_trip_through_the_file():
+    store(KEY, "NVIDIA H200", TunedChoice(True, 9.5, 21.0))
+    tuning_cache.clear_loaded()  # as a new process would: read the file again
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice(True, 9.5, 21.0)
+    data = json.loads(cache_path().read_text())
+    assert data["format"] == tuning_cache.FORMAT and len(data["entries"]) == 1
+    assert [p.name for p in cache_path().parent.iterdir()] == ["tuning.json"]  # no temp file left
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 1, "entries": {"k": 3}}'])
+def test_corrupt_file_is_rebuilt_with_a_warning(content, caplog):
+    cache_path().parent.mkdir(parents=True)
+    cache_path().write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="fxfuse.tuning_cache"):
+        assert lookup(KEY, "NVIDIA H200") is None
+    assert "rebuilding" in caplog.text
+    store(KEY, "NVIDIA H200", TunedChoice(False, 30.0, 20.0))
+    tuning_cache.clear_loaded()
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice(False, 30.0, 20.0)
+
+
+def test_unwritable_folder_only_logs(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("FXFUSE_CACHE_DIR", str(blocker / "kernels"))  # mkdir fails even as root
+    with caplog.at_level(logging.WARNING, logger="fxfuse.tuning_cache"):
+        store(KEY, "NVIDIA H200", TunedChoice(True, 1.0, 2.0))
+        store(KEY + "2", "NVIDIA H200", TunedChoice(True, 1.0, 2.0))
+    assert caplog.text.count("cannot write the tuning cache") == 1
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice(True, 1.0, 2.0)  # kept for this process
+
+
+def test_keys_separate_devices_and_versions(monkeypatch):
+    store(KEY, "NVIDIA H200", TunedChoice(True, 1.0, 2.0))
+    assert lookup(KEY, "NVIDIA H100 80GB HBM3") is None
+    assert lookup(KEY.replace("M~16", "M~32"), "NVIDIA H200") is None
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert lookup(KEY, "NVIDIA H200") is None
+    monkeypatch.undo()
+    monkeypatch.setattr(triton, "__version__", "9.9.9")
+    assert lookup(KEY, "NVIDIA H200") is None
+
+
+# ------------------------------------------------------------------------------------------ the measured choice
+
+def test_measured_choice_is_timed_once_then_read_from_disk(monkeypatch, caplog):
+    monkeypatch.setattr(strategy, "_choices", {})
+    monkeypatch.setattr(strategy, "_measured", {})
+    timings = iter([0.010, 0.025])  # ms: fused, then original
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), next(timings))[1])
+    x, w1, w2 = torch.randn(5, 8), torch.randn(16, 8), torch.randn(8, 16)
+    args = (x, [w1, w2], [], [], "1-:relu(a0);1-:a0")
+    with caplog.at_level(logging.INFO, logger="fxfuse.strategy"):
+        assert strategy.kernels_are_faster(args, lambda: x, lambda: x)
+    assert "first call at this shape bucket" in caplog.text  # progress before the timing
+    (rec,) = strategy.measurements()
+    assert (rec.m, rec.m_bucket, rec.widths, rec.source) == (5, 8, (8, 16, 8), "timed")
+    assert (rec.fused_us, rec.original_us, rec.fused) == (pytest.approx(10.0), pytest.approx(25.0), True)
+    assert rec.predicted_us is not None and rec.predicted_original_us > rec.predicted_us
+    # A new process (nothing in memory): the choice comes from tuning.json, nothing is timed.
+    monkeypatch.setattr(strategy, "_choices", {})
+    monkeypatch.setattr(strategy, "_measured", {})
+    tuning_cache.clear_loaded()
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    assert strategy.kernels_are_faster((torch.randn(7, 8), *args[1:]), lambda: x, lambda: x)
+    assert strategy.measurements()[0].source == "tuning cache"
+
+
+def test_slower_kernels_keep_the_original_ops(monkeypatch):
+    monkeypatch.setattr(strategy, "_choices", {})
+    monkeypatch.setattr(strategy, "_measured", {})
+    timings = iter([0.030, 0.020])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: next(timings))
+    x = torch.randn(3, 8)
+    assert not strategy.kernels_are_faster((x, [torch.randn(8, 8)], [], [], "1-:a0"), lambda: x, lambda: x)
+    assert not lookup("1-:a0 | M~4 | 8x8 | float32", "cpu").fused
+
+
+# ------------------------------------------------------------------------------------------ Triton's autotuner
+
+EPILOGUE = "add_one"  # shown in the progress log, as a generated kernel's EPILOGUE
+
+
+def _bench(fn, quantiles):
+    fn()
+    return [1.0, 1.0, 1.0]
+
+
+@tuning.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["N"], do_bench=_bench)
+@triton.jit
+def _add_one(x_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < N) + 1, mask=offs < N)
+
+
+def test_autotune_logs_progress_once_per_key(caplog):
+    assert isinstance(_add_one, tuning.ProgressAutotuner)
+    x = torch.zeros(40, device="cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter
+    with caplog.at_level(logging.INFO, logger="fxfuse.kernels.tuning"):
+        for _ in range(2):
+            _add_one[lambda meta: (triton.cdiv(40, meta["BLOCK"]),)](x, 40)
+    assert caplog.text.count('tuning _add_one "add_one" for N=40 (2 configs)') == 1
+    assert caplog.text.count("tuned _add_one") == 1 and "best BLOCK:" in caplog.text
+
+
+def test_autotune_asks_for_disk_results(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(triton, "autotune", lambda **kw: seen.update(kw) or (lambda fn: fn))
+    tuning.autotune(configs=[], key=[])
+    assert seen.get("cache_results") is (True if tuning.CACHES_RESULTS else None)
+
+
+def test_corrupt_triton_disk_cache_is_benchmarked_not_raised(monkeypatch, caplog):
+    def corrupt(self, tuning_key, configs, bench_fn):
+        raise json.JSONDecodeError("Expecting value", "", 0)
+
+    monkeypatch.setattr(Autotuner, "check_disk_cache", corrupt)
+    benched = []
+    with caplog.at_level(logging.WARNING, logger="fxfuse.kernels.tuning"):
+        hit = _add_one.check_disk_cache(("new key",), _add_one.configs, lambda: benched.append(1))
+    assert hit is False and benched == [1]
+    assert "autotune cache entry" in caplog.text
