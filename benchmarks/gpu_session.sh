@@ -1,27 +1,134 @@
 #!/usr/bin/env bash
-# The device calls that produce the committed GPU results. Run from the repo root on the GPU machine:
-#   bash benchmarks/gpu_session.sh tests   # GPU test suite + demo           -> gpu_tests.log, demo.log
-#   bash benchmarks/gpu_session.sh bench   # benchmark + profile report/PNG  -> results.*, log.txt, docs/*
-# Everything lands in $OUT (at most 8 files come back from the device).
+# The device calls that produce the committed GPU results. Run from the repo root on the GPU machine, one mode
+# per device call (the device stops a command at 600 s; every step's timeout is clipped to SESSION_BUDGET):
+#   bash benchmarks/gpu_session.sh tests-core    # kernel/op/API GPU tests + demo      -> tests_core.log, demo.log
+#   bash benchmarks/gpu_session.sh tests-models  # real models, properties, robustness -> tests_models.log
+#   bash benchmarks/gpu_session.sh tests         # both shards in one call (only if they fit together)
+#   bash benchmarks/gpu_session.sh bench         # full benchmark, max-autotune bounded to ~420 s
+#                                                #   -> results.md, results.json, log.txt (+ profile demo if time left)
+#   bash benchmarks/gpu_session.sh bench-quick   # benchmark without max-autotune + profile report/PNG
+#                                                #   -> results.*, log.txt, profile_demo.log, docs/* (8 files)
+#   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
+# Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
+# Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
+# default 10 here), BENCH_ARGS, and a *_TIMEOUT per step (see below).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fxfuse-out}; mkdir -p "$OUT"
+SESSION_BUDGET=${SESSION_BUDGET:-560}
+export FXFUSE_HYPOTHESIS_EXAMPLES=${FXFUSE_HYPOTHESIS_EXAMPLES:-10}
+FAILED=()
+
+# step NAME LIMIT LOG CMD...: run CMD with its output in $OUT/LOG, under a timeout clipped to what is left of
+# SESSION_BUDGET (so one slow step cannot push the call past the device's limit); say how it ended.
+step() {
+  local name=$1 limit=$2 log=$3; shift 3
+  local left=$((SESSION_BUDGET - SECONDS - 25))
+  if ((left < 20)); then
+    echo "$name: skipped (session budget: ${SECONDS}s of ${SESSION_BUDGET}s used)" | tee "$OUT/$log"
+    FAILED+=("$name(skipped)"); return 1
+  fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS rc
+  # SIGINT first: pytest then still prints its summary and --durations, a Python script its traceback
+  timeout -s INT -k 20 "$limit" "$@" > "$OUT/$log" 2>&1
+  rc=$?
+  local note=""; ((rc == 124 || rc == 137 || SECONDS - t0 >= limit)) && note=" TIMED OUT"
+  echo "$name: rc=$rc in $((SECONDS - t0))s (limit ${limit}s)$note"
+  ((rc == 0)) || FAILED+=("$name")
+  return $rc
+}
+
+# existing FILE...: the files that exist (others add test and probe files while this script stays the same)
+existing() { local f; for f in "$@"; do [[ -f $f ]] && printf '%s\n' "$f"; done; }
+
+MODEL_TESTS=$(existing tests/test_real_models.py tests/test_properties.py tests/test_robustness.py)
+# Core: the listed files, then any other test file with GPU tests (a new one is never silently left out).
+CORE_TESTS=$(
+  existing tests/test_kernels.py tests/test_ops.py tests/test_chain.py tests/test_api.py tests/test_backend.py \
+    tests/test_profile.py tests/test_decode.py tests/test_tma_stage.py tests/test_cudagraphs.py
+  for f in $(grep -l "mark.gpu" tests/test_*.py 2>/dev/null); do
+    grep -qxF "$f" <<< "$MODEL_TESTS" || echo "$f"
+  done
+)
+CORE_TESTS=$(awk '!seen[$0]++' <<< "$CORE_TESTS")
+
+gpu_tests() {  # gpu_tests NAME LOG FILES
+  local name=$1 log=$2 files=$3
+  echo "$name: $(echo $files)"
+  # shellcheck disable=SC2086  # one word per file
+  step "$name" "${TEST_TIMEOUT:-480}" "$log" python3 -m pytest -q -m gpu --durations=15 $files
+  grep -E "passed|failed|error" "$OUT/$log" | tail -3
+}
+
+demo() {
+  step demo "${DEMO_TIMEOUT:-90}" demo.log python3 examples/demo.py
+  grep -E "===|rel err|GPU median" "$OUT/demo.log"
+}
+
+bench() {  # bench ARGS...: the benchmark; its own log.txt holds the console output
+  step bench "${BENCH_TIMEOUT:-500}" bench_console.log python3 benchmarks/bench_workloads.py --out "$OUT" "$@"
+  local rc=$?
+  ((rc == 0)) || tail -20 "$OUT/bench_console.log"
+  rm -f "$OUT/bench_console.log"  # a copy of log.txt (the bench tees into it): not worth a file slot
+  sed -n '/^| name | floor/,/^\*\*Verdict/p' "$OUT/results.md" 2>/dev/null
+}
+
+profile_demo() {
+  local need=${PROFILE_TIMEOUT:-150}
+  if ((SESSION_BUDGET - SECONDS - 25 < need)); then
+    echo "profile demo: skipped (needs ${need}s, $((SESSION_BUDGET - SECONDS))s left; run bench-quick for it)"
+    return
+  fi
+  step profile "$need" profile_demo.log python3 examples/profile_demo.py --bench "$OUT/results.json"
+  sed -i '/USDT/d' "$OUT/profile_demo.log"
+  grep -E "agrees|DIFFERS|end to end|wrote" "$OUT/profile_demo.log"
+  mkdir -p "$OUT/docs"; cp docs/roofline*.png docs/profile_report*.html "$OUT/docs/" 2>/dev/null
+  rm -rf "$OUT/profile"  # traces: too many files to bring back
+}
+
+probe() {  # probe NAME SCRIPT ARGS...: one probe script, if present, with its own log
+  local name=$1 script=$2; shift 2
+  if [[ ! -f $script ]]; then echo "$name: $script not present"; return; fi
+  step "$name" "${PROBE_TIMEOUT:-150}" "$name.log" python3 "$script" "$@"
+  tail -25 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -m pip install -q --no-build-isolation --no-deps -e . > /dev/null 2>&1 || { echo "install failed"; exit 1; }
-case "${1:-tests}" in
+mode=${1:-tests}
+case "$mode" in
+  tests-core)
+    gpu_tests tests-core tests_core.log "$CORE_TESTS"
+    demo
+    ;;
+  tests-models)
+    gpu_tests tests-models tests_models.log "$MODEL_TESTS"
+    ;;
   tests)
-    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests rc=$?"; tail -15 "$OUT/gpu_tests.log"
-    timeout ${DEMO_TIMEOUT:-90} python3 examples/demo.py > "$OUT/demo.log" 2>&1
-    echo "demo rc=$?"; grep -E "===|rel err|GPU median" "$OUT/demo.log"
+    gpu_tests tests-core tests_core.log "$CORE_TESTS"
+    gpu_tests tests-models tests_models.log "$MODEL_TESTS"
+    demo
     ;;
   bench)
-    timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_workloads.py --out "$OUT" ${BENCH_ARGS:-} > /dev/null 2>&1
-    echo "bench rc=$?"; tail -32 "$OUT/results.md"
-    timeout ${PROFILE_TIMEOUT:-150} python3 examples/profile_demo.py --bench "$OUT/results.json" 2>&1 \
-      | grep -v USDT > "$OUT/profile_demo.log"
-    echo "profile rc=$?"; grep -E "agrees|DIFFERS|end to end|wrote" "$OUT/profile_demo.log"
-    mkdir -p "$OUT/docs"; cp docs/roofline*.png docs/profile_report*.html "$OUT/docs/" 2>/dev/null
-    rm -rf "$OUT/profile"  # traces: too many files to bring back
+    bench ${BENCH_ARGS:-}
+    profile_demo
+    ;;
+  bench-quick)
+    bench --skip-max-autotune ${BENCH_ARGS:-}
+    profile_demo
+    ;;
+  probe)
+    PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probe_decode.py --quick
+    PROBE_TIMEOUT=${PROBE_TMA_TIMEOUT:-150} probe probe_tma benchmarks/probe_tma.py --quick
+    mkdir -p /tmp/fxfuse-probe
+    PROBE_TIMEOUT=${PROBE_MAIN_TIMEOUT:-150} probe probe benchmarks/probe.py --out /tmp/fxfuse-probe
+    cp /tmp/fxfuse-probe/probe.txt "$OUT/" 2>/dev/null  # (also a partial one, after a timeout)
+    ;;
+  *)
+    echo "unknown mode '$mode': tests-core | tests-models | tests | bench | bench-quick | probe"; exit 2
     ;;
 esac
+n_files=$(find "$OUT" -type f | wc -l)
+echo "== $mode done in ${SECONDS}s; $n_files file(s) in $OUT$( ((n_files > 8)) && echo ' (MORE THAN 8: some will not come back)')"
+if ((${#FAILED[@]})); then echo "failed steps: ${FAILED[*]}"; exit 1; fi

@@ -9,6 +9,7 @@ Importable without CUDA and without fxfuse. Every module is a plain ``nn.Module`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +30,10 @@ __all__ = [
     "count_work",
     "table_work",
     "floor_us",
+    "EAGER_SLACK",
+    "Verdict",
+    "judge",
+    "target_text",
 ]
 
 
@@ -128,24 +133,26 @@ class Workload:
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
+# Targets (fxfuse GPU median µs; gpt2m_mlp_m1 also wall µs per call) are the "Targets" table of workloads.md;
+# gpt2m_mlp_m8 has none. The ref_* figures are its "Reference figures" table.
 WORKLOADS: list[Workload] = [
-    Workload("seed_geglu", "geglu", 8192, (768, 3072), BF16, (64, 128, 768), 180,
+    Workload("seed_geglu", "geglu", 8192, (768, 3072), BF16, (64, 128, 768), target_us=180,
              ref_floor_us=165, ref_eager_us=241, ref_compile_us=216),
-    Workload("gpt2_mlp", "gpt2", 8192, (768, 3072), BF16, (8192, 768), 118,
+    Workload("gpt2_mlp", "gpt2", 8192, (768, 3072), BF16, (8192, 768), target_us=118,
              ref_floor_us=110, ref_eager_us=148, ref_compile_us=169),
-    Workload("llama_swiglu_m1", "swiglu", 1, (4096, 14336), BF16, (1, 4096), 92, decode=True,
+    Workload("llama_swiglu_m1", "swiglu", 1, (4096, 14336), BF16, (1, 4096), target_us=92, decode=True,
              ref_floor_us=83, ref_eager_us=110, ref_compile_us=155),
-    Workload("llama_swiglu_m16", "swiglu", 16, (4096, 14336), BF16, (16, 4096), 92, decode=True,
+    Workload("llama_swiglu_m16", "swiglu", 16, (4096, 14336), BF16, (16, 4096), target_us=92, decode=True,
              ref_floor_us=83, ref_eager_us=113, ref_compile_us=132),
-    Workload("llama_swiglu_4096", "swiglu", 4096, (4096, 14336), BF16, (4096, 4096), 1900,
+    Workload("llama_swiglu_4096", "swiglu", 4096, (4096, 14336), BF16, (4096, 4096), target_us=1900,
              ref_floor_us=2060, ref_eager_us=2158, ref_compile_us=1919),
-    Workload("gpt2m_mlp_m1", "gpt2", 1, (1024, 4096), BF16, (1, 1024), 8, target_wall_us=15, decode=True,
+    Workload("gpt2m_mlp_m1", "gpt2", 1, (1024, 4096), BF16, (1, 1024), target_us=8, target_wall_us=15, decode=True,
              ref_floor_us=4, ref_eager_us=36, ref_compile_us=63),
-    Workload("gpt2m_mlp_m8", "gpt2", 8, (1024, 4096), BF16, (8, 1024), None, decode=True,
+    Workload("gpt2m_mlp_m8", "gpt2", 8, (1024, 4096), BF16, (8, 1024), target_us=None, decode=True,
              ref_floor_us=4, ref_eager_us=20, ref_compile_us=186),
-    Workload("nerf64", "nerf", 1 << 20, (32, 64, 64, 64, 16), FP16, (1 << 20, 32), 60,
+    Workload("nerf64", "nerf", 1 << 20, (32, 64, 64, 64, 16), FP16, (1 << 20, 32), target_us=60,
              ref_floor_us=33, ref_eager_us=469, ref_compile_us=561),
-    Workload("nerf128", "nerf", 1 << 20, (64, 128, 128, 128, 64), FP16, (1 << 20, 64), 220,
+    Workload("nerf128", "nerf", 1 << 20, (64, 128, 128, 128, 64), FP16, (1 << 20, 64), target_us=220,
              ref_floor_us=146, ref_eager_us=924, ref_compile_us=910),
 ]
 
@@ -206,3 +213,91 @@ def floor_us(flops: int, nbytes: int, flops_per_s: float, bytes_per_s: float) ->
     t_c = flops / flops_per_s * 1e6
     t_m = nbytes / bytes_per_s * 1e6
     return max(t_c, t_m), ("compute" if t_c >= t_m else "memory"), t_c, t_m
+
+
+# "No workload gets slower than eager": fxfuse may be at most this fraction slower than eager before the row
+# fails. 2% is about the spread of two eager medians of one run (the bench prints that spread per row).
+EAGER_SLACK = 0.02
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _us(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One row against issue 3: the target (None: the row has none) and "not slower than eager"."""
+
+    meets_target: Optional[bool]
+    not_slower_than_eager: bool
+    passed: bool
+    why: str  # what failed, "" when passed
+
+
+def judge(fxfuse_us, eager_us, target_us: Optional[float], *, target_wall_us: Optional[float] = None,
+          fxfuse_wall_us=None, eager_wall_us=None, correct: bool = True,
+          eager_slack: float = EAGER_SLACK) -> Verdict:
+    """Pass/fail of one row. Pure: numbers in, verdict out (a missing or non-numeric time fails its check).
+
+    * meets_target: fxfuse GPU median ≤ ``target_us`` and, if ``target_wall_us`` is set, fxfuse wall µs/call ≤ it;
+      None when the row has no target (it cannot fail on one).
+    * not_slower_than_eager: fxfuse GPU median ≤ eager × (1 + slack) and, when an eager wall time is given (decode
+      rows), the fxfuse wall time too: host overhead is what a decode caller pays.
+    * passed: correct results, target met (or none), not slower than eager.
+
+    Example:
+        >>> judge(170, 240, 180).passed
+        True
+        >>> judge(170, 240, None).meets_target is None
+        True
+        >>> judge(7, 20, 8, target_wall_us=15, fxfuse_wall_us=16, eager_wall_us=50).why
+        'wall 16 > 15'
+    """
+    fails = []
+    fx_ok = _num(fxfuse_us)
+    if not fx_ok:
+        fails.append("no fxfuse time")
+    elif not correct:
+        fails.append("wrong results")
+
+    meets = None
+    if target_us is not None:
+        meets = fx_ok and fxfuse_us <= target_us
+        if fx_ok and not meets:
+            fails.append(f"{_us(fxfuse_us)} > {target_us:g}")
+        if target_wall_us is not None:
+            wall_ok = _num(fxfuse_wall_us) and fxfuse_wall_us <= target_wall_us
+            if not wall_ok:
+                fails.append(f"wall {_us(fxfuse_wall_us)} > {target_wall_us:g}" if _num(fxfuse_wall_us)
+                             else "no fxfuse wall time")
+            meets = meets and wall_ok
+        meets = bool(meets and correct)
+
+    limit = 1.0 + eager_slack
+    not_slower = fx_ok and _num(eager_us) and fxfuse_us <= eager_us * limit
+    if fx_ok and not _num(eager_us):
+        fails.append("no eager time")
+    elif fx_ok and not not_slower:
+        fails.append(f"slower than eager ({eager_us / fxfuse_us:.2f}×)")
+    if _num(eager_wall_us):
+        wall_not_slower = _num(fxfuse_wall_us) and fxfuse_wall_us <= eager_wall_us * limit
+        if not wall_not_slower:
+            fails.append(f"wall slower than eager ({eager_wall_us / fxfuse_wall_us:.2f}×)" if _num(fxfuse_wall_us)
+                         else "no fxfuse wall time")
+        not_slower = not_slower and wall_not_slower
+    not_slower = bool(not_slower and correct)
+
+    passed = bool(correct and meets is not False and not_slower)
+    # one reason once (a missing wall time can fail both checks)
+    return Verdict(meets, not_slower, passed, "" if passed else "; ".join(dict.fromkeys(fails)))
+
+
+def target_text(target_us: Optional[float], target_wall_us: Optional[float] = None) -> str:
+    """``≤ 8, wall ≤ 15``; ``—`` for a row without a target."""
+    if target_us is None:
+        return "—"
+    return f"≤ {target_us:g}" + (f", wall ≤ {target_wall_us:g}" if target_wall_us is not None else "")

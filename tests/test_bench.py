@@ -1,0 +1,149 @@
+"""The benchmark's workload table, its pass/fail logic and its time bound (CPU only, no fxfuse call)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import bench_workloads as bench  # noqa: E402
+from benchmarks.workloads import EAGER_SLACK, WORKLOADS, judge, target_text  # noqa: E402
+
+# The "Targets" table of /work/shared/workloads.md: (GPU median µs, wall µs per call); None: no target.
+TARGETS = {
+    "seed_geglu": (180, None),
+    "gpt2_mlp": (118, None),
+    "llama_swiglu_m1": (92, None),
+    "llama_swiglu_m16": (92, None),
+    "llama_swiglu_4096": (1900, None),
+    "gpt2m_mlp_m1": (8, 15),
+    "gpt2m_mlp_m8": (None, None),
+    "nerf64": (60, None),
+    "nerf128": (220, None),
+}
+
+
+def test_every_workload_has_its_target():
+    assert [w.name for w in WORKLOADS] == list(TARGETS)
+    for w in WORKLOADS:
+        assert (w.target_us, w.target_wall_us) == TARGETS[w.name], w.name
+    decode = {w.name for w in WORKLOADS if w.decode}
+    assert decode == {"llama_swiglu_m1", "llama_swiglu_m16", "gpt2m_mlp_m1", "gpt2m_mlp_m8"}
+
+
+def test_target_text():
+    assert target_text(180) == "≤ 180"
+    assert target_text(8, 15) == "≤ 8, wall ≤ 15"
+    assert target_text(None) == "—"
+
+
+def test_judge_target_and_eager():
+    v = judge(170, 240, 180)
+    assert (v.meets_target, v.not_slower_than_eager, v.passed, v.why) == (True, True, True, "")
+    assert judge(180, 240, 180).passed  # the target is inclusive
+    v = judge(190, 240, 180)
+    assert v.meets_target is False and v.not_slower_than_eager and not v.passed and "190 > 180" in v.why
+    # faster than the target but slower than eager: fails ("no workload gets slower than eager")
+    v = judge(50, 40, 60)
+    assert v.meets_target and not v.not_slower_than_eager and not v.passed and "slower than eager" in v.why
+    # within the noise allowance of eager passes, beyond it fails
+    assert judge(100 * (1 + EAGER_SLACK) - 0.01, 100, 118).passed
+    assert not judge(100 * (1 + EAGER_SLACK) + 0.01, 100, 118).passed
+    assert judge(103, 100, 118, eager_slack=0.05).passed
+
+
+def test_judge_row_without_target():
+    v = judge(20, 22, None)
+    assert v.meets_target is None and v.passed
+    v = judge(30, 22, None)
+    assert v.meets_target is None and not v.passed
+
+
+def test_judge_wall_target_and_decode_wall():
+    ok = dict(target_wall_us=15, fxfuse_wall_us=14, eager_wall_us=50)
+    assert judge(7, 20, 8, **ok).passed
+    v = judge(7, 20, 8, **{**ok, "fxfuse_wall_us": 16})
+    assert v.meets_target is False and not v.passed and "wall 16 > 15" in v.why
+    v = judge(7, 20, 8, **{**ok, "fxfuse_wall_us": None})
+    assert v.meets_target is False and not v.not_slower_than_eager and not v.passed
+    # a decode row with no wall target still must not be slower than eager on the wall clock
+    v = judge(90, 100, 92, fxfuse_wall_us=150, eager_wall_us=105)
+    assert v.meets_target and not v.not_slower_than_eager and not v.passed and "wall slower" in v.why
+
+
+def test_judge_failures():
+    v = judge(100, 200, 180, correct=False)
+    assert v.meets_target is False and not v.not_slower_than_eager and not v.passed and v.why == "wrong results"
+    for missing in (None, "ERR: boom", "skipped (budget)", float("nan")):
+        v = judge(missing, 200, 180)
+        assert not v.passed and "no fxfuse time" in v.why, missing
+    v = judge(100, None, 180)  # eager not measured: cannot claim "not slower"
+    assert not v.passed and "no eager time" in v.why
+
+
+def _row(name: str, fxfuse_us, eager_us=100.0, wall=None, correct=True) -> dict:
+    w = next(w for w in WORKLOADS if w.name == name)
+    row = bench.new_row(w)
+    row["floor"] = {"floor_us": 50.0, "flops": 1e9, "bytes": 1e6, "bound": "compute"}
+    row["gpu_us"] = {"eager": eager_us, "eager_repeat": eager_us, "cudagraph": eager_us, "compile_default": 120.0,
+                     "compile_max_autotune": bench.SKIPPED_BUDGET, "fxfuse": fxfuse_us}
+    row["wall_us"] = dict(wall or {})
+    row["rel_err"] = {"eager": 3e-3, "fxfuse": 3e-3}
+    row["check"] = {"pass": correct, "deterministic": True}
+    bench.derive(row)
+    return row
+
+
+def test_results_table_has_verdict_columns():
+    args = bench.parse_args(["--skip-max-autotune"])
+    rows = [
+        _row("seed_geglu", 170.0, eager_us=240.0),
+        _row("gpt2m_mlp_m8", 90.0, eager_us=20.0, wall={"eager": 50.0, "fxfuse": 120.0, "fxfuse_cuda_graphs": "n/a"}),
+    ]
+    env = {"gpu": "test", "torch": "x", "cuda": None, "triton": "y", "python": "3", "date": "today", "argv": "bench"}
+    md = bench.render_md(env, {}, rows, args)
+    header = next(line for line in md.splitlines() if line.startswith("| name | floor"))
+    for col in ("compile default", "compile max-autotune", "vs eager", "fxfuse CUDA graphs wall", "target",
+                "meets target", "not slower than eager", "pass"):
+        assert f"| {col} |" in header, col
+    geglu = next(line for line in md.splitlines() if line.startswith("| seed_geglu |"))
+    m8 = next(line for line in md.splitlines() if line.startswith("| gpt2m_mlp_m8 |"))
+    assert "skipped (budget)" in geglu and geglu.endswith("| ≤ 180 | yes | yes | PASS |")
+    assert "| n/a |" in m8 and "| — | — | no | FAIL: slower than eager" in m8
+    assert "**Verdict: 1/2 rows pass** (targets met 1/1, not slower than eager 1/2); every row passes: no." in md
+
+
+def test_max_autotune_bound():
+    args = Namespace(skip_max_autotune=False, deadline=420.0, max_autotune_reserve=45.0, max_autotune_budget=300.0)
+    assert bench.max_autotune_skip(args, 100, 0, 0) == (None, None)
+    assert bench.max_autotune_skip(args, 375, 100, 30) == (None, None)  # 375 + 45 = 420 still fits
+    cell, why = bench.max_autotune_skip(args, 376, 100, 30)
+    assert cell == "skipped (budget)" and "deadline" in why
+    assert bench.max_autotune_skip(args, 370, 100, 30) == (None, None)
+    cell, why = bench.max_autotune_skip(args, 370, 100, 60)  # a compile of this run took 60 s: reserve 60
+    assert cell == "skipped (budget)" and "60 s reserve" in why
+    cell, why = bench.max_autotune_skip(args, 200, 301, 40)
+    assert cell == "skipped (budget)" and "budget" in why
+    args.skip_max_autotune = True
+    assert bench.max_autotune_skip(args, 0, 0, 0)[0] == "skipped (--skip-max-autotune)"
+
+
+def test_defaults_fit_the_device_limit():
+    args = bench.parse_args([])
+    # ~420 s for the whole run leaves room for install and the device's 600 s limit per command
+    assert args.deadline <= 420 and args.max_autotune_reserve >= 43 and not args.skip_max_autotune
+
+
+@pytest.mark.parametrize("flag", ["--help", "--dry-run"])
+def test_cli_runs_on_cpu(flag):
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_workloads.py"), flag, "--only", "nerf64"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert ("--max-autotune-budget" in res.stdout) if flag == "--help" else ("dry run OK" in res.stdout)
