@@ -31,7 +31,8 @@ from .kernels.template import KERNEL_TEMPLATE, TEMPLATE_VERSION
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "clear_loaded", "generated_chain_kernel", "generated_kernel", "kernel_path", "render"]
+__all__ = ["cache_dir", "clear_loaded", "generated_chain_kernel", "generated_decode_kernel", "generated_kernel",
+           "generated_tma_kernel", "kernel_path", "render"]
 
 _modules: dict[tuple, ModuleType] = {}
 _lock = threading.Lock()
@@ -52,8 +53,11 @@ def _canonical(num_linears: int, epilogue: str) -> tuple[ep.Expr, str]:
     return expr, str(expr)
 
 
-def render(num_linears: int, epilogue: str) -> str:
+def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
+           version: int = TEMPLATE_VERSION) -> str:
     """The kernel module source for one stage (see :mod:`fxfuse.kernels.template` for the rules).
+
+    ``template`` / ``version``: another stage template written with the same line rules (the TMA one).
 
     Example:
         >>> src = render(2, "mul(a0,silu(a1))")
@@ -65,7 +69,7 @@ def render(num_linears: int, epilogue: str) -> str:
     body, result = ep.to_triton(expr, acc_names=["acc0", "acc1"][:num_linears],
                                 operand_names=[f"v{i}" for i in range(n_ops)], indent="    ")
     lines: list[str] = []
-    for line in KERNEL_TEMPLATE.splitlines():
+    for line in template.splitlines():
         if line.endswith("# [gated]"):
             if num_linears == 2:
                 lines.append(line[: -len("# [gated]")].rstrip())
@@ -76,7 +80,7 @@ def render(num_linears: int, epilogue: str) -> str:
         else:
             lines.append(line)
     src = "\n".join(lines) + "\n"
-    for key, value in (("$TEMPLATE_VERSION", str(TEMPLATE_VERSION)), ("$NUM_LINEARS", str(num_linears)),
+    for key, value in (("$TEMPLATE_VERSION", str(version)), ("$NUM_LINEARS", str(num_linears)),
                        ("$EPILOGUE", text), ("$RESULT", result)):
         src = src.replace(key, value)
     return src
@@ -184,6 +188,58 @@ def generated_chain_kernel(epilogues: tuple[str, ...]) -> ModuleType:
             module = _write_and_import(render_chain(epilogues), "fxfuse_chain")
             logger.debug("fxfuse: loaded chain kernel %s for %s", module.__file__, epilogues)
             _modules[key] = module
+        return module
+
+
+def generated_decode_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -> ModuleType:
+    """Import (generating if needed) the decode kernel module for a two-stage MLP with these epilogues.
+
+    The module has ``fused_decode_kernel``, ``NUM_LINEARS0`` and ``EPILOGUES``
+    (see :mod:`fxfuse.kernels.decode_template`). Raises ``ValueError`` for invalid epilogues.
+
+    Example:
+        >>> generated_decode_kernel(2, "mul(silu(a0),a1)", "a0").EPILOGUES  # doctest: +SKIP
+        ['mul(silu(a0),a1)', 'a0']
+    """
+    key = ("decode", num_linears0, epilogue0, epilogue1)
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    from .kernels.decode_template import render_decode
+
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            module = _write_and_import(render_decode(num_linears0, epilogue0, epilogue1), "fxfuse_decode")
+            logger.debug("fxfuse: loaded decode kernel %s for %d:%s ; %s", module.__file__, num_linears0,
+                         epilogue0, epilogue1)
+            _modules[key] = module
+        return module
+
+
+def generated_tma_kernel(num_linears: int, epilogue: str) -> ModuleType:
+    """Import (generating if needed) the Hopper TMA stage kernel module (:mod:`fxfuse.kernels.tma_template`).
+
+    The module has ``fused_stage_tma_kernel``, ``NUM_LINEARS`` and ``EPILOGUE``. Raises ``ValueError`` for an
+    invalid epilogue.
+
+    Example:
+        >>> generated_tma_kernel(2, "mul(gelu_tanh(a0),a1)").EPILOGUE  # doctest: +SKIP
+        'mul(gelu_tanh(a0),a1)'
+    """
+    module = _modules.get(("tma", num_linears, epilogue))  # fast path: no parsing on every launch
+    if module is not None:
+        return module
+    from .kernels.tma_template import TMA_TEMPLATE, TMA_TEMPLATE_VERSION
+
+    _, text = _canonical(num_linears, epilogue)
+    with _lock:
+        module = _modules.get(("tma", num_linears, text))
+        if module is None:
+            src = render(num_linears, text, template=TMA_TEMPLATE, version=TMA_TEMPLATE_VERSION)
+            module = _write_and_import(src, "fxfuse_tma")
+            logger.debug("fxfuse: loaded TMA stage kernel %s for %d:%s", module.__file__, num_linears, text)
+        _modules[("tma", num_linears, text)] = _modules[("tma", num_linears, epilogue)] = module
         return module
 
 

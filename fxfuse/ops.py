@@ -36,7 +36,18 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import epilogue as ep
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
-from .strategy import FUSED_CHAIN, choose_strategy, kernels_are_faster, measured_choice_enabled
+from .strategy import (
+    DECODE,
+    DECODE_MAX_M,
+    FUSED_CHAIN,
+    ORIGINAL_OPS,
+    TMA_GEMM_EPILOGUE,
+    cached_choice,
+    fastest,
+    forget,
+    kernel_candidates,
+    measured_choice_enabled,
+)
 
 __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
 
@@ -134,13 +145,21 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
 
 
 @functools.lru_cache(maxsize=4096)
-def _strategy(spec: str, widths: tuple[int, ...]) -> str:
-    return choose_strategy(MLPSpec.loads(spec), widths)
+def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], tma: bool) -> tuple[str, ...]:
+    # ``small``: M itself when it is at most DECODE_MAX_M (the decode kernel's limit), else None (many rows).
+    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30, tma))
 
 
-def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
-                 operands: Sequence[Tensor], spec: str) -> Tensor:
-    from .kernels import run_chain, run_stage
+def _tma(x: Tensor) -> bool:
+    from .kernels import tma_supported
+
+    return x.device.type == "cuda" and tma_supported(x.device)
+
+
+def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
+                 spec: str, strategy: str) -> Tensor:
+    """The region with the kernels of ``strategy`` (one of :func:`fxfuse.strategy.kernel_candidates`)."""
+    from .kernels import run_chain, run_decode, run_stage, run_stage_tma
 
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
@@ -155,31 +174,62 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
         per_stage_biases.append(stage_biases)
         per_stage_ops.append([t.reshape(-1) for t in operands[o:o + stage.num_operands]])
         o += stage.num_operands
-    widths = (h.shape[1], *(w.shape[0] for w in weights))
-    if _strategy(spec, widths) == FUSED_CHAIN:
+    if strategy == FUSED_CHAIN:
         h = run_chain(h, weights, [bs[0] for bs in per_stage_biases], per_stage_ops,
                       tuple(s.epilogue for s in stages))
+    elif strategy == DECODE:
+        h = run_decode(h, weights, [b for bs in per_stage_biases for b in bs], per_stage_ops,
+                       tuple(s.epilogue for s in stages), check=False)
     else:
         w = 0
         for stage, stage_biases, ops in zip(stages, per_stage_biases, per_stage_ops):
-            h = run_stage(h, weights[w:w + stage.num_linears], stage_biases, ops, stage.epilogue, check=False)
+            stage_weights = weights[w:w + stage.num_linears]
+            out = None
+            if strategy == TMA_GEMM_EPILOGUE:  # None where a tensor does not suit TMA: the pointer kernel runs
+                out = run_stage_tma(h, stage_weights, stage_biases, ops, stage.epilogue, check=False)
+            h = out if out is not None else run_stage(h, stage_weights, stage_biases, ops, stage.epilogue,
+                                                      check=False)
             w += stage.num_linears
     return h.reshape(*lead, h.shape[-1])
 
 
+_failed: set[tuple[str, str, str]] = set()
+
+
 def _dispatch(x, weights, biases, operands, spec):
     reason = kernel_fallback_reason(x, weights, biases, operands, spec)
-    if reason is None:
-        if x.device.type != "cuda" or type(x) is not Tensor or not measured_choice_enabled():
-            return _run_kernels(x, weights, biases, operands, spec)
-        args = (x, weights, biases, operands, spec)
-        if kernels_are_faster(args, lambda: _run_kernels(*args), lambda: reference_mlp(*args)):
-            return _run_kernels(*args)
+    if reason is not None:
+        if reason not in _logged_fallbacks:
+            _logged_fallbacks.add(reason)
+            log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
+        return reference_mlp(x, weights, biases, operands, spec)
+    args = (x, weights, biases, operands, spec)
+    timed = x.device.type == "cuda" and type(x) is Tensor and measured_choice_enabled()
+    strategy = cached_choice(args) if timed else None
+    if strategy is None:
+        m = x.numel() // x.shape[-1]
+        widths = (x.shape[-1], *(w.shape[0] for w in weights))
+        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, _tma(x))
+        if timed:
+            runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
+            strategy = fastest(args, runners, functools.partial(reference_mlp, *args))
+        else:
+            strategy = candidates[0]
+    if strategy == ORIGINAL_OPS:
         return reference_mlp(*args)
-    if reason not in _logged_fallbacks:
-        _logged_fallbacks.add(reason)
-        log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
-    return reference_mlp(x, weights, biases, operands, spec)
+    try:
+        return _run_kernels(*args, strategy)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # a kernel that fails here must not fail the user's forward: eager's ops run
+        where = (spec, strategy, type(err).__name__)
+        if where not in _failed:
+            _failed.add(where)
+            log.warning("fxfuse: the %s kernels of %s failed (%s: %s); running the original ops instead",
+                        strategy, spec, type(err).__name__, err)
+        if timed:
+            forget(args, strategy)
+        return reference_mlp(*args)
 
 
 @triton_op("fxfuse::mlp", mutates_args=())

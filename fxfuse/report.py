@@ -19,7 +19,7 @@ from .capture import CaptureFailure
 from .kernels.template import m_bucket
 from .meta import tensor_info
 from .records import FusionRegion, Rejection
-from .strategy import ORIGINAL_OPS, Measurement, launches, measurements
+from .strategy import ORIGINAL_OPS, Measurement, choose_strategy, launches, measurements
 
 __all__ = ["FusedVsOriginal", "FusionReport", "RegionReport"]
 
@@ -98,7 +98,8 @@ class RegionReport:
                 self.m = math.prod(x.shape[:-1])
             if not self.widths or self.m is None:
                 return
-            fused = predict(region.spec, self.widths, self.m, self.dtype, region.strategy)
+            chosen = choose_strategy(region.spec, self.widths, self.m)  # M known now: the decode kernel may run
+            fused = predict(region.spec, self.widths, self.m, self.dtype, chosen)
             original = predict(region.spec, self.widths, self.m, self.dtype, ORIGINAL_OPS)
         except Exception as err:  # a report must not break optimize()
             log.debug("fxfuse: no prediction for %s: %s", self.module_path, err)
@@ -117,8 +118,8 @@ class RegionReport:
         """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``."""
         if not self.widths:  # shapes unknown here: the measurements cannot be told apart
             return "—"
-        cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket}"
-                 f"{'' if r.fused else ' (original ops kept)'}" for r in self.measurements]
+        cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket} "
+                 f"({r.strategy if r.fused else 'original ops kept'})" for r in self.measurements]
         return "; ".join(cells) or "not yet"
 
 

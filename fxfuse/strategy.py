@@ -1,7 +1,16 @@
-"""Which kernels run a fused region: one fused-chain kernel, or one GEMM+epilogue kernel per stage.
+"""Which kernels run a fused region, and the measured choice between them and the original ops.
 
-The choice depends only on the region's structure and widths, so the op (at run time) and the
-report (at optimize time, when the widths are known) agree.
+Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
+
+* ``fused_chain``: the whole chain in one kernel (every stage one linear, widths ≤ ``MAX_CHAIN_WIDTH``);
+* ``decode_split_hidden``: a two-stage MLP on M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden dim;
+* ``tma_gemm_epilogue``: one persistent TMA GEMM+epilogue kernel per stage (Hopper, M > ``DECODE_MAX_M``);
+* ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue kernel per stage (always possible).
+
+On a GPU each candidate and the original ops are timed once per shape bucket and the fastest runs
+(:func:`fastest`), so fusing never makes a region slower; without timing (``FXFUSE_AUTOTUNE=0``, the
+interpreter) the first candidate runs. :func:`choose_strategy` is that first candidate, which the report shows
+before anything was measured.
 
 Example:
     >>> from fxfuse.spec import MLPSpec
@@ -9,6 +18,8 @@ Example:
     'fused_chain'
     >>> choose_strategy(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (768, 3072, 768))
     'gemm_epilogue'
+    >>> choose_strategy(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (1024, 4096, 1024), m=1)
+    'decode_split_hidden'
 """
 
 from __future__ import annotations
@@ -21,38 +32,58 @@ from typing import Optional
 import torch
 
 from .kernels.chain_template import MAX_CHAIN_WIDTH
+from .kernels.decode_template import DECODE_BLOCK_M as DECODE_MAX_M
 from .kernels.template import autotune_enabled
 from .spec import MLPSpec
 
-__all__ = ["DECODE", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ORIGINAL_OPS", "Measurement",
-           "choose_strategy", "kernels_are_faster", "launches", "measured_choice_enabled", "measurements"]
+__all__ = ["DECODE", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ORIGINAL_OPS", "TMA_GEMM_EPILOGUE",
+           "Measurement", "choose_strategy", "fastest", "kernel_candidates", "kernels_are_faster", "launches",
+           "measured_choice_enabled", "measurements"]
 
 log = logging.getLogger(__name__)
 
 FUSED_CHAIN = "fused_chain"  # the whole chain in one kernel, intermediates on chip
 GEMM_EPILOGUE = "gemm_epilogue"  # one GEMM kernel per stage, bias + epilogue fused
 GATED_GEMM_EPILOGUE = "gated_gemm_epilogue"  # the same, gate and up in one kernel
+TMA_GEMM_EPILOGUE = "tma_gemm_epilogue"  # the same with TMA descriptors and a persistent grid (Hopper)
 DECODE = "decode_split_hidden"  # a two-stage MLP on a few rows in one launch, split over the hidden dim
 ORIGINAL_OPS = "original_ops"  # the ops the region replaced (cuBLAS GEMMs + eager pointwise): always a candidate
 
 
-def choose_strategy(spec: MLPSpec, widths: Sequence[int]) -> str:
-    """``widths``: the input width, then each stage's output width."""
-    narrow = max(widths) <= MAX_CHAIN_WIDTH
-    if narrow and all(s.num_linears == 1 for s in spec.stages):
-        return FUSED_CHAIN
-    return GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE
+def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
+                      tma: bool = False) -> list[str]:
+    """The kernel strategies that can run ``spec``, in the order tried when nothing is measured.
+
+    ``widths``: the input width, then each stage's output width; ``m``: rows (None: unknown, assume many);
+    ``tma``: the device has TMA (:func:`fxfuse.kernels.tma_supported`).
+    """
+    out = []
+    if max(widths) <= MAX_CHAIN_WIDTH and all(s.num_linears == 1 for s in spec.stages):
+        out.append(FUSED_CHAIN)
+    small = m is not None and m <= DECODE_MAX_M
+    if small and len(spec.stages) == 2 and spec.stages[1].num_linears == 1:
+        out.append(DECODE)
+    if tma and not small:
+        out.append(TMA_GEMM_EPILOGUE)
+    out.append(GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE)
+    return out
+
+
+def choose_strategy(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None, tma: bool = False) -> str:
+    """The strategy that runs when nothing is measured: the first of :func:`kernel_candidates`."""
+    return kernel_candidates(spec, widths, m, tma)[0]
 
 
 def launches(spec: MLPSpec, strategy: str) -> int:
-    return 1 if strategy == FUSED_CHAIN else len(spec.stages)
+    return 1 if strategy in (FUSED_CHAIN, DECODE) else len(spec.stages)
 
 
 # The original ops (cuBLAS GEMMs + eager pointwise) stay a candidate: the first time a region runs on
-# the GPU at a new shape bucket, both are timed and the faster is kept, so fusing never makes a region
-# slower than it was. Keyed by (spec, M bucket, weight shapes, dtype, device); the choice is also kept on
-# disk (fxfuse.tuning_cache), the times and the cost model's prediction in _measured (for the report).
-_choices: dict[tuple, bool] = {}
+# the GPU at a new shape bucket, every candidate and the original ops are timed and the fastest is kept,
+# so fusing never makes a region slower than it was. Keyed by (spec, M bucket, weight shapes, dtype,
+# device); the choice is also kept on disk (fxfuse.tuning_cache), the times and the cost model's
+# prediction in _measured (for the report).
+_choices: dict[tuple, str] = {}
 _measured: dict[tuple, Measurement] = {}
 
 
@@ -66,12 +97,13 @@ class Measurement:
     widths: tuple[int, ...]  # input width, then each linear's N
     dtype: str
     device: str  # GPU name
-    strategy: str  # the fused kernels that ran
+    strategy: str  # the fastest fused kernels
     fused_us: float
     original_us: float
     source: str  # "timed" or "tuning cache"
     predicted_us: Optional[float] = None  # the cost model's time of ``strategy`` at ``m``
     predicted_original_us: Optional[float] = None  # ... and of the original ops
+    times: tuple[tuple[str, float], ...] = ()  # every candidate's time, fastest first
 
     @property
     def fused(self) -> bool:
@@ -82,54 +114,102 @@ def measurements() -> list[Measurement]:
     """Every measured choice of this process, in the order made.
 
     Example:
-        >>> [(r.spec, r.m_bucket, r.fused_us, r.original_us) for r in measurements()]  # doctest: +SKIP
-        [('1b:gelu_tanh(a0);1b:a0', 16, 9.8, 20.1)]
+        >>> [(r.spec, r.m_bucket, r.strategy, r.fused_us, r.original_us) for r in measurements()]  # doctest: +SKIP
+        [('1b:gelu_tanh(a0);1b:a0', 1, 'decode_split_hidden', 6.8, 20.1)]
     """
     return list(_measured.values())
 
 
 def measured_choice_enabled() -> bool:
-    """Off with ``FXFUSE_AUTOTUNE=0`` (then the kernels always run: what the GPU tests check)."""
+    """Off with ``FXFUSE_AUTOTUNE=0`` (then the first candidate always runs: what the GPU tests check)."""
     return autotune_enabled()
 
 
-def kernels_are_faster(args: tuple, run_kernels: Callable[[], torch.Tensor],
-                       run_reference: Callable[[], torch.Tensor]) -> bool:
-    """Whether the fused kernels beat the original ops on inputs like ``args`` (measured once per key)."""
+def choice_key(args: tuple) -> tuple:
     x, weights, _, _, spec = args
     m = x.numel() // x.shape[-1]
-    key = (spec, 1 << max(m - 1, 0).bit_length(), tuple(w.shape for w in weights), x.dtype, x.device)
+    return (spec, 1 << max(m - 1, 0).bit_length(), tuple(w.shape for w in weights), x.dtype, x.device)
+
+
+def cached_choice(args: tuple) -> Optional[str]:
+    """The strategy already chosen for inputs like ``args`` in this process (the forward path's lookup)."""
+    return _choices.get(choice_key(args))
+
+
+def forget(args: tuple, strategy: str) -> None:
+    """Stop choosing ``strategy`` for inputs like ``args`` (it failed): the original ops run instead."""
+    _choices[choice_key(args)] = ORIGINAL_OPS
+
+
+def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
+            run_reference: Callable[[], torch.Tensor]) -> str:
+    """The fastest of ``runners`` (strategy -> call) and the original ops, on inputs like ``args``.
+
+    Timed once per key with ``triton.testing.do_bench`` (median) and remembered in memory and on disk.
+    A candidate that raises is dropped (logged); inside a CUDA graph capture nothing can be timed, so the
+    first candidate is returned and the choice is made on a later eager call.
+    """
+    key = choice_key(args)
     choice = _choices.get(key)
     if choice is not None:
         return choice
     from . import tuning_cache
 
+    x, weights, _, _, spec = args
+    m = x.numel() // x.shape[-1]
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     dtype = str(x.dtype).replace("torch.", "")
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
     disk_key = f"{spec} | M~{key[1]} | {','.join('x'.join(map(str, w.shape)) for w in weights)} | {dtype}"
     stored = tuning_cache.lookup(disk_key, device)
-    if stored is not None:
-        fused, original, source = stored.fused_us, stored.original_us, "tuning cache"
+    if stored is not None and (stored.strategy in runners or stored.strategy == ORIGINAL_OPS):
+        times, source = dict(stored.times), "tuning cache"
     elif x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True  # cannot time inside a CUDA graph capture; decide on a later eager call
+        return next(iter(runners))
     else:
-        from triton.testing import do_bench
+        times, source = _time(spec, key[1], runners, run_reference), "timed"
+    best = min(times, key=times.get)
+    if stored is None or source == "timed":
+        tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times))
+    kernels = {s: t for s, t in times.items() if s != ORIGINAL_OPS}
+    fused_strategy = min(kernels, key=kernels.get) if kernels else next(iter(runners))
+    predicted = _predict(spec, widths, m, dtype, device, (fused_strategy, ORIGINAL_OPS))
+    ranked = tuple(sorted(times.items(), key=lambda kv: kv[1]))
+    _measured[key] = Measurement(spec, key[1], m, widths, dtype, device, fused_strategy,
+                                 kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source, *predicted,
+                                 times=ranked)
+    _choices[key] = best
+    log.info("fxfuse: %s at M~%d (%s): %s -> %s", spec, key[1], source,
+             ", ".join(f"{s} {t:.1f} us" for s, t in ranked), best)
+    return best
 
-        log.info("fxfuse: %s at M~%d: first call at this shape bucket, compiling and timing the fused kernels "
-                 "against the original ops", spec, key[1])
-        run_kernels()  # compile and autotune outside the timing
-        fused = do_bench(run_kernels, warmup=5, rep=20, return_mode="median") * 1e3
-        original = do_bench(run_reference, warmup=5, rep=20, return_mode="median") * 1e3
-        tuning_cache.store(disk_key, device, tuning_cache.TunedChoice(fused <= original, fused, original))
-        source = "timed"
-    ran = choose_strategy(MLPSpec.loads(spec), widths)  # what ops._run_kernels runs
-    predicted = _predict(spec, widths, m, dtype, device, (ran, ORIGINAL_OPS))
-    _measured[key] = Measurement(spec, key[1], m, widths, dtype, device, ran, fused, original, source, *predicted)
-    choice = _choices[key] = fused <= original
-    log.info("fxfuse: %s at M~%d (%s): fused kernels %.1f us, original ops %.1f us -> %s", spec, key[1], source,
-             fused, original, "fused" if choice else "keeping the original ops")
-    return choice
+
+def _time(spec: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]],
+          run_reference: Callable[[], torch.Tensor]) -> dict[str, float]:
+    from triton.testing import do_bench
+
+    log.info("fxfuse: %s at M~%d: first call at this shape bucket, compiling and timing %s against the original "
+             "ops", spec, bucket, ", ".join(runners))
+    times = {}
+    for strategy, run in runners.items():
+        try:
+            run()  # compile and autotune outside the timing
+            times[strategy] = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # a kernel that does not compile or launch here is not a candidate
+            log.warning("fxfuse: %s for %s failed (%s: %s); not using it", strategy, spec, type(err).__name__, err)
+    times[ORIGINAL_OPS] = do_bench(run_reference, warmup=5, rep=20, return_mode="median") * 1e3
+    return times
+
+
+def kernels_are_faster(args: tuple, run_kernels: Callable[[], torch.Tensor],
+                       run_reference: Callable[[], torch.Tensor]) -> bool:
+    """Whether the first candidate's kernels beat the original ops on inputs like ``args``."""
+    x, weights, _, _, spec = args
+    m = x.numel() // x.shape[-1]
+    strategy = choose_strategy(MLPSpec.loads(spec), (x.shape[-1], *(w.shape[0] for w in weights)), m)
+    return fastest(args, {strategy: run_kernels}, run_reference) != ORIGINAL_OPS
 
 
 def _predict(spec: str, widths: tuple[int, ...], m: int, dtype: str, device: str,

@@ -1,11 +1,11 @@
 """On-disk cache of the measured choice between a region's fused kernels and its original ops.
 
-The first time a region runs on a GPU at a new shape bucket, :func:`fxfuse.strategy.kernels_are_faster`
-times both; the result is kept here, so the next process does not compile and time again. One JSON
-file, ``tuning.json`` in the kernel cache folder (:func:`fxfuse.codegen.cache_dir`)::
+The first time a region runs on a GPU at a new shape bucket, :func:`fxfuse.strategy.fastest` times
+every candidate and the original ops; the result is kept here, so the next process does not compile and
+time again. One JSON file, ``tuning.json`` in the kernel cache folder (:func:`fxfuse.codegen.cache_dir`)::
 
     {"format": 1, "entries": {"NVIDIA H200 | torch 2.11.0 | triton 3.6.0 | <key>":
-                              {"fused": true, "fused_us": 95.1, "original_us": 110.4}}}
+                              {"times": [["decode_split_hidden", 95.1], ["original_ops", 110.4]]}}}
 
 Each entry is keyed by the GPU's name and the torch and Triton versions (a new GPU or release measures
 again) and by the caller's key (spec, M bucket, weight shapes, dtype). The file is read once per process,
@@ -16,9 +16,9 @@ Nothing here raises.
 
 Example:
     >>> key = "1b:relu(a0);1b:a0 | M~16 | 8x4,4x8 | float16"
-    >>> store(key, "NVIDIA H200", TunedChoice(True, 9.5, 21.0))  # doctest: +SKIP
-    >>> lookup(key, "NVIDIA H200").fused                         # doctest: +SKIP
-    True
+    >>> store(key, "NVIDIA H200", TunedChoice.of({"fused_chain": 9.5, "original_ops": 21.0}))  # doctest: +SKIP
+    >>> lookup(key, "NVIDIA H200").strategy                                              # doctest: +SKIP
+    'fused_chain'
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = ["FILE_NAME", "TunedChoice", "cache_path", "clear_loaded", "lookup", "
 log = logging.getLogger(__name__)
 
 FILE_NAME = "tuning.json"
-FORMAT = 1  # bump when an entry's meaning changes: older files are then rebuilt
+FORMAT = 2  # bump when an entry's meaning changes: older files are then rebuilt
 
 _lock = threading.Lock()
 _entries: dict[str, TunedChoice] = {}
@@ -50,11 +50,18 @@ _write_failed = False  # log an unwritable folder once per process
 
 @dataclass(frozen=True)
 class TunedChoice:
-    """One measured choice: whether the fused kernels won, and both median times."""
+    """One measured choice: the median µs of every candidate strategy, the original ops included."""
 
-    fused: bool
-    fused_us: float
-    original_us: float
+    times: tuple[tuple[str, float], ...]  # (strategy, µs), fastest first
+
+    @classmethod
+    def of(cls, times: dict[str, float]) -> TunedChoice:
+        return cls(tuple(sorted(times.items(), key=lambda kv: kv[1])))
+
+    @property
+    def strategy(self) -> str:
+        """The fastest."""
+        return self.times[0][0]
 
 
 def cache_path() -> Path:
@@ -117,7 +124,7 @@ def _load() -> dict[str, TunedChoice]:
         log.warning("fxfuse: tuning cache %s has an unknown format; rebuilding it", path)
         return _entries
     try:
-        _entries.update({str(k): TunedChoice(bool(v["fused"]), float(v["fused_us"]), float(v["original_us"]))
+        _entries.update({str(k): TunedChoice.of({str(s): float(t) for s, t in v["times"]})
                          for k, v in data["entries"].items()})
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         _entries.clear()

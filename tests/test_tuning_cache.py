@@ -29,24 +29,24 @@ def _fresh_cache(tmp_path, monkeypatch):
 
 
 def test_round_trip_through_the_file():
-    store(KEY, "NVIDIA H200", TunedChoice(True, 9.5, 21.0))
+    store(KEY, "NVIDIA H200", TunedChoice.of({"fused_chain": 9.5, "original_ops": 21.0}))
     tuning_cache.clear_loaded()  # as a new process would: read the file again
-    assert lookup(KEY, "NVIDIA H200") == TunedChoice(True, 9.5, 21.0)
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice.of({"fused_chain": 9.5, "original_ops": 21.0})
     data = json.loads(cache_path().read_text())
     assert data["format"] == tuning_cache.FORMAT and len(data["entries"]) == 1
     assert [p.name for p in cache_path().parent.iterdir()] == ["tuning.json"]  # no temp file left
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 1, "entries": {"k": 3}}'])
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 2, "entries": {"k": 3}}'])
 def test_corrupt_file_is_rebuilt_with_a_warning(content, caplog):
     cache_path().parent.mkdir(parents=True)
     cache_path().write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="fxfuse.tuning_cache"):
         assert lookup(KEY, "NVIDIA H200") is None
     assert "rebuilding" in caplog.text
-    store(KEY, "NVIDIA H200", TunedChoice(False, 30.0, 20.0))
+    store(KEY, "NVIDIA H200", TunedChoice.of({"fused_chain": 30.0, "original_ops": 20.0}))
     tuning_cache.clear_loaded()
-    assert lookup(KEY, "NVIDIA H200") == TunedChoice(False, 30.0, 20.0)
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice.of({"fused_chain": 30.0, "original_ops": 20.0})
 
 
 def test_unwritable_folder_only_logs(tmp_path, monkeypatch, caplog):
@@ -54,14 +54,15 @@ def test_unwritable_folder_only_logs(tmp_path, monkeypatch, caplog):
     blocker.write_text("")
     monkeypatch.setenv("FXFUSE_CACHE_DIR", str(blocker / "kernels"))  # mkdir fails even as root
     with caplog.at_level(logging.WARNING, logger="fxfuse.tuning_cache"):
-        store(KEY, "NVIDIA H200", TunedChoice(True, 1.0, 2.0))
-        store(KEY + "2", "NVIDIA H200", TunedChoice(True, 1.0, 2.0))
+        store(KEY, "NVIDIA H200", TunedChoice.of({"fused_chain": 1.0, "original_ops": 2.0}))
+        store(KEY + "2", "NVIDIA H200", TunedChoice.of({"fused_chain": 1.0, "original_ops": 2.0}))
     assert caplog.text.count("cannot write the tuning cache") == 1
-    assert lookup(KEY, "NVIDIA H200") == TunedChoice(True, 1.0, 2.0)  # kept for this process
+    # Kept for this process:
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice.of({"fused_chain": 1.0, "original_ops": 2.0})
 
 
 def test_keys_separate_devices_and_versions(monkeypatch):
-    store(KEY, "NVIDIA H200", TunedChoice(True, 1.0, 2.0))
+    store(KEY, "NVIDIA H200", TunedChoice.of({"fused_chain": 1.0, "original_ops": 2.0}))
     assert lookup(KEY, "NVIDIA H100 80GB HBM3") is None
     assert lookup(KEY.replace("M~16", "M~32"), "NVIDIA H200") is None
     monkeypatch.setattr(torch, "__version__", "9.9.9")
@@ -103,7 +104,7 @@ def test_slower_kernels_keep_the_original_ops(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: next(timings))
     x = torch.randn(3, 8)
     assert not strategy.kernels_are_faster((x, [torch.randn(8, 8)], [], [], "1-:a0"), lambda: x, lambda: x)
-    assert not lookup("1-:a0 | M~4 | 8x8 | float32", "cpu").fused
+    assert lookup("1-:a0 | M~4 | 8x8 | float32", "cpu").strategy == strategy.ORIGINAL_OPS
 
 
 # ------------------------------------------------------------------------------------------ Triton's autotuner

@@ -2,6 +2,8 @@
 
 * ``run_stage``: one GEMM (or a gated pair) with bias and the generated epilogue fused.
 * ``run_chain``: a whole narrow Linear → act → … → Linear chain in one kernel.
+* ``run_decode``: a whole two-stage MLP for a few rows (M ≤ ``DECODE_MAX_M``) in one kernel.
+* ``run_stage_tma``: ``run_stage`` on Hopper with TMA descriptors and a persistent grid (large M), or None.
 
 Example:
     >>> from fxfuse.kernels import run_stage
@@ -9,6 +11,9 @@ Example:
 """
 
 from .chain_launch import run_chain
+from .decode_launch import DECODE_MAX_M, run_decode
 from .launch import SUPPORTED_DTYPES, run_stage
+from .tma_launch import run_stage_tma, tma_supported
 
-__all__ = ["SUPPORTED_DTYPES", "run_chain", "run_stage"]
+__all__ = ["DECODE_MAX_M", "SUPPORTED_DTYPES", "run_chain", "run_decode", "run_stage", "run_stage_tma",
+           "tma_supported"]

@@ -1,0 +1,186 @@
+"""Python wrapper of the decode kernel (:mod:`fxfuse.kernels.decode_template`): a two-stage MLP, M ≤ 16, one launch.
+
+The kernel sums partial products in an fp32 workspace and counts finished programs in an int32 counter;
+the last program leaves both at zero. So they are allocated zeroed once and reused, one pair per
+(device, stream, N) with ``DECODE_MAX_M`` rows (a launch uses the first M): launches on one stream run in
+order, so two never share a pair at the same time. A tracer (FakeTensor, ``torch.compile``) or a CUDA graph
+capture gets a fresh zeroed pair instead, so the traced or captured program owns its buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import triton
+
+from .. import codegen
+from .. import epilogue as ep
+from .decode_template import DECODE_BLOCK_M
+from .launch import (
+    SUPPORTED_DTYPES,
+    _check_extent,
+    _input_precision,
+    _parse,
+    _torch_stage,
+    _traced_in_interpreter,
+    _tracing,
+    launch_kernel,
+)
+from .template import interpreting as _interpreting
+from .template import m_bucket
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DECODE_MAX_M", "run_decode"]
+
+# Rows the decode kernel takes: one BLOCK_M tile holds them all.
+DECODE_MAX_M = DECODE_BLOCK_M
+_INT32_MAX = 2**31 - 1  # the kernel indexes with int32 offsets
+_WORKSPACE_SEMS = ("acq_rel", "relaxed")
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# The current stream's handle, cheaply (Triton reads it the same way); CPU (interpreter) has one "stream".
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def _workspace(x: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed fp32 ``[DECODE_MAX_M, N]`` workspace and int32 counter for this call (see the module doc)."""
+    cuda = x.device.type == "cuda"
+    if _tracing(x) or (cuda and torch.cuda.is_current_stream_capturing()):
+        key = None
+    else:
+        key = (x.device, _raw_stream(x.device.index) if cuda else 0, N)
+    pair = None if key is None else _workspaces.get(key)
+    if pair is None:
+        pair = (torch.zeros((DECODE_MAX_M, N), dtype=torch.float32, device=x.device),
+                torch.zeros((1,), dtype=torch.int32, device=x.device))
+        if key is not None:
+            _workspaces[key] = pair
+    return pair
+
+
+def _validate(x, weights, biases, operands, exprs) -> tuple[int, int, int, int]:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K], got shape {tuple(getattr(x, 'shape', ()))}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
+    M, K = x.shape
+    if M > DECODE_MAX_M:
+        raise ValueError(f"the decode kernel takes at most {DECODE_MAX_M} rows, got {M}")
+    if len(exprs) != 2 or len(operands) != 2:
+        raise ValueError("the decode kernel runs exactly two stages (two epilogues, two operand lists)")
+    n_lin0 = ep.num_accumulators(exprs[0])
+    if n_lin0 not in (1, 2) or len(weights) != n_lin0 + 1 or ep.num_accumulators(exprs[1]) != 1:
+        raise ValueError(f"epilogues {exprs[0]} ; {exprs[1]} need {n_lin0} + 1 weights, got {len(weights)}")
+    if len(biases) != len(weights):
+        raise ValueError(f"got {len(weights)} weights but {len(biases)} biases (use None for no bias)")
+    H, N = weights[0].shape[0], weights[-1].shape[0]
+    expected = [(H, K)] * n_lin0 + [(N, H)]
+    for i, (w, b, shape) in enumerate(zip(weights, biases, expected)):
+        if tuple(w.shape) != shape or w.dtype != x.dtype:
+            raise ValueError(f"weight {i} is {tuple(w.shape)} {w.dtype}, expected {list(shape)} {x.dtype}")
+        if b is not None and (tuple(b.shape) != shape[:1] or b.dtype != x.dtype):
+            raise ValueError(f"bias {i} is {tuple(b.shape)} {b.dtype}, expected [{shape[0]}] {x.dtype}")
+    for stage, (ops, expr, width) in enumerate(zip(operands, exprs, (H, N))):
+        if len(ops) != ep.num_operands(expr):
+            raise ValueError(f"epilogue {expr} uses {ep.num_operands(expr)} operand(s) but {len(ops)} were given")
+        for j, v in enumerate(ops):
+            if not (v.numel() == 1 or (v.dim() == 1 and v.shape[0] == width)):
+                raise ValueError(f"stage {stage} operand v{j} has shape {tuple(v.shape)}, expected [{width}] or one")
+            if v.dtype not in (x.dtype, torch.float32):
+                raise ValueError(f"stage {stage} operand v{j} dtype {v.dtype} must be {x.dtype} or torch.float32")
+    tensors = [x, *weights, *(b for b in biases if b is not None), *(v for ops in operands for v in ops)]
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the Triton kernel needs a CUDA device (x is on {x.device}); "
+                         "set TRITON_INTERPRET=1 to run it on the CPU")
+    for name, t in [("x", x), *((f"weight {i}", w) for i, w in enumerate(weights))]:
+        _check_extent(t, name)
+    if DECODE_MAX_M * N > _INT32_MAX:
+        raise ValueError(f"output width {N} is too large for int32 indexing")
+    return M, K, H, N
+
+
+def _torch_decode(x, weights, biases, operands, epilogues) -> torch.Tensor:
+    """The same math in torch ops (fp32 per stage, h rounded to x's dtype): traceable."""
+    h = _torch_stage(x, weights[:-1], biases[:-1], operands[0], _parse(epilogues[0]))
+    return _torch_stage(h, weights[-1:], biases[-1:], operands[1], _parse(epilogues[1]))
+
+
+def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+               operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, str], *,
+               check: bool = True, workspace_sem: str = "acq_rel") -> torch.Tensor:
+    """A whole two-stage MLP for a few rows in ONE kernel launch; returns a new ``[M, N]`` tensor.
+
+    ``out = epi1(h @ W2^T + b2, ...)`` with ``h = epi0(x @ W0^T + b0[, x @ W1^T + b1], ...)`` rounded to
+    x's dtype. Every weight is streamed from memory once.
+
+    Args:
+        x: ``[M, K]`` with ``M <= DECODE_MAX_M``, any strides.
+        weights: the flat list: stage 0's ``[H, K]`` weight (two for a gated stage), then stage 1's ``[N, H]``;
+            any strides.
+        biases: one entry per weight, ``[H]`` / ``[N]`` or ``None``.
+        operands: two lists (stage 0, stage 1) of 1-D tensors named ``v0, v1, ...`` in that stage's epilogue:
+            ``[H]`` (stage 0) or ``[N]`` (stage 1) elements, or one element (broadcast); x's dtype or fp32.
+        epilogues: ``(epilogue0, epilogue1)``, canonical texts over ``a0[, a1]`` and over ``a0``.
+        check: validate the arguments first (``torch.ops.fxfuse.mlp`` checks them itself and may pass False).
+        workspace_sem: memory semantics of the kernel's workspace adds: ``"acq_rel"`` (Triton's default) or
+            ``"relaxed"`` (cheaper; the program counter's acq_rel and a CTA barrier still order the sums).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, M > ``DECODE_MAX_M`` or epilogues (the caller falls back).
+
+    Example:
+        >>> x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> run_decode(x, [wg, wu, wd], [None] * 3, [[], []], ("mul(silu(a0),a1)", "a0")).shape  # doctest: +SKIP
+        torch.Size([1, 4096])
+    """
+    if workspace_sem not in _WORKSPACE_SEMS:
+        raise ValueError(f"workspace_sem must be one of {_WORKSPACE_SEMS}, got {workspace_sem!r}")
+    if check:
+        M, K, H, N = _validate(x, weights, biases, operands, [_parse(e) for e in epilogues])
+    else:
+        (M, K), H, N = x.shape, weights[0].shape[0], weights[-1].shape[0]
+        if M > DECODE_MAX_M:  # rows past the one tile would be silently dropped
+            raise ValueError(f"the decode kernel takes at most {DECODE_MAX_M} rows, got {M}")
+    # The interpreter cannot be traced, and a zero-wide hidden layer launches no program: torch ops instead.
+    if H == 0 or (_interpreting() and _traced_in_interpreter(x)):
+        return _torch_decode(x, weights, biases, operands, epilogues)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    n_lin0 = len(weights) - 1
+    kernel = codegen.generated_decode_kernel(n_lin0, epilogues[0], epilogues[1]).fused_decode_kernel
+    ws, counter = _workspace(x, N)
+    w2, b2 = weights[-1], biases[-1]
+    # Stage 0's weights / biases are w0 (, w1) / b0 (, b1); stage 1's are always w2 / b2.
+    stage_w = {**{i: weights[i] for i in range(n_lin0)}, 2: w2}
+    stage_b = {**{i: biases[i] for i in range(n_lin0)}, 2: b2}
+    args: dict = {"x_ptr": x}
+    args.update({f"w{i}_ptr": w for i, w in stage_w.items()})
+    args.update({f"b{i}_ptr": (b if b is not None else x) for i, b in stage_b.items()})  # x: valid, unread
+    for stage, ops in enumerate(operands):
+        args.update({f"v{stage}_{j}_ptr": v for j, v in enumerate(ops)})
+    args.update({"out_ptr": out, "ws_ptr": ws, "counter_ptr": counter, "M": M, "K": K, "H": H, "N": N,
+                 "M_BUCKET": m_bucket(M), "stride_xm": x.stride(0), "stride_xk": x.stride(1)})
+    for i in range(n_lin0):
+        args[f"stride_w{i}h"], args[f"stride_w{i}k"] = weights[i].stride(0), weights[i].stride(1)
+    args["stride_w2n"], args["stride_w2h"] = w2.stride(0), w2.stride(1)
+    args.update({f"stride_b{i}": (b.stride(0) if b is not None else 0) for i, b in stage_b.items()})
+    for stage, ops in enumerate(operands):
+        # A single element is broadcast with stride 0 (whatever its shape/stride).
+        args.update({f"stride_v{stage}_{j}": (0 if v.numel() == 1 else v.stride(0)) for j, v in enumerate(ops)})
+    args["stride_om"], args["stride_on"] = out.stride(0), out.stride(1)
+    args.update({f"HAS_BIAS{i}": b is not None for i, b in stage_b.items()})
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "WS_SEM": workspace_sem, "BLOCK_M": DECODE_BLOCK_M})
+
+    def grid(meta):
+        return (triton.cdiv(H, meta["BLOCK_H"]),)
+
+    launch_kernel(kernel, grid, args, x)
+    return out

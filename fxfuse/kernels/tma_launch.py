@@ -1,0 +1,197 @@
+"""Launcher of the Hopper TMA stage kernel (:mod:`fxfuse.kernels.tma_template`): same contract as ``run_stage``.
+
+``run_stage_tma`` returns ``None`` whenever the TMA kernel does not apply (no Hopper GPU, a Triton without host
+tensor descriptors, strides or addresses TMA cannot describe, a tracer active), so the caller falls back to
+:func:`fxfuse.kernels.launch.run_stage`:
+
+    out = run_stage_tma(x, ws, bs, ops, epi)
+    if out is None:
+        out = run_stage(x, ws, bs, ops, epi)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+import triton
+
+from .. import codegen
+from . import fastlaunch
+from .launch import _input_precision, _parse, _tracing, _validate
+from .template import interpreting, m_bucket
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_stage_tma", "tma_applicable", "tma_supported"]
+
+_TMA_ALIGN = 16  # bytes: TMA needs the base address and every stride but the last 16-byte aligned
+_INTERPRETER_SMS = 4  # programs in the interpreter: few enough that each one walks several tiles
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_descriptor():
+    """``triton.tools.tensor_descriptor.TensorDescriptor``, or None on a Triton without host descriptors."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+_supported: dict[torch.device, bool] = {}  # tma_supported per device: it runs on every launch
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_props(index: int) -> tuple[int, int]:
+    """(major compute capability, SM count) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def tma_supported(device) -> bool:
+    """Whether the TMA stage kernel can run on ``device``: Hopper or newer and a Triton with ``TensorDescriptor``.
+
+    Under ``TRITON_INTERPRET=1`` a CPU device counts as supported (the interpreter emulates TMA).
+
+    Example:
+        >>> tma_supported(torch.device("cuda"))  # doctest: +SKIP
+        True
+    """
+    device = torch.device(device)
+    ok = _supported.get(device)
+    if ok is None:
+        ok = _supported[device] = _tma_supported(device)
+    return ok and interpreting() == (device.type == "cpu")
+
+
+def _tma_supported(device: torch.device) -> bool:
+    if _tensor_descriptor() is None:
+        return False
+    if device.type == "cpu":
+        return True  # in the interpreter
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _cuda_props(_device_index(device))[0] >= 9
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """A 2-D tensor TMA can address: last dim contiguous, 16-byte aligned base and row stride."""
+    elem = t.element_size()
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * elem) % _TMA_ALIGN == 0
+            and t.data_ptr() % _TMA_ALIGN == 0)
+
+
+def tma_applicable(x: torch.Tensor, weights) -> bool:
+    """Whether ``run_stage_tma`` would launch for these (already valid) arguments rather than return None.
+
+    Example:
+        >>> x, w = torch.randn(64, 70), torch.randn(32, 70)  # K=70 floats: row stride 280 B, not 16-B aligned
+        >>> tma_applicable(x, [w])
+        False
+    """
+    if _tracing(x) or not tma_supported(x.device):
+        return False
+    M, K = x.shape
+    N = weights[0].shape[0]
+    if min(M, N, K) == 0:  # a descriptor needs positive sizes; the pointer kernel handles empty problems
+        return False
+    if (N * x.element_size()) % _TMA_ALIGN:  # the output's row stride
+        return False
+    return all(_describable(t) for t in (x, *weights))
+
+
+def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
+                  check: bool = True) -> Optional[torch.Tensor]:
+    """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` with the persistent TMA kernel, or None.
+
+    Same arguments and result as :func:`fxfuse.kernels.launch.run_stage`; additionally x and the weights
+    must have a contiguous last dim and 16-byte aligned addresses and row strides, and N * itemsize must be
+    a multiple of 16 (the output's row stride). Returns ``None`` when that, or :func:`tma_supported`, does
+    not hold, or when a tracer (FakeTensor, make_fx) is active: the caller then runs ``run_stage``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or epilogue (with ``check``), as ``run_stage`` does.
+
+    Example:
+        >>> x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> w = torch.randn(3072, 768, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> run_stage_tma(x, [w], [None], [], "gelu_tanh(a0)").shape  # doctest: +SKIP
+        torch.Size([8192, 3072])
+    """
+    if check:
+        _validate(x, weights, biases, operands, _parse(epilogue))
+    if not tma_applicable(x, weights):
+        return None
+    TensorDescriptor = _tensor_descriptor()
+    (M, K), N = x.shape, weights[0].shape[0]
+    kernel = codegen.generated_tma_kernel(len(weights), epilogue).fused_stage_tma_kernel
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    num_sms = _INTERPRETER_SMS if x.device.type == "cpu" else _cuda_props(_device_index(x.device))[1]
+
+    # Block shapes are placeholders: each config's pre_hook (tma_template.set_block_shapes) sets its own.
+    def desc(t: torch.Tensor):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
+
+    args = {
+        "x_desc": desc(x),
+        "w0_desc": desc(weights[0]),
+        "b0_ptr": biases[0] if biases[0] is not None else x,  # any valid pointer; unread
+        "out_desc": desc(out),
+        "M": M,
+        "N": N,
+        "K": K,
+        "M_BUCKET": m_bucket(M),
+        "stride_b0": biases[0].stride(0) if biases[0] is not None else 0,
+        "HAS_BIAS0": biases[0] is not None,
+        "DTYPE": str(x.dtype).removeprefix("torch."),
+        "INPUT_PRECISION": _input_precision(x.dtype),
+    }
+    if len(weights) == 2:
+        args.update({
+            "w1_desc": desc(weights[1]),
+            "b1_ptr": biases[1] if biases[1] is not None else x,
+            "stride_b1": biases[1].stride(0) if biases[1] is not None else 0,
+            "HAS_BIAS1": biases[1] is not None,
+        })
+    for i, v in enumerate(operands):
+        args[f"v{i}_ptr"] = v
+        # A single element is broadcast with stride 0 (whatever its shape/stride).
+        args[f"stride_v{i}"] = 0 if v.numel() == 1 else v.stride(0)
+
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(meta["CTAS_PER_SM"] * num_sms, tiles),)
+
+    if x.device.type == "cuda":
+        _lean_launcher(kernel).launch(grid, args)
+    else:
+        kernel[grid](**args)
+    return out
+
+
+class _TmaLeanLauncher(fastlaunch.LeanLauncher):
+    """The lean launch path (:mod:`.fastlaunch`) for the TMA kernel: a descriptor is keyed by its tensor.
+
+    Triton specializes a host ``TensorDescriptor`` on its dtype and block shape only; the block shape follows
+    from the config, which the autotuning key (part of the signature, by value) fixes; and the compiled launcher
+    encodes the TMA descriptor from the kernel's metadata, not from ``block_shape``. So a repeated launch can
+    skip the autotuner, its ``pre_hook`` and the binder (Triton's Python path costs ~50 µs with descriptors).
+    """
+
+    def signature(self, args: dict) -> tuple:
+        TensorDescriptor = _tensor_descriptor()
+        return super().signature({k: v.base if isinstance(v, TensorDescriptor) else v for k, v in args.items()})
+
+
+def _lean_launcher(kernel) -> _TmaLeanLauncher:
+    lean = getattr(kernel, "_fxfuse_tma_lean", None)
+    if lean is None:
+        lean = kernel._fxfuse_tma_lean = _TmaLeanLauncher(kernel, varying=("M",))
+    return lean
