@@ -41,7 +41,6 @@ from .strategy import (
     DECODE_MAX_M,
     FUSED_CHAIN,
     ORIGINAL_OPS,
-    TMA_GEMM_EPILOGUE,
     cached_choice,
     fastest,
     forget,
@@ -145,21 +144,16 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
 
 
 @functools.lru_cache(maxsize=4096)
-def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], tma: bool) -> tuple[str, ...]:
+def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int]) -> tuple[str, ...]:
     # ``small``: M itself when it is at most DECODE_MAX_M (the decode kernel's limit), else None (many rows).
-    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30, tma))
-
-
-def _tma(x: Tensor) -> bool:
-    from .kernels import tma_supported
-
-    return x.device.type == "cuda" and tma_supported(x.device)
+    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30))
 
 
 def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
                  spec: str, strategy: str) -> Tensor:
     """The region with the kernels of ``strategy`` (one of :func:`fxfuse.strategy.kernel_candidates`)."""
-    from .kernels import run_chain, run_decode, run_stage, run_stage_tma
+    from .kernels import run_chain, run_decode
+    from .stages import run_best_stage
 
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
@@ -180,15 +174,11 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
     elif strategy == DECODE:
         h = run_decode(h, weights, [b for bs in per_stage_biases for b in bs], per_stage_ops,
                        tuple(s.epilogue for s in stages), check=False)
-    else:
+    else:  # one GEMM + epilogue per stage, each by its fastest implementation
+        timed = h.device.type == "cuda" and type(h) is Tensor and measured_choice_enabled()
         w = 0
         for stage, stage_biases, ops in zip(stages, per_stage_biases, per_stage_ops):
-            stage_weights = weights[w:w + stage.num_linears]
-            out = None
-            if strategy == TMA_GEMM_EPILOGUE:  # None where a tensor does not suit TMA: the pointer kernel runs
-                out = run_stage_tma(h, stage_weights, stage_biases, ops, stage.epilogue, check=False)
-            h = out if out is not None else run_stage(h, stage_weights, stage_biases, ops, stage.epilogue,
-                                                      check=False)
+            h = run_best_stage(h, weights[w:w + stage.num_linears], stage_biases, ops, stage.epilogue, timed=timed)
             w += stage.num_linears
     return h.reshape(*lead, h.shape[-1])
 
@@ -209,7 +199,7 @@ def _dispatch(x, weights, biases, operands, spec):
     if strategy is None:
         m = x.numel() // x.shape[-1]
         widths = (x.shape[-1], *(w.shape[0] for w in weights))
-        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, _tma(x))
+        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None)
         if timed:
             runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
             strategy = fastest(args, runners, functools.partial(reference_mlp, *args))

@@ -4,8 +4,8 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
 
 * ``fused_chain``: the whole chain in one kernel (every stage one linear, widths ≤ ``MAX_CHAIN_WIDTH``);
 * ``decode_split_hidden``: a two-stage MLP on M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden dim;
-* ``tma_gemm_epilogue``: one persistent TMA GEMM+epilogue kernel per stage (Hopper, M > ``DECODE_MAX_M``);
-* ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue kernel per stage (always possible).
+* ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue per stage (always possible), each stage by the
+  fastest of the TMA kernel, the pointer kernel and its original ops (:mod:`fxfuse.stages`).
 
 On a GPU each candidate and the original ops are timed once per shape bucket and the fastest runs
 (:func:`fastest`), so fusing never makes a region slower; without timing (``FXFUSE_AUTOTUNE=0``, the
@@ -36,26 +36,23 @@ from .kernels.decode_template import DECODE_BLOCK_M as DECODE_MAX_M
 from .kernels.template import autotune_enabled
 from .spec import MLPSpec
 
-__all__ = ["DECODE", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ORIGINAL_OPS", "TMA_GEMM_EPILOGUE",
-           "Measurement", "choose_strategy", "fastest", "kernel_candidates", "kernels_are_faster", "launches",
-           "measured_choice_enabled", "measurements"]
+__all__ = ["DECODE", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ORIGINAL_OPS", "Measurement",
+           "choose_strategy", "fastest", "kernel_candidates", "kernels_are_faster", "launches",
+           "measured_choice_enabled", "measurements", "time_candidates"]
 
 log = logging.getLogger(__name__)
 
 FUSED_CHAIN = "fused_chain"  # the whole chain in one kernel, intermediates on chip
 GEMM_EPILOGUE = "gemm_epilogue"  # one GEMM kernel per stage, bias + epilogue fused
 GATED_GEMM_EPILOGUE = "gated_gemm_epilogue"  # the same, gate and up in one kernel
-TMA_GEMM_EPILOGUE = "tma_gemm_epilogue"  # the same with TMA descriptors and a persistent grid (Hopper)
 DECODE = "decode_split_hidden"  # a two-stage MLP on a few rows in one launch, split over the hidden dim
 ORIGINAL_OPS = "original_ops"  # the ops the region replaced (cuBLAS GEMMs + eager pointwise): always a candidate
 
 
-def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
-                      tma: bool = False) -> list[str]:
+def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None) -> list[str]:
     """The kernel strategies that can run ``spec``, in the order tried when nothing is measured.
 
-    ``widths``: the input width, then each stage's output width; ``m``: rows (None: unknown, assume many);
-    ``tma``: the device has TMA (:func:`fxfuse.kernels.tma_supported`).
+    ``widths``: the input width, then each stage's output width; ``m``: rows (None: unknown, assume many).
     """
     out = []
     if max(widths) <= MAX_CHAIN_WIDTH and all(s.num_linears == 1 for s in spec.stages):
@@ -63,15 +60,13 @@ def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = N
     small = m is not None and m <= DECODE_MAX_M
     if small and len(spec.stages) == 2 and spec.stages[1].num_linears == 1:
         out.append(DECODE)
-    if tma and not small:
-        out.append(TMA_GEMM_EPILOGUE)
     out.append(GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE)
     return out
 
 
-def choose_strategy(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None, tma: bool = False) -> str:
+def choose_strategy(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None) -> str:
     """The strategy that runs when nothing is measured: the first of :func:`kernel_candidates`."""
-    return kernel_candidates(spec, widths, m, tma)[0]
+    return kernel_candidates(spec, widths, m)[0]
 
 
 def launches(spec: MLPSpec, strategy: str) -> int:
@@ -167,7 +162,7 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     elif x.is_cuda and torch.cuda.is_current_stream_capturing():
         return next(iter(runners))
     else:
-        times, source = _time(spec, key[1], runners, run_reference), "timed"
+        times, source = time_candidates(spec, key[1], {**runners, ORIGINAL_OPS: run_reference}), "timed"
     best = min(times, key=times.get)
     if stored is None or source == "timed":
         tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times))
@@ -184,22 +179,26 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     return best
 
 
-def _time(spec: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]],
-          run_reference: Callable[[], torch.Tensor]) -> dict[str, float]:
+def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
+    """Median µs of each runner (``do_bench``, after a first call that compiles and autotunes).
+
+    A runner that raises is left out (logged): a kernel that does not compile or launch here is not a candidate.
+    """
     from triton.testing import do_bench
 
-    log.info("fxfuse: %s at M~%d: first call at this shape bucket, compiling and timing %s against the original "
-             "ops", spec, bucket, ", ".join(runners))
+    log.info("fxfuse: %s at M~%d: first call at this shape bucket, compiling and timing %s", what, bucket,
+             ", ".join(runners))
     times = {}
-    for strategy, run in runners.items():
+    for name, run in runners.items():
         try:
-            run()  # compile and autotune outside the timing
-            times[strategy] = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+            run()
+            times[name] = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
         except torch.OutOfMemoryError:
             raise
-        except Exception as err:  # a kernel that does not compile or launch here is not a candidate
-            log.warning("fxfuse: %s for %s failed (%s: %s); not using it", strategy, spec, type(err).__name__, err)
-    times[ORIGINAL_OPS] = do_bench(run_reference, warmup=5, rep=20, return_mode="median") * 1e3
+        except Exception as err:
+            if name == ORIGINAL_OPS:
+                raise  # the original ops failing is the user's error, not ours
+            log.warning("fxfuse: %s for %s failed (%s: %s); not using it", name, what, type(err).__name__, err)
     return times
 
 

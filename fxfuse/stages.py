@@ -1,0 +1,106 @@
+"""One stage of a per-stage strategy, run by the fastest of its implementations.
+
+A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
+
+* ``tma``: the persistent TMA kernel (Hopper; row strides 16-byte aligned), :func:`fxfuse.kernels.run_stage_tma`;
+* ``triton``: the pointer-based GEMM + epilogue kernel, :func:`fxfuse.kernels.run_stage`;
+* ``torch``: the original ops of the stage (cuBLAS ``F.linear`` + the eager pointwise ops).
+
+On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest kept (also on disk), so a
+region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
+both. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``tma`` where it applies,
+else ``triton`` (the GPU tests check the kernels, not cuBLAS).
+
+Example:
+    >>> h = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import epilogue as ep
+from .kernels import run_stage, run_stage_tma
+from .kernels.template import m_bucket
+from .kernels.tma_launch import tma_applicable
+
+__all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
+
+log = logging.getLogger(__name__)
+
+STAGE_IMPLEMENTATIONS = ("tma", "triton", "torch")
+_choices: dict[tuple, str] = {}
+
+
+def stage_choices() -> dict[tuple, str]:
+    """What each stage shape was measured to run with in this process (key: epilogue, M bucket, K, N, dtype)."""
+    return dict(_choices)
+
+
+@functools.lru_cache(maxsize=512)
+def _expr(epilogue: str) -> ep.Expr:
+    return ep.parse(epilogue)
+
+
+def _torch_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                 operands: Sequence[Tensor], epilogue: str) -> Tensor:
+    """The stage as eager PyTorch runs it: cuBLAS GEMMs (bias in the GEMM), then the pointwise ops."""
+    accs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    return ep.evaluate(_expr(epilogue), accs, operands)
+
+
+def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                   operands: Sequence[Tensor], epilogue: str, *, timed: bool) -> Tensor:
+    """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel."""
+    (M, K), N = x.shape, weights[0].shape[0]
+    key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1)
+    choice = _choices.get(key) if timed else None
+    if choice is None:
+        runners = _runners(x, weights, biases, operands, epilogue, timed)
+        choice = _measure(key, runners) if timed else next(iter(runners))
+    if choice == "tma":
+        out = run_stage_tma(x, weights, biases, operands, epilogue, check=False)
+        if out is not None:  # None: this x does not suit TMA (alignment); the pointer kernel takes it
+            return out
+        choice = "triton"
+    if choice == "triton":
+        return run_stage(x, weights, biases, operands, epilogue, check=False)
+    return _torch_stage(x, weights, biases, operands, epilogue)
+
+
+def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
+    runners: dict[str, Callable[[], Tensor]] = {}
+    if tma_applicable(x, weights):
+        runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)
+    runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
+    if timed:
+        runners["torch"] = functools.partial(_torch_stage, x, weights, biases, operands, epilogue)
+    return runners
+
+
+def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]]) -> str:
+    from . import tuning_cache
+    from .strategy import time_candidates
+
+    x_dtype, device = key[5], key[6]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return next(iter(runners))  # nothing can be timed inside a capture; a later eager call decides
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    disk_key = f"stage {key[0]}:{key[1]} | M~{key[2]} | K={key[3]} N={key[4]} | {str(x_dtype).replace('torch.', '')}"
+    stored = tuning_cache.lookup(disk_key, device_name)
+    if stored is not None and all(s in runners for s, _ in stored.times):
+        times = dict(stored.times)
+    else:
+        times = time_candidates(f"stage {key[1]}", key[2], runners)
+        tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
+    choice = _choices[key] = min(times, key=times.get)
+    log.info("fxfuse: stage %s at M~%d, K=%d, N=%d: %s -> %s", key[1], key[2], key[3], key[4],
+             ", ".join(f"{s} {t:.1f} us" for s, t in sorted(times.items(), key=lambda kv: kv[1])), choice)
+    return choice
