@@ -4,6 +4,8 @@
 
 1. Host path: wall µs/call of 200 back-to-back calls (eager vs fxfuse) and the GPU-only time of the same
    call replayed from a CUDA graph (no host cost), plus a cProfile of the fxfuse forward (top functions).
+   Graphs: gpt2m_mlp_m1 wall µs/call with ``optimize(cuda_graphs=True / "static")`` beside the above
+   (``--sections graphs`` runs only this).
 2. Kernels: each stage of the large-M workloads through ``run_stage`` vs the eager ops (cuBLAS GEMM +
    pointwise), with the autotuner's timing of every config it tried.
 """
@@ -107,6 +109,31 @@ def host_section(out):
             out.write(s.getvalue())
 
 
+def cuda_graphs_section(out):
+    """gpt2m_mlp_m1 (1024→4096→1024 bf16, M=1): wall µs/call with ``optimize(cuda_graphs=...)`` vs without, eager
+    and eager replayed from a CUDA graph (no host cost but the launch)."""
+    dt = torch.bfloat16
+    mod = MLP(1024, 4096).cuda().to(dt).eval()
+    x = torch.randn(1, 1024, device="cuda", dtype=dt)
+    variants = {"eager": mod, "fxfuse": fxfuse.optimize(mod, example_inputs=(x,)),
+                "fxfuse cuda_graphs=True": fxfuse.optimize(mod, example_inputs=(x,), cuda_graphs=True),
+                "fxfuse cuda_graphs='static'": fxfuse.optimize(mod, example_inputs=(x,), cuda_graphs="static")}
+    walls = {name: wall_us(fn, x) for name, fn in variants.items()}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            mod(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mod(x)
+    walls["eager CUDA-graph replay"] = wall_us(lambda _: g.replay(), x)
+    line = "gpt2m_mlp_m1 wall us/call (200 calls, best of 5): " + ", ".join(f"{k} {v:.1f}" for k, v in walls.items())
+    print(line)
+    out.write(line + "\n")
+
+
 def kernel_section(out):
     dt = torch.bfloat16
     cases = [
@@ -150,12 +177,14 @@ def kernel_section(out):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/probe")
+    p.add_argument("--sections", default="host,graphs,kernels", help="comma-separated: host, graphs, kernels")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_grad_enabled(False)
+    sections = {"host": host_section, "graphs": cuda_graphs_section, "kernels": kernel_section}
     with open(os.path.join(args.out, "probe.txt"), "w") as out:
-        host_section(out)
-        kernel_section(out)
+        for name in args.sections.split(","):
+            sections[name](out)
 
 
 if __name__ == "__main__":

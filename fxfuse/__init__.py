@@ -13,12 +13,13 @@ The pipeline, one file per stage: capture → normalize → match → plan → c
 
 from ._logging import register_with_torch_logs
 from .api import optimize, report
+from .cudagraphs import cuda_graphed
 from .pattern import register_pattern, unregister_pattern
 from .profile import ProfileReport, profile
 from .report import FusionReport, RegionReport
 
 register_with_torch_logs()
 
-__all__ = ["FusionReport", "ProfileReport", "RegionReport", "optimize", "profile", "register_pattern", "report",
-           "unregister_pattern"]
+__all__ = ["FusionReport", "ProfileReport", "RegionReport", "cuda_graphed", "optimize", "profile", "register_pattern",
+           "report", "unregister_pattern"]
 __version__ = "0.1.0"

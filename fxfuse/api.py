@@ -6,12 +6,13 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from .capture import CaptureFailure, discover, record_inputs
+from .cudagraphs import cuda_graphed
 from .hosts import assemble, fused_graphs, place
 from .report import FusionReport
 
@@ -23,7 +24,8 @@ _REPORT_ATTR = "_fxfuse_report"
 _backend_reports: list[FusionReport] = []
 
 
-def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] = None) -> nn.Module:
+def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] = None, *,
+             cuda_graphs: Union[bool, str] = False) -> nn.Module:
     """Return a module that computes what ``model`` computes, its MLP chains fused into Triton kernels.
 
     The result is a shallow copy of ``model``, of the same class, with the same methods (``generate``),
@@ -37,6 +39,12 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     ``example_inputs``, if given, are run once so that every shape and dtype is known when deciding what
     to fuse. ``fxfuse.report(result)`` says what was fused, what was not and why.
 
+    ``cuda_graphs=True`` (for static shapes, e.g. decoding): the result's ``forward`` replays a CUDA graph per
+    input signature (shapes, strides, dtypes) instead of running its Python, for calls in eval mode without
+    grad whose tensors are on the GPU; other calls run the plain forward (see :func:`fxfuse.cuda_graphed`).
+    Outputs are clones. ``cuda_graphs="static"`` returns the graph's own output tensors instead (lowest
+    latency, as ``torch.compile(mode="reduce-overhead")``): the next call overwrites them, clone what you keep.
+
     Example:
         >>> mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
         >>> fast = fxfuse.optimize(mlp)                       # doctest: +SKIP
@@ -45,6 +53,8 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxfuse.optimize takes an nn.Module, got {type(model).__name__}")
+    if cuda_graphs not in (False, True, "static"):
+        raise ValueError(f"cuda_graphs must be False, True or 'static', got {cuda_graphs!r}")
     start = time.perf_counter()
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
     module_inputs = record_inputs(model, example_inputs) if example_inputs is not None else {}
@@ -72,6 +82,8 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
             full_report.regions.append(region)
         full_report.graphs += all(host.scope is not s for s in found.scopes)  # (a discovery graph reused)
     full_report.regions += placement.inline_reports
+    if cuda_graphs:
+        full_report.cuda_graphs = cuda_graphed(result, static_outputs=cuda_graphs == "static").forward.describe()
     full_report.seconds = time.perf_counter() - start
     setattr(result, _REPORT_ATTR, full_report)
     log.info("%s", full_report)

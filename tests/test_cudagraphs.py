@@ -1,0 +1,346 @@
+"""optimize(model, cuda_graphs=...) and fxfuse.cuda_graphed: the cache key, the plain path and, on a GPU, replays."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import inspect
+import io
+import logging
+import time
+
+import pytest
+import torch
+from models import GPT2MLP, Stack
+from torch import nn
+
+import fxfuse
+from fxfuse.api import fused_graphs
+from fxfuse.cudagraphs import GraphedForward, _ParameterWatch, call_key
+
+STATE = (False, False, False, None)  # (grad enabled, inference mode, training, autocast), as GraphedForward reads
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def tol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+
+def test_option_accepted_cpu_model_runs_plain_and_matches(caplog):
+    model = GPT2MLP().eval()
+    plain = fxfuse.optimize(model)
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    assert type(fast) is type(plain)  # the class optimize gives, not one of its own
+    assert isinstance(fast.forward, GraphedForward) and "forward" not in plain.__dict__
+    assert fast.state_dict().keys() == model.state_dict().keys()
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(fast.state_dict().values(), model.state_dict().values()))
+    assert inspect.signature(fast.forward) == inspect.signature(model.forward)
+    with caplog.at_level(logging.INFO, logger="fxfuse.cudagraphs"), torch.no_grad():
+        for shape in [(3, 32), (2, 5, 32), (3, 32)]:
+            x = torch.randn(shape)
+            assert rel_err(fast(x), model(x)) < 1e-5
+    reasons = [r.getMessage() for r in caplog.records if "without a CUDA graph" in r.getMessage()]
+    assert len(reasons) == 1 and "CUDA device" in reasons[0]  # logged once
+    assert fast.forward.num_graphs == 0
+    assert "CUDA graphs: on for GPT2MLP.forward (outputs cloned" in str(fxfuse.report(fast))
+    assert "CUDA graphs" not in str(fxfuse.report(plain))
+    assert "static output buffers" in str(fxfuse.report(fxfuse.optimize(model, cuda_graphs="static")))
+
+
+def test_invalid_option_is_rejected():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        fxfuse.optimize(GPT2MLP(), cuda_graphs="reduce-overhead")
+
+
+def test_call_key_distinguishes_what_a_graph_depends_on():
+    x = torch.randn(4, 8)
+
+    def key(*args, state=STATE, **kwargs):
+        found = call_key(args, kwargs, state)
+        return None if found is None else found[0]
+
+    base = key(x, 2, flag=True)
+    assert base == key(torch.randn(4, 8), 2, flag=True)  # values of tensors do not matter
+    different = [
+        key(torch.randn(5, 8), 2, flag=True),  # shape
+        key(x.half(), 2, flag=True),  # dtype
+        key(torch.randn(8, 4).t(), 2, flag=True),  # stride
+        key(x.clone().requires_grad_(), 2, flag=True),  # requires_grad
+        key(x, 3, flag=True),  # a plain value
+        key(x, 2.0, flag=True),  # its type (2 == 2.0)
+        key(x, 2, flag=1),  # True == 1
+        key(x, 2, flag=True, scale=None),  # another keyword
+        key(x, 2, flag=True, state=(True, False, False, None)),  # grad enabled
+        key(x, 2, flag=True, state=(False, False, True, None)),  # train mode
+        key(x, 2, flag=True, state=(False, True, False, None)),  # inference mode
+        key(x, 2, flag=True, state=(False, False, False, ((True, torch.bfloat16), (False, torch.bfloat16), True))),
+    ]
+    assert base not in different and len(set(different)) == len(different)
+    # keyword order does not matter; nesting does
+    assert key(x, a=1, b=2) == key(x, b=2, a=1)
+    assert key((x, x), [1]) != key((x, (x,)), [1]) != key([x, x], [1])
+    found = call_key(({"h": x, "m": [x.t(), None]},), {"y": x}, STATE)
+    assert found is not None and [t.shape for t in found[1]] == [(4, 8), (8, 4), (4, 8)]
+    # objects (a KV cache, say), sets and tensor subclasses: no graph
+    for arg in (object(), {1, 2}, [x, object()], {"k": lambda: 0}):
+        assert key(x, arg) is None
+
+
+def test_unsupported_argument_and_train_mode_run_plainly(caplog):
+    class Cache:
+        def __init__(self):
+            self.seen = []
+
+    class WithCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, cache=None):
+            if cache is not None:
+                cache.seen.append(x)
+            return self.lin(x)
+
+    model = WithCache().eval()
+    fast = fxfuse.cuda_graphed(model)
+    assert fast is model and type(fast) is WithCache
+    cache = Cache()
+    with caplog.at_level(logging.INFO, logger="fxfuse.cudagraphs"), torch.no_grad():
+        x = torch.randn(2, 8)
+        assert torch.equal(fast(x, cache), fast.lin(x)) and len(cache.seen) == 1
+        fast.train()
+        assert torch.equal(fast(x), fast.lin(x))
+    text = caplog.text
+    assert "not a tensor or a plain value" in text and "train mode" in text
+    del model.forward  # undoes it
+    assert not isinstance(model.forward, GraphedForward)
+
+
+def test_copies_pickles_and_reinstalling():
+    model = Stack(blocks=2).eval()
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        ref = model(x)
+        deep = copy.deepcopy(fast)
+        assert isinstance(deep.forward, GraphedForward) and deep.forward._module() is deep
+        assert rel_err(deep(x), ref) < 1e-5
+        buf = io.BytesIO()
+        torch.save(fast, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert isinstance(loaded, Stack) and loaded.forward._module() is loaded
+        assert rel_err(loaded(x), ref) < 1e-5
+    again = fxfuse.cuda_graphed(fast, static_outputs=True, max_graphs=3)
+    assert again.forward.static_outputs and again.forward.max_graphs == 3 and again.forward._plain is None
+
+
+def test_parameter_watch_sees_replacement_not_in_place_updates():
+    model = Stack(blocks=2).eval()
+    watch = _ParameterWatch()
+    assert watch.changed(model)
+    assert not watch.changed(model)
+    with torch.no_grad():
+        model.blocks[0].mix.weight.mul_(2)  # in place: the graph reads the new values by itself
+    model.load_state_dict(Stack(blocks=2).state_dict())  # copies in place too
+    assert not watch.changed(model)
+    model.blocks[0].mix.weight = nn.Parameter(torch.randn(32, 32))
+    assert watch.changed(model)
+    model.blocks[1].mlp.c_fc.bias.data = torch.randn(96)  # what .to(dtype) does
+    assert watch.changed(model)
+    model.blocks[1].mlp.c_proj = nn.Linear(96, 32)  # a new submodule
+    assert watch.changed(model)
+    model.blocks[0].ln_1._parameters["weight"] = torch.ones(32)  # as torch.func.functional_call swaps
+    assert watch.changed(model)
+    assert not watch.changed(model)
+
+
+def test_parameter_watch_cost_on_a_12_block_model():
+    model = Stack(blocks=12).eval()  # 121 parameters and buffers
+    watch = _ParameterWatch()
+    watch.changed(model)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(200):
+            watch.changed(model)
+        best = min(best, (time.perf_counter() - start) / 200)
+    print(f"parameter check: {best * 1e6:.1f} us per call (121 tensors)")
+    assert best < 1e-3  # a few µs on an idle CPU; generous for loaded CI machines
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+def gelu_mlp(d=256, h=1024, dtype=torch.bfloat16):
+    return nn.Sequential(nn.Linear(d, h), nn.GELU(approximate="tanh"), nn.Linear(h, d)).cuda().to(dtype).eval()
+
+
+@pytest.mark.gpu
+def test_fused_mlp_graphs_match_plain_and_eager_for_several_shapes():
+    model = gelu_mlp()
+    plain = fxfuse.optimize(model)
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    assert fused_graphs(fast), fxfuse.report(fast)
+    with torch.no_grad():
+        for shape in [(1, 256), (8, 256), (3, 5, 256), (1, 256)]:
+            for _ in range(3):  # a miss (plain + capture), then replays
+                x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+                out = fast(x)
+                assert out.shape == x.shape and out.dtype == x.dtype
+                assert rel_err(out, plain(x)) < 1e-3
+                assert rel_err(out, model(x)) < tol(torch.bfloat16)
+    assert fast.forward.num_graphs == 3  # one per shape
+
+
+@pytest.mark.gpu
+def test_cloned_outputs_survive_the_next_call_and_static_outputs_do_not():
+    model = gelu_mlp()
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    static = fxfuse.optimize(model, cuda_graphs="static")
+    xs = [torch.randn(2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+        outs = [fast(x) for x in xs]
+        for out, ref in zip(outs, refs):
+            assert rel_err(out, ref) < tol(torch.bfloat16)
+        assert len({o.data_ptr() for o in outs}) == len(outs)
+        s = [static(x) for x in xs]  # the first is the plain call's own output, then the graph's buffer
+        assert s[1].data_ptr() == s[2].data_ptr() == s[3].data_ptr()
+        assert rel_err(s[3], refs[3]) < tol(torch.bfloat16)
+        assert rel_err(s[1], refs[3]) < tol(torch.bfloat16)  # overwritten by the last call, as documented
+
+
+@pytest.mark.gpu
+def test_grad_and_train_mode_run_plainly_frozen_parameters_are_graphed():
+    model = gelu_mlp(dtype=torch.float32)
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    x = torch.randn(4, 256, device="cuda")
+    out = fast(x)  # grad enabled, parameters require grad
+    assert out.requires_grad and fast.forward.num_graphs == 0
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+    fast.train()
+    with torch.no_grad():
+        fast(x)
+    assert fast.forward.num_graphs == 0
+    fast.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _ in range(2):  # grad enabled, but nothing requires it
+        out = fast(x)
+        assert not out.requires_grad and rel_err(out, model(x)) < 1e-3
+    assert fast.forward.num_graphs == 1
+
+
+@pytest.mark.gpu
+def test_replaced_parameter_is_recaptured_in_place_update_is_replayed():
+    model = gelu_mlp()
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fast(x), fast(x)
+        graph = next(iter(fast.forward._graphs.values()))
+        model[0].weight.mul_(-1)  # in place: the same graph reads the new values
+        assert rel_err(fast(x), model(x)) < tol(torch.bfloat16)
+        assert next(iter(fast.forward._graphs.values())) is graph
+        model[0].weight = nn.Parameter(torch.randn_like(model[0].weight) / 16)  # a new tensor: recapture
+        out = fast(x)
+        assert rel_err(out, model(x)) < tol(torch.bfloat16)
+        model[2].bias.data = torch.randn_like(model[2].bias)  # moved (what .to() does): recapture
+        for _ in range(2):
+            assert rel_err(fast(x), model(x)) < tol(torch.bfloat16)
+    assert fast.forward.num_graphs == 1 and next(iter(fast.forward._graphs.values())) is not graph
+
+
+@pytest.mark.gpu
+def test_failed_capture_and_input_mutation_run_plainly_and_the_gpu_stays_usable(caplog):
+    class Syncs(nn.Module):  # .item() cannot be captured
+        def forward(self, x):
+            return x * x.abs().max().item()
+
+    class Mutates(nn.Module):  # the graph would modify its static copy, not the caller's tensor
+        def forward(self, x):
+            return x.mul_(2) + 1
+
+    class Appends(nn.Module):  # a replay would not append
+        def forward(self, x, seen):
+            seen.append(len(seen))
+            return x + len(seen)
+
+    syncs, mutates = fxfuse.cuda_graphed(Syncs().eval()), fxfuse.cuda_graphed(Mutates().eval())
+    appends = fxfuse.cuda_graphed(Appends().eval())
+    with caplog.at_level(logging.INFO, logger="fxfuse.cudagraphs"), torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8, device="cuda")
+            torch.testing.assert_close(syncs(x), x * x.abs().max())
+            y = x.clone()
+            torch.testing.assert_close(mutates(y), x * 2 + 1)
+            torch.testing.assert_close(y, x * 2)
+            seen: list = []
+            torch.testing.assert_close(appends(x, seen), x + 1)
+            assert seen == [0]
+        assert syncs.forward.num_graphs == mutates.forward.num_graphs == appends.forward.num_graphs == 0
+        assert "capture failed" in caplog.text and "in place" in caplog.text and "modifies its arguments" in caplog.text
+        torch.cuda.synchronize()
+        torch.randn(3, device="cuda")  # the CUDA RNG left capture mode
+        lin = fxfuse.cuda_graphed(nn.Linear(8, 8).cuda().eval())  # capturing still works afterwards
+        for _ in range(2):
+            x = torch.randn(4, 8, device="cuda")
+            torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, rtol=1e-3, atol=1e-3)
+        assert lin.forward.num_graphs == 1
+
+
+Pair = collections.namedtuple("Pair", "hidden scaled")
+
+
+@pytest.mark.gpu
+def test_structured_outputs_are_rebuilt_and_max_graphs_caps():
+    class Structured(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, scale=2.0):
+            h = self.lin(x)
+            return {"pair": Pair(h, h * scale), "same": (h, h), "n": 3, "none": None}
+
+    model = Structured().cuda().eval()
+    fast = fxfuse.cuda_graphed(copy.deepcopy(model), max_graphs=2)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 1, 2, 3):
+            x = torch.randn(rows, 16, device="cuda")
+            out, ref = fast(x, scale=0.5), model(x, scale=0.5)
+            assert type(out["pair"]) is Pair and out["n"] == 3 and out["none"] is None
+            torch.testing.assert_close(out["pair"].scaled, ref["pair"].scaled)
+            assert out["same"][0] is out["same"][1]  # one tensor in, one tensor out
+    assert fast.forward.num_graphs == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tiny_transformers_match_eager_under_no_grad(family):
+    from real_models import VOCAB, tiny
+
+    model, inputs, _ = tiny(family)
+    model = model.cuda()
+    ids = inputs["input_ids"].cuda()
+    plain = fxfuse.optimize(model)
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(3, VOCAB, ids.shape, device="cuda")
+            out = fast(input_ids=ids, use_cache=False)
+            ref = model(input_ids=ids, use_cache=False)
+            assert type(out) is type(ref)
+            assert rel_err(out.logits, plain(input_ids=ids, use_cache=False).logits) < 1e-4
+            assert rel_err(out.logits, ref.logits) < 1e-2  # fused fp32 GEMMs may use TF32
+        assert fast.forward.num_graphs == 1
+        # generate() passes a KV cache object (plain calls); without a cache each length is a new graph
+        for use_cache in (True, False):
+            args = dict(max_new_tokens=3, do_sample=False, use_cache=use_cache, pad_token_id=0)
+            torch.testing.assert_close(fast.generate(ids, **args), plain.generate(ids, **args), rtol=0, atol=0)
