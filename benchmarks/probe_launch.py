@@ -77,6 +77,36 @@ def main() -> None:
           f"{wall_us(lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate='tanh'), w2, b2)):.1f} us")
     print("== cProfile run_stage\n" + top(stage))
     print("== cProfile run_decode\n" + top(decode))
+    module_path()
+
+
+def module_path() -> None:
+    """The GPT-2 MLP (M=8192) as a user runs it: module call vs the chosen kernels called directly."""
+    import logging
+
+    from triton.testing import do_bench
+
+    import fxfuse
+    from fxfuse import ops, stages, strategy
+
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("fxfuse.strategy", "fxfuse.stages", "fxfuse.ops"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    mlp = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(approximate="tanh"),
+                              torch.nn.Linear(3072, 768)).cuda().to(torch.bfloat16)
+    x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fast = fxfuse.optimize(mlp)
+        fast(x)
+        (m,) = strategy.measurements()
+        args = (x, [mlp[0].weight, mlp[2].weight], [mlp[0].bias, mlp[2].bias], [], m.spec)
+        chosen = strategy.cached_choice(args)
+        print(f"gpt2 M=8192: chosen {chosen}; stage choices {stages.stage_choices()}")
+        print(f"  do_bench module {do_bench(lambda: fast(x), return_mode='median') * 1e3:.1f} us, "
+              f"kernels direct {do_bench(lambda: ops._run_kernels(*args, chosen), return_mode='median') * 1e3:.1f}"
+              f" us, eager {do_bench(lambda: mlp(x), return_mode='median') * 1e3:.1f} us, "
+              f"wall module {wall_us(lambda: fast(x), 100):.1f} us, eager {wall_us(lambda: mlp(x), 100):.1f} us")
+        print("== cProfile module\n" + top(lambda: fast(x), 100, 16))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
                    operands: Sequence[Tensor], epilogue: str, *, timed: bool) -> Tensor:
     """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel."""
     (M, K), N = x.shape, weights[0].shape[0]
-    key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1)
+    key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
+           tuple(b is not None for b in biases))
     choice = _choices.get(key) if timed else None
     if choice is None:
         runners = _runners(x, weights, biases, operands, epilogue, timed)

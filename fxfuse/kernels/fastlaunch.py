@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - older Triton: always the normal path
     _knobs = None
 
 _MAX_ENTRIES = 256  # signatures per kernel; past it, the oldest half is dropped
+_PLAIN = (int, float, bool, str)
 
 
 def _unhooked(hook: Any) -> bool:
@@ -95,15 +96,19 @@ class LeanLauncher:
         self.entries: dict[tuple, _Entry] = {}
         self.hits = 0  # launches that skipped Triton's Python path (tests read it)
 
-    def signature(self, args: dict) -> tuple:
+    def signature(self, args: dict) -> Optional[tuple]:
+        """What Triton specializes on, or None when an argument is not a tensor or a plain value (a TMA
+        descriptor, say: its block shape is set by a config's pre-hook, which only Triton's path runs)."""
         key = []
         for name, v in args.items():
             if isinstance(v, torch.Tensor):
                 key.append((v.dtype, v.data_ptr() % 16 == 0))
             elif type(v) is int and name in self.varying:
                 key.append((v == 1, v % 16 == 0, v > 0x7FFFFFFF))
-            else:
+            elif v is None or type(v) in _PLAIN:
                 key.append(v)
+            else:
+                return None
         return tuple(key)
 
     def launch(self, grid: Callable[[dict], tuple], args: dict) -> None:
@@ -112,10 +117,11 @@ class LeanLauncher:
             self.kernel[grid](**args)
             return
         key = self.signature(args)
-        entry = self.entries.get(key)
+        entry = None if key is None else self.entries.get(key)
         if entry is None:
             compiled = self.kernel[grid](**args)
-            self._record(key, compiled, args)
+            if key is not None:
+                self._record(key, compiled, args)
             return
         full = {**args, **entry.meta}
         g = grid(full)
@@ -129,6 +135,8 @@ class LeanLauncher:
         config = getattr(self.kernel, "best_config", None)
         if config is None or not hasattr(compiled, "packed_metadata"):
             return  # not a Triton version this path knows: keep Triton's own path
+        if config.pre_hook is not None:
+            return  # a config's pre-hook must run before every launch: only Triton's path runs it
         meta = dict(config.kwargs)
         order = self.arg_names
         if any(n not in args and n not in meta for n in order):
