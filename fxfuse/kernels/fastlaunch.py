@@ -89,9 +89,6 @@ class LeanLauncher:
             Triton's specialization of them, not by value.
     """
 
-    # A subclass sets this when its configs' pre-hooks change nothing the compiled launcher reads.
-    pre_hook_is_launch_free = False
-
     def __init__(self, kernel: Any, varying: Sequence[str] = ("M",)):
         self.kernel = kernel
         self.varying = frozenset(varying)
@@ -138,7 +135,7 @@ class LeanLauncher:
         config = getattr(self.kernel, "best_config", None)
         if config is None or not hasattr(compiled, "packed_metadata"):
             return  # not a Triton version this path knows: keep Triton's own path
-        if config.pre_hook is not None and not self.pre_hook_is_launch_free:
+        if config.pre_hook is not None:
             return  # a config's pre-hook must run before every launch: only Triton's path runs it
         meta = dict(config.kwargs)
         order = self.arg_names
