@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -176,19 +177,12 @@ def generated_chain_kernel(epilogues: tuple[str, ...]) -> ModuleType:
         >>> generated_chain_kernel(("relu(a0)", "a0")).EPILOGUES  # doctest: +SKIP
         ['relu(a0)', 'a0']
     """
-    key = ("chain", epilogues)
-    module = _modules.get(key)
-    if module is not None:
-        return module
-    from .kernels.chain_template import render_chain
+    def source() -> str:
+        from .kernels.chain_template import render_chain
 
-    with _lock:
-        module = _modules.get(key)
-        if module is None:
-            module = _write_and_import(render_chain(epilogues), "fxfuse_chain")
-            logger.debug("fxfuse: loaded chain kernel %s for %s", module.__file__, epilogues)
-            _modules[key] = module
-        return module
+        return render_chain(epilogues)
+
+    return _cached(("chain", epilogues), source, "fxfuse_chain")
 
 
 def generated_decode_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -> ModuleType:
@@ -201,20 +195,12 @@ def generated_decode_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -
         >>> generated_decode_kernel(2, "mul(silu(a0),a1)", "a0").EPILOGUES  # doctest: +SKIP
         ['mul(silu(a0),a1)', 'a0']
     """
-    key = ("decode", num_linears0, epilogue0, epilogue1)
-    module = _modules.get(key)
-    if module is not None:
-        return module
-    from .kernels.decode_template import render_decode
+    def source() -> str:
+        from .kernels.decode_template import render_decode
 
-    with _lock:
-        module = _modules.get(key)
-        if module is None:
-            module = _write_and_import(render_decode(num_linears0, epilogue0, epilogue1), "fxfuse_decode")
-            logger.debug("fxfuse: loaded decode kernel %s for %d:%s ; %s", module.__file__, num_linears0,
-                         epilogue0, epilogue1)
-            _modules[key] = module
-        return module
+        return render_decode(num_linears0, epilogue0, epilogue1)
+
+    return _cached(("decode", num_linears0, epilogue0, epilogue1), source, "fxfuse_decode")
 
 
 def generated_tma_kernel(num_linears: int, epilogue: str) -> ModuleType:
@@ -240,6 +226,19 @@ def generated_tma_kernel(num_linears: int, epilogue: str) -> ModuleType:
             module = _write_and_import(src, "fxfuse_tma")
             logger.debug("fxfuse: loaded TMA stage kernel %s for %d:%s", module.__file__, num_linears, text)
         _modules[("tma", num_linears, text)] = _modules[("tma", num_linears, epilogue)] = module
+        return module
+
+
+def _cached(key: tuple, source: Callable[[], str], prefix: str) -> ModuleType:
+    """The module for ``key``: imported once per process, rendered by ``source()`` on the first call."""
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            module = _modules[key] = _write_and_import(source(), prefix)
+            logger.debug("fxfuse: loaded %s for %s", module.__file__, key)
         return module
 
 

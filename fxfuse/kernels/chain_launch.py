@@ -11,7 +11,7 @@ import triton
 
 from .. import codegen
 from .chain_template import pad_width
-from .launch import _input_precision, launch_kernel
+from .launch import _input_precision, launch_kernel, operand_args
 from .template import m_bucket
 
 __all__ = ["run_chain"]
@@ -49,9 +49,7 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         args[f"b{i}_ptr"] = b if b is not None else w  # any valid pointer; unread without bias
         args[f"stride_b{i}"] = b.stride(0) if b is not None else 0
         args[f"HAS_BIAS{i}"] = b is not None
-        for j, v in enumerate(ops):
-            args[f"v{i}_{j}_ptr"] = v
-            args[f"stride_v{i}_{j}"] = 0 if v.numel() == 1 else v.stride(0)
+        args.update(operand_args(ops, prefix=f"v{i}_"))
     for i, d in enumerate(dims):
         args[f"D{i}"], args[f"P{i}"] = d, pad_width(d)
 

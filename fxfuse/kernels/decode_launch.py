@@ -21,12 +21,12 @@ from .. import epilogue as ep
 from .decode_template import DECODE_BLOCK_M
 from .launch import (
     SUPPORTED_DTYPES,
-    _check_extent,
     _input_precision,
     _parse,
     _torch_stage,
     _traced_in_interpreter,
     _tracing,
+    check_placement,
     launch_kernel,
 )
 from .template import interpreting as _interpreting
@@ -93,14 +93,7 @@ def _validate(x, weights, biases, operands, exprs) -> tuple[int, int, int, int]:
                 raise ValueError(f"stage {stage} operand v{j} has shape {tuple(v.shape)}, expected [{width}] or one")
             if v.dtype not in (x.dtype, torch.float32):
                 raise ValueError(f"stage {stage} operand v{j} dtype {v.dtype} must be {x.dtype} or torch.float32")
-    tensors = [x, *weights, *(b for b in biases if b is not None), *(v for ops in operands for v in ops)]
-    if any(t.device != x.device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if x.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the Triton kernel needs a CUDA device (x is on {x.device}); "
-                         "set TRITON_INTERPRET=1 to run it on the CPU")
-    for name, t in [("x", x), *((f"weight {i}", w) for i, w in enumerate(weights))]:
-        _check_extent(t, name)
+    check_placement(x, weights, [*(b for b in biases if b is not None), *(v for ops in operands for v in ops)])
     if DECODE_MAX_M * N > _INT32_MAX:
         raise ValueError(f"output width {N} is too large for int32 indexing")
     return M, K, H, N

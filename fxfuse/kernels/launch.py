@@ -23,7 +23,7 @@ from .template import m_bucket
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_DTYPES", "launch_kernel", "run_stage"]
+__all__ = ["SUPPORTED_DTYPES", "check_placement", "launch_kernel", "operand_args", "run_stage"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_MAX = 2**31 - 1  # the kernel indexes with int32 offsets
@@ -76,7 +76,15 @@ def _validate(x, weights, biases, operands, expr) -> tuple[int, int, int]:
             raise ValueError(f"operand v{i} has shape {tuple(v.shape)}, expected [{N}] or a single element")
         if v.dtype not in (x.dtype, torch.float32):
             raise ValueError(f"operand v{i} dtype {v.dtype} must be {x.dtype} or torch.float32")
-    tensors = [x, *weights, *(b for b in biases if b is not None), *operands]
+    check_placement(x, weights, [*(b for b in biases if b is not None), *operands])
+    if M * N > _INT32_MAX:
+        raise ValueError(f"output [{M}, {N}] has more than 2**31 elements; int32 indexing would overflow")
+    return M, N, K
+
+
+def check_placement(x: torch.Tensor, weights, others) -> None:
+    """Every tensor on x's device, a CUDA one (or the interpreter), and x and the weights int32-indexable."""
+    tensors = [x, *weights, *others]
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
     if x.device.type != "cuda" and not _interpreting():
@@ -84,9 +92,15 @@ def _validate(x, weights, biases, operands, expr) -> tuple[int, int, int]:
                          "set TRITON_INTERPRET=1 to run it on the CPU")
     for name, t in [("x", x), *((f"weight {i}", w) for i, w in enumerate(weights))]:
         _check_extent(t, name)
-    if M * N > _INT32_MAX:
-        raise ValueError(f"output [{M}, {N}] has more than 2**31 elements; int32 indexing would overflow")
-    return M, N, K
+
+
+def operand_args(operands, prefix: str = "v") -> dict:
+    """Kernel arguments ``{prefix}{i}_ptr`` / ``stride_{prefix}{i}`` of epilogue operands (one element: stride 0)."""
+    args = {}
+    for i, v in enumerate(operands):
+        args[f"{prefix}{i}_ptr"] = v
+        args[f"stride_{prefix}{i}"] = 0 if v.numel() == 1 else v.stride(0)  # a single element is broadcast
+    return args
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -183,10 +197,7 @@ def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str, *, chec
             "stride_b1": biases[1].stride(0) if biases[1] is not None else 0,
             "HAS_BIAS1": biases[1] is not None,
         })
-    for i, v in enumerate(operands):
-        args[f"v{i}_ptr"] = v
-        # A single element is broadcast with stride 0 (whatever its shape/stride).
-        args[f"stride_v{i}"] = 0 if v.numel() == 1 else v.stride(0)
+    args.update(operand_args(operands))
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)

@@ -20,7 +20,7 @@ import triton
 
 from .. import codegen
 from . import fastlaunch
-from .launch import _input_precision, _parse, _tracing, _validate
+from .launch import _input_precision, _parse, _tracing, _validate, operand_args
 from .template import interpreting, m_bucket
 
 logger = logging.getLogger(__name__)
@@ -160,10 +160,7 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
             "stride_b1": biases[1].stride(0) if biases[1] is not None else 0,
             "HAS_BIAS1": biases[1] is not None,
         })
-    for i, v in enumerate(operands):
-        args[f"v{i}_ptr"] = v
-        # A single element is broadcast with stride 0 (whatever its shape/stride).
-        args[f"stride_v{i}"] = 0 if v.numel() == 1 else v.stride(0)
+    args.update(operand_args(operands))
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
