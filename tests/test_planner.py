@@ -1,0 +1,116 @@
+"""The planner's run-time choices: candidates by shape, the fastest of several, failures, per-stage choice.
+
+Timing is replaced by fixed numbers (``do_bench`` monkeypatched), so these run on the CPU; the kernels
+themselves run in the interpreter where a test needs a real result.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import triton.testing
+from test_ops import TOL, f64, make_args, rel_err
+
+from fxfuse import ops, stages, strategy, tuning_cache
+from fxfuse.ops import reference_mlp
+from fxfuse.spec import MLPSpec
+from fxfuse.strategy import DECODE, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXFUSE_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setattr(strategy, "_choices", {})
+    monkeypatch.setattr(strategy, "_measured", {})
+    monkeypatch.setattr(stages, "_choices", {})
+    tuning_cache.clear_loaded()
+    yield
+    tuning_cache.clear_loaded()
+
+
+def fixed_times(monkeypatch, times_ms: list[float]):
+    """Make do_bench return these medians in order (and run the function once, as the real one does)."""
+    it = iter(times_ms)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), next(it))[1])
+
+
+@pytest.mark.parametrize("spec,widths,m,expected", [
+    ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 1 << 20, [FUSED_CHAIN, GEMM_EPILOGUE]),
+    ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 4, [FUSED_CHAIN, GEMM_EPILOGUE]),  # 3 stages: no decode
+    ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 1, [DECODE, GEMM_EPILOGUE]),
+    ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 17, [GEMM_EPILOGUE]),
+    ("1b:gelu_tanh(a0);1b:a0", (64, 128, 64), 8, [FUSED_CHAIN, DECODE, GEMM_EPILOGUE]),
+    ("2--:mul(a0,silu(a1));1-:a0", (4096, 14336, 4096), 16, [DECODE, GATED_GEMM_EPILOGUE]),
+    ("2--:mul(a0,silu(a1));1-:a0", (4096, 14336, 4096), None, [GATED_GEMM_EPILOGUE]),  # M unknown: many rows
+])
+def test_candidates_by_shape(spec, widths, m, expected):
+    assert strategy.kernel_candidates(MLPSpec.loads(spec), widths, m) == expected
+    assert strategy.choose_strategy(MLPSpec.loads(spec), widths, m) == expected[0]
+
+
+def test_fastest_of_several_is_kept_and_read_back_from_disk(monkeypatch):
+    args = make_args("1b:gelu_tanh(a0);1b:a0", [24, 50, 24], lead=(3,))
+    fixed_times(monkeypatch, [0.030, 0.012, 0.020])  # ms: decode, per-stage, original ops
+    calls = []
+    runners = {DECODE: lambda: calls.append(DECODE), GEMM_EPILOGUE: lambda: calls.append(GEMM_EPILOGUE)}
+    assert strategy.fastest(args, runners, lambda: calls.append(ORIGINAL_OPS)) == GEMM_EPILOGUE
+    (m,) = strategy.measurements()
+    assert (m.strategy, m.fused_us, m.original_us) == (GEMM_EPILOGUE, pytest.approx(12.0), pytest.approx(20.0))
+    assert [s for s, _ in m.times] == [GEMM_EPILOGUE, ORIGINAL_OPS, DECODE]
+    # Same bucket (M=3 and M=4 share M~4): no new timing, in this process or the next.
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    args4 = (torch.randn(4, 24), *args[1:])
+    assert strategy.fastest(args4, runners, lambda: None) == GEMM_EPILOGUE
+    monkeypatch.setattr(strategy, "_choices", {})
+    tuning_cache.clear_loaded()
+    assert strategy.fastest(args4, runners, lambda: None) == GEMM_EPILOGUE
+
+
+def test_a_candidate_that_raises_is_dropped(monkeypatch, caplog):
+    args = make_args("1b:gelu_tanh(a0);1b:a0", [24, 50, 24], lead=(3,))
+    fixed_times(monkeypatch, [0.012, 0.020])  # the per-stage kernels, then the original ops
+
+    def broken():
+        raise RuntimeError("does not compile here")
+
+    with caplog.at_level(logging.WARNING, logger="fxfuse.strategy"):
+        best = strategy.fastest(args, {DECODE: broken, GEMM_EPILOGUE: lambda: None}, lambda: None)
+    assert best == GEMM_EPILOGUE and "decode_split_hidden" in caplog.text and "does not compile" in caplog.text
+
+
+def test_original_ops_win_when_the_kernels_are_slower(monkeypatch):
+    args = make_args("1b:gelu_tanh(a0);1b:a0", [24, 50, 24], lead=(3,))
+    fixed_times(monkeypatch, [0.050, 0.020])
+    assert strategy.fastest(args, {GEMM_EPILOGUE: lambda: None}, lambda: None) == ORIGINAL_OPS
+    assert not strategy.measurements()[0].fused
+
+
+def test_a_failing_kernel_falls_back_to_the_original_ops(monkeypatch, caplog):
+    # The interpreter runs the kernels here; make the chosen strategy's launcher fail.
+    import fxfuse.kernels as kernels
+
+    args = make_args("1b:relu(a0);1b:a0", [16, 32, 8], lead=(9,))
+
+    def broken(*a, **k):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(kernels, "run_chain", broken)
+    with caplog.at_level(logging.WARNING, logger="fxfuse.ops"):
+        out = ops.fused_mlp(*args)
+    assert rel_err(out, reference_mlp(*f64(args))) < TOL[torch.float32]
+    assert "fused_chain" in caplog.text and "running the original ops instead" in caplog.text
+
+
+def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
+    x, w, b = torch.randn(40, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+    available = list(stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=True))  # tma only where it applies
+    times = {"tma": 0.030, "triton": 0.010, "torch": 0.020}
+    fixed_times(monkeypatch, [times[name] for name in available])
+    out = stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)
+    assert list(stages.stage_choices().values()) == ["triton"]
+    ref = torch.nn.functional.gelu(x.double() @ w.double().T + b.double(), approximate="tanh")
+    assert rel_err(out, ref) < TOL[torch.float32]
+    # Untimed (FXFUSE_AUTOTUNE=0, the interpreter): a kernel, never the torch ops.
+    assert stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=False).keys() <= {"tma", "triton"}
