@@ -328,3 +328,26 @@ def test_gpu_lean_launch_matches_and_respects_alignment():
             ref = torch.relu(x.double() @ w.double().T)
             assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2, (m, offset)
     assert kernel._fxfuse_lean.hits >= 6
+
+
+def test_lean_launch_signature():
+    # What the lean path keys a compiled kernel by: dtype and 16-byte alignment of tensors, Triton's
+    # specialization of the varying row count, other plain values as they are; anything else opts out.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fxfuse.kernels.fastlaunch import LeanLauncher
+
+    class Kernel:
+        arg_names = ["x_ptr", "M", "N", "FLAG"]
+
+    lean = LeanLauncher(Kernel(), varying=("M",))
+    buf = torch.zeros(64, dtype=torch.float16)
+    sig = lean.signature({"x_ptr": buf, "M": 33, "N": 64, "FLAG": True})
+    assert sig == ((torch.float16, True), (False, False, False), 64, True)
+    assert lean.signature({"x_ptr": buf, "M": 35, "N": 64, "FLAG": True}) == sig  # same specialization of M
+    assert lean.signature({"x_ptr": buf, "M": 48, "N": 64, "FLAG": True}) != sig  # M % 16 == 0
+    assert lean.signature({"x_ptr": buf, "M": 1, "N": 64, "FLAG": True}) != sig  # M == 1
+    assert lean.signature({"x_ptr": buf[1:], "M": 33, "N": 64, "FLAG": True}) != sig  # misaligned pointer
+    assert lean.signature({"x_ptr": buf, "M": 33, "N": 65, "FLAG": True}) != sig  # other ints by value
+    desc = TensorDescriptor(buf.view(4, 16), [4, 16], [16, 1], [4, 16])
+    assert lean.signature({"x_ptr": desc, "M": 33, "N": 64, "FLAG": True}) is None  # Triton's own path
