@@ -66,16 +66,9 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
                   operands: Sequence[Tensor], spec: str) -> Tensor:
     """What the region computed before fusion, op by op (eager semantics, errors included)."""
     h = x
-    w = b = o = 0
     for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path
-        accs = []
-        for has_bias in stage.has_bias:
-            accs.append(F.linear(h, weights[w], biases[b] if has_bias else None))
-            w += 1
-            b += has_bias
-        ops = [t.reshape(-1) for t in operands[o:o + stage.num_operands]]
-        h = ep.evaluate(stage.expr, accs, ops)
-        o += stage.num_operands
+        accs = [F.linear(h, weights[w], None if b is None else biases[b]) for w, b in stage.linears]
+        h = ep.evaluate(stage.expr, accs, [t.reshape(-1) for t in operands[stage.operands]])
     return h
 
 
@@ -86,14 +79,28 @@ class _StagePlan:
     num_operands: int
     has_bias: tuple[bool, ...]
     expr: ep.Expr
+    linears: tuple[tuple[int, Optional[int]], ...]  # per linear: (index in weights, index in biases or None)
+    operands: slice  # this stage's operands in the op's operand list
 
 
 @functools.cache
 def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
-    """Everything the forward needs from ``spec``, parsed once: (stages, #weights, #biases, #operands)."""
+    """Everything the forward needs from ``spec``, parsed once: (stages, #weights, #biases, #operands).
+
+    Each stage also says where its weights, biases and operands sit in the op's flat argument lists, so
+    the forward path indexes them instead of counting.
+    """
     parsed = MLPSpec.loads(spec)
-    stages = tuple(_StagePlan(s.num_linears, s.epilogue, s.num_operands, s.has_bias, s.expr) for s in parsed.stages)
-    return stages, parsed.num_linears, sum(parsed.has_bias), parsed.num_operands
+    stages, w, b, o = [], 0, 0, 0
+    for s in parsed.stages:
+        linears = []
+        for has_bias in s.has_bias:
+            linears.append((w, b if has_bias else None))
+            w, b = w + 1, b + has_bias
+        stages.append(_StagePlan(s.num_linears, s.epilogue, s.num_operands, s.has_bias, s.expr, tuple(linears),
+                                 slice(o, o + s.num_operands)))
+        o += s.num_operands
+    return tuple(stages), parsed.num_linears, sum(parsed.has_bias), parsed.num_operands
 
 
 def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
@@ -158,16 +165,8 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
     stages = _plan(spec)[0]
-    per_stage_biases, per_stage_ops = [], []
-    b = o = 0
-    for stage in stages:
-        stage_biases = []
-        for flag in stage.has_bias:
-            stage_biases.append(biases[b] if flag else None)
-            b += flag
-        per_stage_biases.append(stage_biases)
-        per_stage_ops.append([t.reshape(-1) for t in operands[o:o + stage.num_operands]])
-        o += stage.num_operands
+    per_stage_biases = [[None if b is None else biases[b] for _, b in s.linears] for s in stages]
+    per_stage_ops = [[t.reshape(-1) for t in operands[s.operands]] for s in stages]
     if strategy == FUSED_CHAIN:
         h = run_chain(h, weights, [bs[0] for bs in per_stage_biases], per_stage_ops,
                       tuple(s.epilogue for s in stages))
@@ -176,10 +175,9 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
                        tuple(s.epilogue for s in stages), check=False)
     else:  # one GEMM + epilogue per stage, each by its fastest implementation
         timed = h.device.type == "cuda" and type(h) is Tensor and measured_choice_enabled()
-        w = 0
         for stage, stage_biases, ops in zip(stages, per_stage_biases, per_stage_ops):
-            h = run_best_stage(h, weights[w:w + stage.num_linears], stage_biases, ops, stage.epilogue, timed=timed)
-            w += stage.num_linears
+            stage_weights = [weights[w] for w, _ in stage.linears]
+            h = run_best_stage(h, stage_weights, stage_biases, ops, stage.epilogue, timed=timed)
     return h.reshape(*lead, h.shape[-1])
 
 
