@@ -13,12 +13,9 @@
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import sys
-import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,34 +23,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from timing import capture_graph, profile_top, wall_us  # noqa: E402
+
 import fxfuse  # noqa: E402
 from fxfuse.kernels import run_stage  # noqa: E402
 
 
-def wall_us(fn, x, n=200):
-    fn(x)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn(x)
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
-
-
 def graph_us(fn, x, n=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn(x)
+    g = capture_graph(partial(fn, x), calls=n)
     from triton.testing import do_bench
 
     return do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3 / n
@@ -89,24 +66,15 @@ def host_section(out):
         x = torch.randn(m, mod.fc1.in_features, device="cuda", dtype=dt)
         opt = fxfuse.optimize(mod, example_inputs=(x,))
         opt(x)
-        line = (f"{name}: wall/call eager {wall_us(mod, x):.1f} us, fxfuse {wall_us(opt, x):.1f} us | "
+        line = (f"{name}: wall/call eager {wall_us(partial(mod, x)):.1f} us, "
+                f"fxfuse {wall_us(partial(opt, x)):.1f} us | "
                 f"graph-replay GPU eager {graph_us(mod, x):.1f} us, fxfuse {graph_us(opt, x):.1f} us | "
                 f"do_bench eager {bench_us(mod, x):.1f}, fxfuse {bench_us(opt, x):.1f}")
         print(line)
         out.write(line + "\n")
         if m == 1:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(300):
-                opt(x)
-            torch.cuda.synchronize()
-            prof.disable()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-            out.write(s.getvalue())
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(40)
-            out.write(s.getvalue())
+            out.write(profile_top(partial(opt, x), calls=300, lines=30))
+            out.write(profile_top(partial(opt, x), calls=300, lines=40, sort="cumtime"))
 
 
 def cuda_graphs_section(out):
@@ -118,17 +86,9 @@ def cuda_graphs_section(out):
     variants = {"eager": mod, "fxfuse": fxfuse.optimize(mod, example_inputs=(x,)),
                 "fxfuse cuda_graphs=True": fxfuse.optimize(mod, example_inputs=(x,), cuda_graphs=True),
                 "fxfuse cuda_graphs='static'": fxfuse.optimize(mod, example_inputs=(x,), cuda_graphs="static")}
-    walls = {name: wall_us(fn, x) for name, fn in variants.items()}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            mod(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mod(x)
-    walls["eager CUDA-graph replay"] = wall_us(lambda _: g.replay(), x)
+    walls = {name: wall_us(lambda fn=fn: fn(x)) for name, fn in variants.items()}
+    g = capture_graph(partial(mod, x))
+    walls["eager CUDA-graph replay"] = wall_us(g.replay)
     line = "gpt2m_mlp_m1 wall us/call (200 calls, best of 5): " + ", ".join(f"{k} {v:.1f}" for k, v in walls.items())
     print(line)
     out.write(line + "\n")

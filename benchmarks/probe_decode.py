@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from timing import wall_us  # noqa: E402
+
 from fxfuse import codegen  # noqa: E402
 from fxfuse.kernels import run_decode  # noqa: E402
 from fxfuse.kernels.decode_template import gpu_decode_configs  # noqa: E402
@@ -49,19 +51,6 @@ def bench_us(fn) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def wall_us(fn, n=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
 
 
 def kernel_us(fn, name="fused_decode_kernel", n=50) -> float:

@@ -5,42 +5,18 @@
 
 from __future__ import annotations
 
-import cProfile
-import io
 import os
-import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from timing import profile_top, wall_us  # noqa: E402
+
 from fxfuse import codegen  # noqa: E402
 from fxfuse.kernels import fastlaunch, run_decode, run_stage  # noqa: E402
-
-
-def wall_us(fn, n=300) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
-
-
-def top(fn, n=200, k=14) -> str:
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(k)
-    return s.getvalue()[-3500:]
 
 
 def main() -> None:
@@ -75,8 +51,8 @@ def main() -> None:
     print("run_decode: lean entries", lean and len(lean.entries), "hits", lean and lean.hits)
     print(f"run_decode wall {wall_us(decode):.1f} us; eager MLP wall "
           f"{wall_us(lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate='tanh'), w2, b2)):.1f} us")
-    print("== cProfile run_stage\n" + top(stage))
-    print("== cProfile run_decode\n" + top(decode))
+    print("== cProfile run_stage\n" + profile_top(stage)[-3500:])
+    print("== cProfile run_decode\n" + profile_top(decode)[-3500:])
     module_path()
 
 
@@ -106,7 +82,7 @@ def module_path() -> None:
               f"kernels direct {do_bench(lambda: ops._run_kernels(*args, chosen), return_mode='median') * 1e3:.1f}"
               f" us, eager {do_bench(lambda: mlp(x), return_mode='median') * 1e3:.1f} us, "
               f"wall module {wall_us(lambda: fast(x), 100):.1f} us, eager {wall_us(lambda: mlp(x), 100):.1f} us")
-        print("== cProfile module\n" + top(lambda: fast(x), 100, 16))
+        print("== cProfile module\n" + profile_top(lambda: fast(x), 100, 16)[-3500:])
 
 
 if __name__ == "__main__":

@@ -8,13 +8,9 @@ wall time of a forward, eager vs fxfuse, under ``torch.no_grad()``; then a cProf
 
 from __future__ import annotations
 
-import cProfile
-import io
 import logging
 import os
-import pstats
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
@@ -23,18 +19,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from profile_demo import llama  # noqa: E402
+from timing import profile_top, wall_us  # noqa: E402
 
 import fxfuse  # noqa: E402
-
-
-def wall_us(fn, n=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def main() -> None:
@@ -47,18 +34,10 @@ def main() -> None:
         for name, m in (("eager", model), ("fxfuse", fast)):
             m(ids)
             print(f"{name}: do_bench {do_bench(lambda m=m: m(ids), return_mode='median') * 1e3:.0f} us, "
-                  f"wall {wall_us(lambda m=m: m(ids)):.0f} us per forward")
+                  f"wall {wall_us(lambda m=m: m(ids), 20, 1):.0f} us per forward")
         for name, m in (("eager", model), ("fxfuse", fast)):
             torch.cuda.synchronize()
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(10):
-                m(ids)
-            torch.cuda.synchronize()
-            pr.disable()
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
-            print(f"== cProfile {name}, 10 forwards, by tottime\n" + s.getvalue()[-4000:])
+            print(f"== cProfile {name}, 10 forwards, by tottime\n" + profile_top(lambda m=m: m(ids), 10, 18)[-4000:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""Host-side timing helpers shared by the probe scripts (GPU only)."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
+    """µs per call of ``calls`` back-to-back calls, synchronized before and after; best of ``loops``."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(loops):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def profile_top(fn: Callable[[], object], calls: int = 200, lines: int = 14, sort: str = "tottime") -> str:
+    """cProfile of ``calls`` calls (synchronized at the end): the top ``lines`` functions as text."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats(sort).print_stats(lines)
+    return s.getvalue()
+
+
+def capture_graph(fn: Callable[[], object], calls: int = 1, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` captured into one CUDA graph, after ``warmup`` calls on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g
