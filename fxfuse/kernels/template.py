@@ -228,6 +228,19 @@ def m_bucket(m) -> int:
     return triton.next_power_of_2(max(1, _hint(m)))
 
 
+def fit_stages(c: triton.Config, bytes_per_stage: int) -> triton.Config | None:
+    """``c`` with as many pipeline stages as fit the shared-memory budget (at most its own), None below two.
+
+    fp32 tiles are twice as big: fewer stages instead of dropping the tile.
+    """
+    stages = min(c.num_stages, _SMEM_BUDGET // bytes_per_stage)
+    if stages < 2:
+        return None
+    if stages == c.num_stages:
+        return c
+    return triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages)
+
+
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     m = _hint(args["M"])
@@ -243,13 +256,9 @@ def _prune(configs, named_args, **kwargs):
             continue
         if gated and bm * bn > 128 * 128:  # two accumulators of 128x256 spill registers
             continue
-        per_stage = (bm * bk + (2 if gated else 1) * bk * bn) * elem
-        stages = min(c.num_stages, _SMEM_BUDGET // per_stage)
-        if stages < 2:
-            continue
-        if stages != c.num_stages:  # fp32 tiles are twice as big: fewer stages instead of dropping the tile
-            c = triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages)
-        kept.append(c)
+        c = fit_stages(c, (bm * bk + (2 if gated else 1) * bk * bn) * elem)
+        if c is not None:
+            kept.append(c)
     if not kept:
         kept = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
     if not autotune_enabled():
