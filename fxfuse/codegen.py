@@ -58,7 +58,8 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
            version: int = TEMPLATE_VERSION) -> str:
     """The kernel module source for one stage (see :mod:`fxfuse.kernels.template` for the rules).
 
-    ``template`` / ``version``: another stage template written with the same line rules (the TMA one).
+    ``template`` / ``version``: another stage template written with the same line rules (the TMA one, which
+    also tags lines ``# [not gated]``: kept only for one linear).
 
     Example:
         >>> src = render(2, "mul(a0,silu(a1))")
@@ -74,6 +75,9 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
         if line.endswith("# [gated]"):
             if num_linears == 2:
                 lines.append(line[: -len("# [gated]")].rstrip())
+        elif line.endswith("# [not gated]"):
+            if num_linears == 1:
+                lines.append(line[: -len("# [not gated]")].rstrip())
         elif line.endswith("# [each operand]"):
             lines.extend(line[: -len("# [each operand]")].rstrip().replace("v@", f"v{i}") for i in range(n_ops))
         elif line.strip() == "# [epilogue]":

@@ -67,6 +67,31 @@ def test_interpreter_matches_reference(dtype, gated, bias):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter test (the gpu tests cover the device)")
+def test_interpreter_gated_weight_layouts():
+    """The [2, N, K] view over the gate/up pair: either order in memory, and the halves of one packed weight."""
+    m, k, n = CPU_SHAPES[torch.float16]
+    x, (w_a, w_b), biases, _ = stage_args(m, k, n, torch.float16, gated=True, bias=True)
+    lower, upper = sorted((w_a, w_b), key=lambda w: w.data_ptr())
+    packed = rand(2 * n, k, dtype=torch.float16, scale=k**-0.5)
+    for weights in ([lower, upper], [upper, lower], [packed[:n], packed[n:]], [packed[n:], packed[:n]]):
+        check(x, weights, biases, [], "mul(silu(a0),a1)")
+
+
+def test_pair_layout():
+    packed = rand(2 * 40, 72)
+    for first, second, swapped in ((packed[:40], packed[40:], False), (packed[40:], packed[:40], True)):
+        base, stride, swap = tma_launch._pair_layout(first, second)
+        assert (base.data_ptr(), stride, swap) == (packed.data_ptr(), 40 * 72, swapped)
+    w = rand(40, 72)
+    assert tma_launch._pair_layout(w, w) is None  # the same weight twice: no positive stride
+    assert tma_launch._pair_layout(packed[:40], packed[20:60]) is None  # overlapping views
+    assert tma_launch._pair_layout(w, rand(80, 72)[:, :72][::2]) is None  # row strides differ
+    x = rand(32, 72)
+    assert not tma_launch.tma_applicable(x, [w, w])
+    assert run_stage_tma(x, [w, w], [None, None], [], "mul(a0,a1)") is None
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter test (the gpu tests cover the device)")
 def test_interpreter_operands():
     m, k, n = CPU_SHAPES[torch.float32]
     x, weights, biases, operands = stage_args(m, k, n, torch.float32, gated=True, bias=True, n_operands=1)
@@ -118,9 +143,10 @@ def test_supported_devices():
 
 def test_rendered_source():
     gated = open(codegen.generated_tma_kernel(2, "mul(silu(a0),a1)").__file__).read()
-    assert "w1_desc.load([off_n, off_k]).T" in gated and "HAS_BIAS1" in gated and "# [" not in gated
+    assert "w_desc.load([0, off_n, off_k]).reshape(2 * BLOCK_N, BLOCK_K)" in gated and "HAS_BIAS1" in gated
+    assert "w_desc.load([off_n, off_k])\n" not in gated and "# [" not in gated
     plain = open(codegen.generated_tma_kernel(1, "mul(gelu_tanh(a0),v0)").__file__).read()
-    assert "w1_desc" not in plain and "acc1" not in plain
+    assert "w = w_desc.load([off_n, off_k])\n" in plain and "acc1" not in plain and "SWAP_PAIR: tl" not in plain
     assert "v0 = tl.load(v0_ptr + offs_cn * stride_v0" in plain
     assert "tl.range(start_pid, num_tiles, num_programs, flatten=True)" in plain
     assert codegen.generated_tma_kernel(1, "relu(a0)") is codegen.generated_tma_kernel(1, "relu(a0)")
@@ -130,12 +156,10 @@ def _prune_args(m, dtype, gated):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def desc(t):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [16] * t.dim())
 
-    args = {"M": m, "x_desc": desc(torch.empty(64, 64, dtype=dtype)), "w0_desc": desc(torch.empty(64, 64, dtype=dtype))}
-    if gated:
-        args["w1_desc"] = args["w0_desc"]
-    return args
+    w = torch.empty(2, 64, 64, dtype=dtype) if gated else torch.empty(64, 64, dtype=dtype)
+    return {"M": m, "x_desc": desc(torch.empty(64, 64, dtype=dtype)), "w_desc": desc(w)}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -162,10 +186,10 @@ def test_prune_fits_shared_memory(monkeypatch, dtype, gated, m):
 
 def test_block_shape_hook():
     args = _prune_args(8192, torch.bfloat16, gated=True)
-    args["out_desc"] = _prune_args(8192, torch.bfloat16, gated=False)["x_desc"]
+    args["out_desc"] = _prune_args(8192, torch.bfloat16, gated=False)["w_desc"]
     args.update(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EPILOGUE_SUBTILE=True)
     tt.set_block_shapes(args)
-    assert args["x_desc"].block_shape == [128, 64] and args["w1_desc"].block_shape == [128, 64]
+    assert args["x_desc"].block_shape == [128, 64] and args["w_desc"].block_shape == [2, 128, 64]
     assert args["out_desc"].block_shape == [128, 64]
 
 
@@ -223,16 +247,30 @@ def test_gpu_unaligned_falls_back():
 
 
 @pytest.mark.gpu
-def test_gpu_repeated_launch_takes_the_lean_path():
+def test_gpu_repeated_launch_takes_the_lean_path(monkeypatch):
     """A second launch of the same signature (M in the same bucket) skips Triton's Python path and is correct."""
     if not tma_supported("cuda"):
         pytest.skip("needs Hopper (sm_90+) and a Triton with TensorDescriptor")
-    from fxfuse.kernels.fastlaunch import lean_launch_enabled
+    from fxfuse.kernels import fastlaunch
 
-    if not lean_launch_enabled():
-        pytest.skip("a Triton launch hook is installed: every launch goes through Triton")
+    # Under test here: the TMA signature (descriptors keyed by their tensor), not fastlaunch's launch-hook check.
+    monkeypatch.setattr(fastlaunch, "lean_launch_enabled", lambda: True)
     epilogue = "mul(silu(a0),a1)"
     kernel = codegen.generated_tma_kernel(2, epilogue).fused_stage_tma_kernel
     for m in (700, 1000, 513):  # one M bucket (1024): one signature
         check(*stage_args(m, 264, 520, torch.bfloat16, gated=True, bias=True), epilogue)
     assert kernel._fxfuse_tma_lean.hits >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["separate", "swapped", "packed halves"])
+def test_gpu_gated_weight_layouts(layout):
+    if not tma_supported("cuda"):
+        pytest.skip("needs Hopper (sm_90+) and a Triton with TensorDescriptor")
+    x, weights, biases, _ = stage_args(1000, 264, 520, torch.bfloat16, gated=True, bias=True)
+    if layout == "swapped":
+        weights = sorted(weights, key=lambda w: -w.data_ptr())
+    elif layout == "packed halves":
+        packed = rand(2 * 520, 264, dtype=torch.bfloat16, scale=264**-0.5)
+        weights = [packed[520:], packed[:520]]
+    check(x, weights, biases, [], "mul(gelu_tanh(a0),a1)")

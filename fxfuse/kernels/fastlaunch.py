@@ -89,6 +89,9 @@ class LeanLauncher:
             Triton's specialization of them, not by value.
     """
 
+    # A subclass sets this when its configs' pre-hooks change nothing the compiled launcher reads.
+    pre_hook_is_launch_free = False
+
     def __init__(self, kernel: Any, varying: Sequence[str] = ("M",)):
         self.kernel = kernel
         self.varying = frozenset(varying)
@@ -135,7 +138,7 @@ class LeanLauncher:
         config = getattr(self.kernel, "best_config", None)
         if config is None or not hasattr(compiled, "packed_metadata"):
             return  # not a Triton version this path knows: keep Triton's own path
-        if config.pre_hook is not None:
+        if config.pre_hook is not None and not self.pre_hook_is_launch_free:
             return  # a config's pre-hook must run before every launch: only Triton's path runs it
         meta = dict(config.kwargs)
         order = self.arg_names

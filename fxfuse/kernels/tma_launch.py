@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["run_stage_tma", "tma_applicable", "tma_supported"]
 
 _TMA_ALIGN = 16  # bytes: TMA needs the base address and every stride but the last 16-byte aligned
+_TMA_MAX_STRIDE = 1 << 40  # bytes: the largest stride a TMA descriptor can hold
 _INTERPRETER_SMS = 4  # programs in the interpreter: few enough that each one walks several tiles
 
 
@@ -88,6 +89,30 @@ def _describable(t: torch.Tensor) -> bool:
             and t.data_ptr() % _TMA_ALIGN == 0)
 
 
+def _pair_layout(w0: torch.Tensor, w1: torch.Tensor) -> Optional[tuple[torch.Tensor, int, bool]]:
+    """``(base, dim-0 stride in elements, swapped)`` of one ``[2, N, K]`` TMA view over two weights, or None.
+
+    The weights need not share an allocation: the view's dim-0 stride is the distance between them (the base
+    is the one at the lower address; ``swapped`` when that is W1), and TMA reads only the in-bounds rows of
+    each. The distance must be a positive multiple of 16 bytes, at least one whole weight (no overlap) and
+    below TMA's stride limit; the row strides must match.
+
+    Example:
+        >>> packed = torch.randn(2 * 64, 32)  # Phi-3 style gate_up weight, split in two views
+        >>> base, stride, swapped = _pair_layout(packed[:64], packed[64:])
+        >>> base.data_ptr() == packed.data_ptr(), stride, swapped
+        (True, 2048, False)
+    """
+    if w0.stride() != w1.stride():
+        return None
+    elem = w0.element_size()
+    distance = w1.data_ptr() - w0.data_ptr()
+    span = abs(distance)
+    if span % _TMA_ALIGN or span < w0.shape[0] * w0.stride(0) * elem or span >= _TMA_MAX_STRIDE:
+        return None
+    return (w1, span // elem, True) if distance < 0 else (w0, span // elem, False)
+
+
 def tma_applicable(x: torch.Tensor, weights) -> bool:
     """Whether ``run_stage_tma`` would launch for these (already valid) arguments rather than return None.
 
@@ -104,7 +129,9 @@ def tma_applicable(x: torch.Tensor, weights) -> bool:
         return False
     if (N * x.element_size()) % _TMA_ALIGN:  # the output's row stride
         return False
-    return all(_describable(t) for t in (x, *weights))
+    if not all(_describable(t) for t in (x, *weights)):
+        return False
+    return len(weights) == 1 or _pair_layout(*weights) is not None
 
 
 def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
@@ -112,9 +139,11 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
     """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` with the persistent TMA kernel, or None.
 
     Same arguments and result as :func:`fxfuse.kernels.launch.run_stage`; additionally x and the weights
-    must have a contiguous last dim and 16-byte aligned addresses and row strides, and N * itemsize must be
-    a multiple of 16 (the output's row stride). Returns ``None`` when that, or :func:`tma_supported`, does
-    not hold, or when a tracer (FakeTensor, make_fx) is active: the caller then runs ``run_stage``.
+    must have a contiguous last dim and 16-byte aligned addresses and row strides, N * itemsize must be
+    a multiple of 16 (the output's row stride), and two weights must fit one ``[2, N, K]`` TMA view (see
+    :func:`_pair_layout`: true of separate parameters and of the halves of a packed gate_up weight). Returns
+    ``None`` when that, or :func:`tma_supported`, does not hold, or when a tracer (FakeTensor, make_fx) is
+    active: the caller then runs ``run_stage``.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or epilogue (with ``check``), as ``run_stage`` does.
@@ -141,7 +170,7 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
 
     args = {
         "x_desc": desc(x),
-        "w0_desc": desc(weights[0]),
+        "w_desc": desc(weights[0]),
         "b0_ptr": biases[0] if biases[0] is not None else x,  # any valid pointer; unread
         "out_desc": desc(out),
         "M": M,
@@ -154,11 +183,13 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
         "INPUT_PRECISION": _input_precision(x.dtype),
     }
     if len(weights) == 2:
+        base, pair_stride, swapped = _pair_layout(*weights)
         args.update({
-            "w1_desc": desc(weights[1]),
+            "w_desc": TensorDescriptor(base, [2, N, K], [pair_stride, weights[0].stride(0), 1], [2, 16, 16]),
             "b1_ptr": biases[1] if biases[1] is not None else x,
             "stride_b1": biases[1].stride(0) if biases[1] is not None else 0,
             "HAS_BIAS1": biases[1] is not None,
+            "SWAP_PAIR": swapped,
         })
     args.update(operand_args(operands))
 
@@ -181,6 +212,8 @@ class _TmaLeanLauncher(fastlaunch.LeanLauncher):
     encodes the TMA descriptor from the kernel's metadata, not from ``block_shape``. So a repeated launch can
     skip the autotuner, its ``pre_hook`` and the binder (Triton's Python path costs ~50 µs with descriptors).
     """
+
+    pre_hook_is_launch_free = True  # set_block_shapes only fills block_shape, which the launcher does not read
 
     def signature(self, args: dict) -> tuple:
         TensorDescriptor = _tensor_descriptor()
