@@ -3,10 +3,10 @@
 For each named workload (default: nerf64, gpt2_mlp, seed_geglu) it prints
 
 * the planner's choice and its timings, the per-stage choices;
-* do_bench median of the module call, of the chosen kernels called directly (``ops._run_kernels``), and of
-  the module call behind a GPU sleep (the host then runs ahead, so this is GPU time only: the difference to
-  the plain module call is host time the GPU waited for);
-* wall µs per call; the CUDA kernels of one call (torch.profiler); the top of a cProfile of the call.
+* do_bench median of the module call and of the chosen kernels called directly (``ops._run_kernels``);
+* the CUDA kernels of one call (torch.profiler) and their sum: do_bench minus that sum is host time the GPU
+  waited for;
+* wall µs per call; the top of a cProfile of the call.
 
     python3 benchmarks/probe_module.py [names...]
 """
@@ -27,8 +27,6 @@ from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 import fxfuse  # noqa: E402
 from fxfuse import ops, stages, strategy  # noqa: E402
 
-_SLEEP_CYCLES = 2_000_000  # ~1 ms at H200 clocks: longer than any host path here
-
 
 def _bench(fn) -> float:
     from triton.testing import do_bench
@@ -36,25 +34,20 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
 
 
-def _gpu_only(fn) -> float:
-    """µs of GPU time of ``fn`` alone: each timed call starts behind a GPU sleep, so the host is never late."""
-    sleep = _bench(lambda: torch.cuda._sleep(_SLEEP_CYCLES))
-    both = _bench(lambda: (torch.cuda._sleep(_SLEEP_CYCLES), fn()))
-    return both - sleep
-
-
-def _kernels(fn, calls: int = 5) -> str:
+def _kernels(fn, calls: int = 5) -> tuple[str, float]:
+    """The CUDA kernels ``fn`` launches (torch.profiler): a table, and their summed µs per call (GPU busy time)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    rows = []
+    rows, total = [], 0.0
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.count:
+            total += e.device_time_total / calls
             rows.append(f"    {e.key[:70]:70s} x{e.count // calls:<3d} {e.device_time_total / calls:8.1f} us/call")
-    return "\n".join(rows)
+    return "\n".join(rows), total
 
 
 def probe(name: str) -> None:
@@ -64,14 +57,15 @@ def probe(name: str) -> None:
     with torch.no_grad():
         fast = fxfuse.optimize(mod)
         fast(x)
+        print(fxfuse.report(fast))
         ms = [m for m in strategy.measurements() if m.m == x.numel() // x.shape[-1]]
         print(f"== {name}: measurement {ms[-1] if ms else None}")
         print(f"   stage choices {stages.stage_choices()}")
         eager = _bench(lambda: mod(x))
         module = _bench(lambda: fast(x))
-        gpu = _gpu_only(lambda: fast(x))
-        print(f"   do_bench: eager {eager:.1f} us, module {module:.1f} us, module GPU-only {gpu:.1f} us "
-              f"(host wait {module - gpu:.1f} us)")
+        table, busy = _kernels(lambda: fast(x))
+        print(f"   do_bench: eager {eager:.1f} us, module {module:.1f} us; its kernels sum to {busy:.1f} us "
+              f"(host wait ~{module - busy:.1f} us)\n" + table)
         if ms:
             m = ms[-1]
             weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
@@ -79,15 +73,17 @@ def probe(name: str) -> None:
             args = (x.reshape(-1, x.shape[-1]), weights, biases, [], m.spec)
             if strategy.cached_choice(args) not in (None, strategy.ORIGINAL_OPS):
                 direct = _bench(lambda: ops._run_kernels(*args, m.strategy))
-                print(f"   kernels direct ({m.strategy}): {direct:.1f} us, GPU-only "
-                      f"{_gpu_only(lambda: ops._run_kernels(*args, m.strategy)):.1f} us")
+                print(f"   kernels direct ({m.strategy}): {direct:.1f} us")
         walls = wall_us(lambda: fast(x), 100), wall_us(lambda: mod(x), 100)
         print(f"   wall per call: module {walls[0]:.1f} us, eager {walls[1]:.1f} us")
-        print("   kernels of one module call:\n" + _kernels(lambda: fast(x)))
         print("   cProfile (tottime):\n" + profile_top(lambda: fast(x), 100, 22)[-4000:])
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("fxfuse").setLevel(logging.INFO)
     torch.manual_seed(0)
     names = sys.argv[1:] or ["nerf64", "gpt2_mlp", "seed_geglu"]
     for name in names:
