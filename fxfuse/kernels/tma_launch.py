@@ -19,7 +19,7 @@ import torch
 import triton
 
 from .. import codegen
-from . import fastlaunch
+from . import fastlaunch, tma_template
 from .launch import _input_precision, _parse, _tracing, _validate, operand_args
 from .template import interpreting, m_bucket
 
@@ -135,7 +135,7 @@ def tma_applicable(x: torch.Tensor, weights) -> bool:
 
 
 def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
-                  check: bool = True) -> Optional[torch.Tensor]:
+                  check: bool = True, config: Optional[triton.Config] = None) -> Optional[torch.Tensor]:
     """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` with the persistent TMA kernel, or None.
 
     Same arguments and result as :func:`fxfuse.kernels.launch.run_stage`; additionally x and the weights
@@ -143,7 +143,8 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
     a multiple of 16 (the output's row stride), and two weights must fit one ``[2, N, K]`` TMA view (see
     :func:`_pair_layout`: true of separate parameters and of the halves of a packed gate_up weight). Returns
     ``None`` when that, or :func:`tma_supported`, does not hold, or when a tracer (FakeTensor, make_fx) is
-    active: the caller then runs ``run_stage``.
+    active: the caller then runs ``run_stage``. ``config`` runs that config (one of ``tma_template.sweep_configs()``,
+    pruned) instead of the autotuned choice (probes).
 
     Raises:
         ValueError: bad shapes, dtypes, devices or epilogue (with ``check``), as ``run_stage`` does.
@@ -197,7 +198,11 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (min(meta["CTAS_PER_SM"] * num_sms, tiles),)
 
-    if x.device.type == "cuda":
+    if config is not None:  # one variant, bypassing the autotuner and its pre-hook
+        full = {**args, **config.all_kwargs()}
+        tma_template.set_block_shapes(full)
+        kernel.fn[grid](**full)
+    elif x.device.type == "cuda":
         _lean_launcher(kernel).launch(grid, args)
     else:
         kernel[grid](**args)

@@ -36,10 +36,10 @@ from .template import _hint, autotune_enabled, interpreting
 logger = logging.getLogger(__name__)
 
 __all__ = ["TMA_TEMPLATE", "TMA_TEMPLATE_VERSION", "autotune_configs", "gpu_configs", "prune_configs",
-           "set_block_shapes"]
+           "set_block_shapes", "sweep_configs"]
 
 # Bump when the template or the launch contract changes: it is part of the cache file's hash.
-TMA_TEMPLATE_VERSION = 2
+TMA_TEMPLATE_VERSION = 3
 
 # Shared memory one CTA may use: H100/H200 allow 227 KiB; keep slack for barriers and layout conversions.
 _SMEM_BUDGET = 220 * 1024
@@ -118,6 +118,7 @@ def fused_stage_tma_kernel(
     GROUP_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,
     CTAS_PER_SM: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Persistent ``out = epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)``: each program loops over tiles.
 
@@ -140,6 +141,9 @@ def fused_stage_tma_kernel(
                 GROUP_M: rows of tiles walked together so W tiles stay in L2.
     EPILOGUE_SUBTILE: store the tile as two column halves (less shared memory for the store buffer).
     CTAS_PER_SM: programs per SM in the launcher's grid (unused here: the tile stride is the grid size).
+    WARP_SPECIALIZE: split each program into a TMA producer warp and MMA/epilogue consumers (Triton's automatic
+                warp specialization); the tile loop is then not flattened (Hopper's warp specialization needs
+                the K loop nested in it).
     """
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -151,7 +155,8 @@ def fused_stage_tma_kernel(
     # a value used both before and after the K loop hinders the pipeliner of the flattened loop.
     tile_id_c = start_pid - num_programs
 
-    for tile_id in tl.range(start_pid, num_tiles, num_programs, flatten=True):
+    for tile_id in tl.range(start_pid, num_tiles, num_programs, flatten=not WARP_SPECIALIZE,
+                            warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -218,9 +223,11 @@ def set_block_shapes(nargs: dict) -> None:
     nargs["out_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
 
 
-def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int, subtile: bool = True, ctas: int = 1) -> triton.Config:
+def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int, subtile: bool = True, ctas: int = 1,
+         ws: bool = False) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": subtile,
-                          "CTAS_PER_SM": ctas}, num_stages=stages, num_warps=warps, pre_hook=set_block_shapes)
+                          "CTAS_PER_SM": ctas, "WARP_SPECIALIZE": ws}, num_stages=stages, num_warps=warps,
+                         pre_hook=set_block_shapes)
 
 
 def autotune_configs() -> list[triton.Config]:
@@ -233,7 +240,8 @@ def autotune_configs() -> list[triton.Config]:
     if interpreting():
         # One small tile exercises partial tiles, several tiles per program and the subtiled store.
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4, "EPILOGUE_SUBTILE": True,
-                               "CTAS_PER_SM": 1}, num_warps=4, num_stages=1, pre_hook=set_block_shapes)]
+                               "CTAS_PER_SM": 1, "WARP_SPECIALIZE": False}, num_warps=4, num_stages=1,
+                              pre_hook=set_block_shapes)]
     return gpu_configs()
 
 
@@ -271,6 +279,28 @@ def gpu_configs(quick: bool = False) -> list[triton.Config]:
     ]
 
 
+def sweep_configs() -> list[triton.Config]:
+    """:func:`gpu_configs` plus candidates still on trial (warp-specialized, 256-row tiles): for probes that time
+    every config one by one (``benchmarks/probe_tma_sweep.py``), not for the autotuner.
+
+    Example:
+        >>> len(sweep_configs()) > len(gpu_configs())
+        True
+    """
+    return gpu_configs() + [
+        _cfg(256, 128, 64, 3, 8),
+        _cfg(256, 128, 64, 4, 8),
+        _cfg(128, 256, 64, 3, 8, ws=True),
+        _cfg(128, 256, 64, 4, 8, ws=True),
+        _cfg(128, 256, 64, 3, 8, subtile=False, ws=True),
+        _cfg(128, 128, 64, 3, 8, ws=True),
+        _cfg(128, 128, 64, 4, 8, ws=True),
+        _cfg(128, 128, 64, 4, 4, ws=True),
+        _cfg(128, 128, 64, 3, 4, ctas=2, ws=True),
+        _cfg(256, 128, 64, 3, 8, ws=True),
+    ]
+
+
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     m = _hint(args["M"])
@@ -298,7 +328,7 @@ def _prune(configs, named_args, **kwargs):
         stages = min(c.num_stages, (budget - store) // per_stage)
         if stages < 2:
             continue
-        key = (bm, bn, bk, subtile, stages, c.num_warps, ctas)
+        key = (bm, bn, bk, subtile, stages, c.num_warps, ctas, c.kwargs["WARP_SPECIALIZE"])
         if key in seen:
             continue
         seen.add(key)
