@@ -151,3 +151,27 @@ def test_corrupt_triton_disk_cache_is_benchmarked_not_raised(monkeypatch, caplog
         hit = _add_one.check_disk_cache(("new key",), _add_one.configs, lambda: benched.append(1))
     assert hit is False and benched == [1]
     assert "autotune cache entry" in caplog.text
+
+
+def test_a_config_that_fails_to_compile_is_not_a_candidate(monkeypatch, caplog):
+    """Any error while building or timing one config (an MLIR pass rejecting a warp-specialized variant raises a
+    plain RuntimeError) makes that config infinitely slow instead of failing the launch."""
+    def failing_for_block_16(self, *args, config, **meta):
+        if config.kwargs["BLOCK"] == 16:
+            raise RuntimeError("PassManager::run failed")
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(Autotuner, "_bench", failing_for_block_16)
+    with caplog.at_level(logging.WARNING, logger="fxfuse.kernels.tuning"):
+        times = [_add_one._bench(config=c) for c in _add_one.configs]
+    assert times == [[float("inf")] * 3, [1.0, 1.0, 1.0]]
+    assert "failed (RuntimeError: PassManager::run failed)" in caplog.text
+
+
+def test_running_out_of_memory_while_tuning_is_not_hidden(monkeypatch):
+    def oom(self, *args, config, **meta):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(Autotuner, "_bench", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        _add_one._bench(config=_add_one.configs[0])

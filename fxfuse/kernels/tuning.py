@@ -8,6 +8,9 @@ The generated kernels use ``@autotune(configs=..., key=..., prune_configs_by=...
   the key values and the configs), so a new process at known shapes compiles one config instead of
   benchmarking all. Triton reads that file without a guard (a corrupt one raises in the launch); here
   such a file is logged at WARNING and the configs are benchmarked as if there were none.
+* A config whose compilation fails for any reason (not only Triton's out-of-resources errors: an MLIR pass
+  that rejects a warp-specialized variant raises ``RuntimeError``) is logged and timed as infinitely slow, so
+  the others still compete.
 * Progress at INFO: ``tuning <kernel> for M_BUCKET=16, N=4096, K=1024 (4 configs)`` before the
   benchmark, ``tuned <kernel>: best <config> in 3.2 s`` after (or ``... from Triton's disk cache``).
 
@@ -29,6 +32,7 @@ import json
 import logging
 import time
 
+import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
@@ -81,6 +85,16 @@ class ProgressAutotuner(Autotuner):
                 bench_fn()
             self._disk_hit = False
         return self._disk_hit
+
+    def _bench(self, *args, config, **meta):
+        try:
+            return super()._bench(*args, config=config, **meta)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # any config that cannot run here is simply not a candidate
+            log.warning("fxfuse: %s config %s failed (%s: %s); not using it", self._name(), config,
+                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            return [float("inf")] * 3
 
     def run(self, *args, **kwargs):
         self._tuning_since = None
