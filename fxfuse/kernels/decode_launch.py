@@ -107,7 +107,8 @@ def _torch_decode(x, weights, biases, operands, epilogues) -> torch.Tensor:
 
 def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, str], *,
-               check: bool = True, workspace_sem: str = "relaxed") -> torch.Tensor:
+               check: bool = True, workspace_sem: str = "relaxed",
+               config: Optional[triton.Config] = None) -> torch.Tensor:
     """A whole two-stage MLP for a few rows in ONE kernel launch; returns a new ``[M, N]`` tensor.
 
     ``out = epi1(h @ W2^T + b2, ...)`` with ``h = epi0(x @ W0^T + b0[, x @ W1^T + b1], ...)`` rounded to
@@ -125,6 +126,7 @@ def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
         workspace_sem: memory semantics of the kernel's workspace adds: ``"relaxed"`` (default: the CTA barrier
             and the program counter's acq_rel order the sums before the last program reads them; 10% faster
             on the H200) or ``"acq_rel"`` (Triton's default for atomics).
+        config: run this config (e.g. one of ``gpu_decode_configs()``) instead of the autotuned one (probes).
 
     Raises:
         ValueError: bad shapes, dtypes, devices, M > ``DECODE_MAX_M`` or epilogues (the caller falls back).
@@ -176,5 +178,8 @@ def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
     def grid(meta):
         return (triton.cdiv(H, meta["BLOCK_H"]),)
 
-    launch_kernel(kernel, grid, args, x)
+    if config is not None:  # one variant, bypassing the autotuner
+        kernel.fn[grid](**args, **config.all_kwargs())
+    else:
+        launch_kernel(kernel, grid, args, x)
     return out

@@ -302,6 +302,11 @@ def sweep_configs() -> list[triton.Config]:
         _cfg(128, 128, 64, 4, 4, ws=True),
         _cfg(128, 128, 64, 3, 4, ctas=2, ws=True),
         _cfg(256, 128, 64, 3, 8, ws=True),
+        _cfg(128, 64, 64, 3, 8, ctas=2),
+        _cfg(64, 128, 64, 3, 4, ctas=2),
+        _cfg(64, 256, 64, 3, 4, ctas=2),
+        _cfg(128, 64, 128, 2, 4, ctas=2),
+        _cfg(128, 64, 64, 3, 4, subtile=False, ctas=2),
     ]
 
 
