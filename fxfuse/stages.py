@@ -4,7 +4,9 @@ A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 
 * ``tma``: the persistent TMA kernel (Hopper; row strides 16-byte aligned), :func:`fxfuse.kernels.run_stage_tma`;
 * ``triton``: the pointer-based GEMM + epilogue kernel, :func:`fxfuse.kernels.run_stage`;
-* ``torch``: the original ops of the stage (cuBLAS ``F.linear`` + the eager pointwise ops).
+* ``torch``: the original ops of the stage (cuBLAS ``F.linear`` + the eager pointwise ops);
+* ``cublaslt``: for ``gelu_tanh`` / ``relu`` after a linear with bias, cuBLASLt's own fused bias+activation
+  epilogue (``torch._addmm_activation``), the fastest library path for such a stage (CUDA only).
 
 On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest kept (also on disk), so a
 region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
@@ -35,7 +37,10 @@ __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
 log = logging.getLogger(__name__)
 
-STAGE_IMPLEMENTATIONS = ("tma", "triton", "torch")
+STAGE_IMPLEMENTATIONS = ("tma", "triton", "torch", "cublaslt")
+# Epilogues cuBLASLt fuses into the GEMM (with the bias): epilogue -> ``use_gelu`` of ``torch._addmm_activation``
+# (its GELU is the tanh approximation; without it, ReLU).
+_CUBLASLT_EPILOGUES = {"gelu_tanh(a0)": True, "relu(a0)": False}
 _choices: dict[tuple, str] = {}
 
 
@@ -56,6 +61,12 @@ def _torch_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional
     return ep.evaluate(_expr(epilogue), accs, operands)
 
 
+def _cublaslt_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                    operands: Sequence[Tensor], epilogue: str) -> Tensor:
+    """``act(x @ W^T + b)`` in one cuBLASLt call (bias and activation in its epilogue)."""
+    return torch._addmm_activation(biases[0], x, weights[0].t(), use_gelu=_CUBLASLT_EPILOGUES[epilogue])
+
+
 def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
                    operands: Sequence[Tensor], epilogue: str, *, timed: bool) -> Tensor:
     """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel."""
@@ -73,6 +84,8 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
         choice = "triton"
     if choice == "triton":
         return run_stage(x, weights, biases, operands, epilogue, check=False)
+    if choice == "cublaslt":
+        return _cublaslt_stage(x, weights, biases, operands, epilogue)
     return _torch_stage(x, weights, biases, operands, epilogue)
 
 
@@ -83,6 +96,10 @@ def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, C
     runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
     if timed:
         runners["torch"] = functools.partial(_torch_stage, x, weights, biases, operands, epilogue)
+        # CUDA only: on the CPU ATen's use_gelu is the exact (erf) GELU, not the tanh one.
+        if x.is_cuda and epilogue in _CUBLASLT_EPILOGUES and len(weights) == 1 and biases[0] is not None \
+                and not operands:
+            runners["cublaslt"] = functools.partial(_cublaslt_stage, x, weights, biases, operands, epilogue)
     return runners
 
 

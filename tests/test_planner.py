@@ -106,7 +106,7 @@ def test_a_failing_kernel_falls_back_to_the_original_ops(monkeypatch, caplog):
 def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
     x, w, b = torch.randn(40, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
     available = list(stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=True))  # tma only where it applies
-    times = {"tma": 0.030, "triton": 0.010, "torch": 0.020}
+    times = {"tma": 0.030, "triton": 0.010, "torch": 0.020, "cublaslt": 0.040}
     fixed_times(monkeypatch, [times[name] for name in available])
     out = stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)
     assert list(stages.stage_choices().values()) == ["triton"]
@@ -114,3 +114,25 @@ def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
     assert rel_err(out, ref) < TOL[torch.float32]
     # Untimed (FXFUSE_AUTOTUNE=0, the interpreter): a kernel, never the torch ops.
     assert stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=False).keys() <= {"tma", "triton"}
+
+
+def test_cublaslt_stage_only_on_cuda():
+    """On the CPU ATen's ``_addmm_activation(use_gelu=True)`` is the erf GELU, so it is never a candidate there."""
+    x, w, b = torch.randn(40, 32), torch.randn(48, 32), torch.randn(48)
+    assert "cublaslt" not in stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue, act", [("gelu_tanh(a0)", lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
+                                           ("relu(a0)", torch.relu)])
+def test_gpu_cublaslt_stage_is_the_same_activation(epilogue, act, dtype):
+    """The cuBLASLt candidate (bias + activation in the GEMM's epilogue) computes the stage's own activation."""
+    d = dict(device="cuda", dtype=dtype)
+    x, w, b = torch.randn(300, 256, **d), torch.randn(512, 256, **d) / 16, torch.randn(512, **d) * 0.1
+    runners = stages._runners(x, [w], [b], [], epilogue, timed=True)
+    ref = act(x.double() @ w.double().T + b.double())
+    assert rel_err(runners["cublaslt"](), ref) < TOL[dtype]
+    # Only where cuBLASLt has the epilogue: a bias, one linear, no operands, gelu_tanh or relu.
+    assert "cublaslt" not in stages._runners(x, [w], [None], [], epilogue, timed=True)
+    assert "cublaslt" not in stages._runners(x, [w], [b], [], "silu(a0)", timed=True)

@@ -236,17 +236,18 @@ def gpu_decode_configs() -> list[triton.Config]:
         >>> all(c.kwargs["BLOCK_H"] in (16, 32, 64, 128) for c in gpu_decode_configs())
         True
     """
+    # 8 warps won at every decode row of the H200 sweep (benchmarks/probe_decode_sweep.py): llama M=1 105.0 us
+    # (H64 K64 N256 s3), M=16 238 (H128 K64 N256 s3), gpt2m M=1 16.3 (H32 K256 N128 s4), M=8 30.4 (H32 K128 N128 s4).
     return [
+        _cfg(64, 64, 256, 8, 3),
+        _cfg(64, 128, 128, 8, 3),
+        _cfg(128, 64, 256, 8, 3),
+        _cfg(32, 256, 128, 8, 4),
+        _cfg(32, 128, 128, 8, 4),
+        _cfg(64, 256, 128, 8, 4),
+        _cfg(16, 256, 128, 8, 4),
         _cfg(64, 128, 128, 4, 3),
         _cfg(32, 256, 128, 4, 3),
-        _cfg(16, 256, 128, 4, 3),
-        _cfg(128, 128, 128, 8, 2),
-        _cfg(64, 256, 128, 8, 2),
-        _cfg(32, 128, 256, 4, 4),
-        _cfg(16, 128, 64, 4, 4),
-        _cfg(64, 64, 256, 4, 4),
-        _cfg(128, 64, 64, 8, 3),
-        _cfg(32, 64, 64, 4, 4),
     ]
 
 
