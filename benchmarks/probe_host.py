@@ -1,0 +1,65 @@
+"""Host µs per call of each layer of an optimized module's call path, outermost to innermost.
+
+    python3 benchmarks/probe_host.py [names...]     (default: nerf64 gpt2m_mlp_m1 gpt2_mlp)
+
+For each workload: ``opt(x)`` (the module), ``fused_mlp`` (what the graph calls), ``_dispatch`` (checks and the
+cached choice), ``_run_kernels`` (the chosen kernels) and eager, each as host time per call of 50 calls issued
+back to back (no synchronization inside; the GPU queue never fills at this count), best of 20 loops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from workloads import WORKLOADS, build_module, make_input  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse import ops, strategy  # noqa: E402
+
+
+def host_us(fn, calls: int = 50, loops: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(loops):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def probe(name: str) -> None:
+    w = next(w for w in WORKLOADS if w.name == name)
+    mod, x = build_module(w), make_input(w)
+    with torch.no_grad():
+        opt = fxfuse.optimize(mod)
+        opt(x)
+        m = strategy.measurements()[-1]
+        weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
+        args = (x, weights, biases, [], m.spec)
+        chosen = strategy.cached_choice(args)
+        row = {"module": host_us(lambda: opt(x)), "fused_mlp": host_us(lambda: ops.fused_mlp(*args)),
+               "_dispatch": host_us(lambda: ops._dispatch(*args))}
+        if chosen != strategy.ORIGINAL_OPS:
+            row["_run_kernels"] = host_us(lambda: ops._run_kernels(*args, chosen))
+        row["eager"] = host_us(lambda: mod(x))
+        print(f"{name} ({chosen}): " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " us/call (host)")
+
+
+def main() -> None:
+    for name in sys.argv[1:] or ["nerf64", "gpt2m_mlp_m1", "gpt2_mlp"]:
+        probe(name)
+
+
+if __name__ == "__main__":
+    main()
