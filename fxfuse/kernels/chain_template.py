@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import triton
 
 from .. import epilogue as ep
-from .template import autotune_enabled
+from .template import autotune_enabled, next_pow2
 from .template import interpreting as _interpreting
 
 __all__ = ["CHAIN_TEMPLATE_VERSION", "MAX_CHAIN_WIDTH", "chain_configs", "render_chain"]
@@ -73,7 +73,7 @@ _DOC = '''\
 
 def pad_width(d: int) -> int:
     """A width as a tile size: the next power of two, at least 16 (what ``tl.dot`` needs)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def render_chain(epilogues: Sequence[str]) -> str:

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -69,15 +70,18 @@ def launch(kernel: Any, grid: Callable[[dict], tuple], args: dict, varying: Sequ
 
 
 class _Entry:
-    __slots__ = ("run", "function", "packed_metadata", "order", "meta")
+    __slots__ = ("run", "function", "packed_metadata", "ordered", "meta", "tensor_name")
 
-    def __init__(self, compiled: Any, order: list[str], meta: dict):
+    def __init__(self, compiled: Any, order: list[str], meta: dict, tensor_name: str):
         compiled._init_handles()  # loads the module; ``run`` is the C launcher afterwards
         self.run = compiled.run
         self.function = compiled.function
         self.packed_metadata = compiled.packed_metadata
-        self.order = order
+        # full argument dict -> the kernel's arguments in order (one C call instead of a Python loop)
+        getter = operator.itemgetter(*order)
+        self.ordered = getter if len(order) > 1 else (lambda d, g=getter: (g(d),))
         self.meta = meta
+        self.tensor_name = tensor_name  # an argument that is a tensor: its device picks the stream
 
 
 class LeanLauncher:
@@ -102,14 +106,18 @@ class LeanLauncher:
     def signature(self, args: dict) -> Optional[tuple]:
         """What Triton specializes on, or None when an argument is not a tensor or a plain value (a TMA
         descriptor, say: its block shape is set by a config's pre-hook, which only Triton's path runs)."""
+        # Runs on every launch: exact-type checks first (ints are most of the arguments), no generator.
         key = []
+        append = key.append
+        varying = self.varying
         for name, v in args.items():
-            if isinstance(v, torch.Tensor):
-                key.append((v.dtype, v.data_ptr() % 16 == 0))
-            elif type(v) is int and name in self.varying:
-                key.append((v == 1, v % 16 == 0, v > 0x7FFFFFFF))
-            elif v is None or type(v) in _PLAIN:
-                key.append(v)
+            t = type(v)
+            if t is int:
+                append((v == 1, v % 16 == 0, v > 0x7FFFFFFF) if name in varying else v)
+            elif t is torch.Tensor or t is torch.nn.Parameter or isinstance(v, torch.Tensor):
+                append((v.dtype, v.data_ptr() % 16 == 0))
+            elif v is None or t in _PLAIN:
+                append(v)
             else:
                 return None
         return tuple(key)
@@ -126,12 +134,12 @@ class LeanLauncher:
             if key is not None:
                 self._record(key, compiled, args)
             return
-        full = {**args, **entry.meta}
+        full = args.copy()
+        full.update(entry.meta)
         g = grid(full)
-        device = next(v for v in args.values() if isinstance(v, torch.Tensor)).device
-        stream = _raw_stream(device.index)
+        stream = _raw_stream(full[entry.tensor_name].device.index)
         entry.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, entry.function,
-                  entry.packed_metadata, None, None, None, *[full[n] for n in entry.order])
+                  entry.packed_metadata, None, None, None, *entry.ordered(full))
         self.hits += 1
 
     def _record(self, key: tuple, compiled: Any, args: dict) -> None:
@@ -144,8 +152,11 @@ class LeanLauncher:
         order = self.arg_names
         if any(n not in args and n not in meta for n in order):
             return  # an argument with a default we did not pass: let Triton bind it
+        tensor_name = next((n for n, v in args.items() if isinstance(v, torch.Tensor)), None)
+        if tensor_name is None:
+            return  # nothing says which device's stream to launch on
         try:
-            entry = _Entry(compiled, order, meta)
+            entry = _Entry(compiled, order, meta, tensor_name)
         except Exception as err:  # pragma: no cover - unexpected Triton internals: stay on the normal path
             logger.debug("fxfuse: no lean launch for %s (%s)", getattr(self.kernel, "fn", self.kernel), err)
             return

@@ -218,6 +218,16 @@ def _hint(v) -> int:
         return 4096
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1); plain int arithmetic, cheap on the forward path.
+
+    Example:
+        >>> [next_pow2(n) for n in (0, 1, 3, 64, 65)]
+        [1, 1, 4, 64, 128]
+    """
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def m_bucket(m) -> int:
     """Power-of-2 bucket of M used as the autotuning key (a SymInt gives its hint's bucket, no guard).
 
@@ -225,7 +235,7 @@ def m_bucket(m) -> int:
         >>> [m_bucket(m) for m in (1, 16, 17, 37, 4096)]
         [1, 16, 32, 64, 4096]
     """
-    return triton.next_power_of_2(max(1, _hint(m)))
+    return next_pow2(m if type(m) is int else _hint(m))
 
 
 def fit_stages(c: triton.Config, bytes_per_stage: int) -> triton.Config | None:

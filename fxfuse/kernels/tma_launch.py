@@ -220,9 +220,24 @@ class _TmaLeanLauncher(fastlaunch.LeanLauncher):
 
     pre_hook_is_launch_free = True  # set_block_shapes only fills block_shape, which the launcher does not read
 
-    def signature(self, args: dict) -> tuple:
+    def signature(self, args: dict) -> Optional[tuple]:
+        # The base signature with each descriptor replaced by its tensor's (dtype, 16-byte alignment).
         TensorDescriptor = _tensor_descriptor()
-        return super().signature({k: v.base if isinstance(v, TensorDescriptor) else v for k, v in args.items()})
+        key = []
+        append = key.append
+        for name, v in args.items():
+            t = type(v)
+            if t is TensorDescriptor:
+                append((v.base.dtype, v.base.data_ptr() % 16 == 0))
+            elif t is int:
+                append((v == 1, v % 16 == 0, v > 0x7FFFFFFF) if name in self.varying else v)
+            elif isinstance(v, torch.Tensor):
+                append((v.dtype, v.data_ptr() % 16 == 0))
+            elif v is None or t in (float, bool, str):
+                append(v)
+            else:
+                return None
+        return tuple(key)
 
 
 def _lean_launcher(kernel) -> _TmaLeanLauncher:
