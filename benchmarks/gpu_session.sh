@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests-core    # kernel/op/API GPU tests + demo      -> tests_core.log, demo.log
 #   bash benchmarks/gpu_session.sh tests-models  # real models, properties, robustness -> tests_models.log
 #   bash benchmarks/gpu_session.sh tests         # both shards in one call (only if they fit together)
+#   bash benchmarks/gpu_session.sh tests-parallel # every GPU test in 5 parallel pytest processes -> tests_<n>.log
 #   bash benchmarks/gpu_session.sh bench         # full benchmark, max-autotune bounded to ~420 s
 #                                                #   -> results.md, results.json, log.txt (+ profile demo if time left)
 #   bash benchmarks/gpu_session.sh bench-quick   # benchmark without max-autotune + profile report/PNG
@@ -110,6 +111,29 @@ case "$mode" in
     gpu_tests tests-models tests_models.log "$MODEL_TESTS"
     demo
     ;;
+  tests-parallel)
+    # Every GPU test, core and models, in five pytest processes at once (compilation is CPU-bound and the
+    # machine has 16 cores): one call instead of three. Each group's log is tests_<n>.log.
+    groups=("tests/test_kernels.py" "tests/test_ops.py tests/test_chain.py"
+            "$(existing tests/test_tma_stage.py tests/test_decode.py tests/test_planner.py tests/test_tuning_cache.py tests/test_cost.py | xargs)"
+            "$(echo $CORE_TESTS | tr ' ' '\n' | grep -vE 'test_(kernels|ops|chain|tma_stage|decode|planner|tuning_cache|cost)\.py' | xargs)"
+            "$(echo $MODEL_TESTS | xargs)")
+    pids=(); started=()
+    for i in "${!groups[@]}"; do
+      [[ -n ${groups[$i]// /} ]] || continue  # an empty group would make pytest collect everything
+      echo "group $i: ${groups[$i]}"
+      # shellcheck disable=SC2086
+      timeout -s INT -k 20 "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider ${groups[$i]} \
+        > "$OUT/tests_$i.log" 2>&1 &
+      pids+=($!); started+=("$i")
+    done
+    for j in "${!pids[@]}"; do
+      i=${started[$j]}
+      wait "${pids[$j]}"; rc=$?
+      echo "group $i: rc=$rc $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests_$i.log" | tail -1)"
+      ((rc == 0)) || FAILED+=("tests_$i")
+    done
+    ;;
   bench)
     bench ${BENCH_ARGS:-}
     profile_demo
@@ -126,7 +150,7 @@ case "$mode" in
     cp /tmp/fxfuse-probe/probe.txt "$OUT/" 2>/dev/null  # (also a partial one, after a timeout)
     ;;
   *)
-    echo "unknown mode '$mode': tests-core | tests-models | tests | bench | bench-quick | probe"; exit 2
+    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | probe"; exit 2
     ;;
 esac
 n_files=$(find "$OUT" -type f | wc -l)
