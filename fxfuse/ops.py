@@ -151,9 +151,9 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
 
 
 @functools.lru_cache(maxsize=4096)
-def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int]) -> tuple[str, ...]:
+def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], elem_size: int) -> tuple[str, ...]:
     # ``small``: M itself when it is at most DECODE_MAX_M (the decode kernel's limit), else None (many rows).
-    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30))
+    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30, elem_size))
 
 
 def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
@@ -197,7 +197,7 @@ def _dispatch(x, weights, biases, operands, spec):
     if strategy is None:
         m = x.numel() // x.shape[-1]
         widths = (x.shape[-1], *(w.shape[0] for w in weights))
-        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None)
+        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, x.element_size())
         if timed:
             runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
             strategy = fastest(args, runners, functools.partial(reference_mlp, *args))

@@ -2,7 +2,8 @@
 
 Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
 
-* ``fused_chain``: the whole chain in one kernel (every stage one linear, widths ≤ ``MAX_CHAIN_WIDTH``);
+* ``fused_chain``: the whole chain in one kernel (every stage one linear, each layer's weight tile small enough to
+  stay on chip: :func:`fxfuse.kernels.chain_template.chain_fits`);
 * ``decode_split_hidden``: a two-stage MLP on M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden dim;
 * ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue per stage (always possible), each stage by the
   fastest of the TMA kernel, the pointer kernel and its original ops (:mod:`fxfuse.stages`).
@@ -31,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .kernels.chain_template import MAX_CHAIN_WIDTH
+from .kernels.chain_template import chain_fits
 from .kernels.decode_template import DECODE_BLOCK_M as DECODE_MAX_M
 from .kernels.template import autotune_enabled
 from .spec import MLPSpec
@@ -49,13 +50,15 @@ DECODE = "decode_split_hidden"  # a two-stage MLP on a few rows in one launch, s
 ORIGINAL_OPS = "original_ops"  # the ops the region replaced (cuBLAS GEMMs + eager pointwise): always a candidate
 
 
-def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None) -> list[str]:
+def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
+                      elem_size: int = 2) -> list[str]:
     """The kernel strategies that can run ``spec``, in the order tried when nothing is measured.
 
-    ``widths``: the input width, then each stage's output width; ``m``: rows (None: unknown, assume many).
+    ``widths``: the input width, then each stage's output width; ``m``: rows (None: unknown, assume many);
+    ``elem_size``: bytes per element of the input dtype (the chain kernel holds a layer's weights on chip).
     """
     out = []
-    if max(widths) <= MAX_CHAIN_WIDTH and all(s.num_linears == 1 for s in spec.stages):
+    if chain_fits(widths, elem_size) and all(s.num_linears == 1 for s in spec.stages):
         out.append(FUSED_CHAIN)
     small = m is not None and m <= DECODE_MAX_M
     if small and len(spec.stages) == 2 and spec.stages[1].num_linears == 1:
