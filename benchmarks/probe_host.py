@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from timing import host_us  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
 from fxfuse import ops, strategy  # noqa: E402
-
-
-def host_us(fn, calls: int = 50, loops: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(loops):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def probe(name: str) -> None:

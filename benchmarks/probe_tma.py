@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from timing import capture_graph  # noqa: E402
+
 from fxfuse import codegen  # noqa: E402
 from fxfuse.epilogue import evaluate, parse  # noqa: E402
 from fxfuse.kernels import run_stage, run_stage_tma, tma_supported, tma_template  # noqa: E402
@@ -52,16 +54,7 @@ def graph_us(fn, n=20) -> float:
     """GPU time per call of ``fn`` replayed from a CUDA graph: the kernel alone, without host overhead."""
     from triton.testing import do_bench
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
+    graph = capture_graph(fn, calls=n)
     return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / n
 
 

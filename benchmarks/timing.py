@@ -25,6 +25,21 @@ def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float
     return best
 
 
+def host_us(fn: Callable[[], object], calls: int = 50, loops: int = 20) -> float:
+    """Host µs per call: ``calls`` calls issued back to back with no synchronization inside (the GPU queue does
+    not fill at this count), best of ``loops``."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(loops):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
 def profile_top(fn: Callable[[], object], calls: int = 200, lines: int = 14, sort: str = "tottime") -> str:
     """cProfile of ``calls`` calls (synchronized at the end): the top ``lines`` functions as text."""
     pr = cProfile.Profile()

@@ -351,3 +351,8 @@ def test_lean_launch_signature():
     assert lean.signature({"x_ptr": buf, "M": 33, "N": 65, "FLAG": True}) != sig  # other ints by value
     desc = TensorDescriptor(buf.view(4, 16), [4, 16], [16, 1], [4, 16])
     assert lean.signature({"x_ptr": desc, "M": 33, "N": 64, "FLAG": True}) is None  # Triton's own path
+    # The TMA launcher keys a descriptor as its tensor (the config's pre-hook changes nothing it launches with).
+    from fxfuse.kernels.tma_launch import _TmaLeanLauncher
+
+    tma = _TmaLeanLauncher(Kernel(), varying=("M",))
+    assert tma.signature({"x_ptr": desc, "M": 33, "N": 64, "FLAG": True}) == sig

@@ -104,8 +104,9 @@ class LeanLauncher:
         self.hits = 0  # launches that skipped Triton's Python path (tests read it)
 
     def signature(self, args: dict) -> Optional[tuple]:
-        """What Triton specializes on, or None when an argument is not a tensor or a plain value (a TMA
-        descriptor, say: its block shape is set by a config's pre-hook, which only Triton's path runs)."""
+        """What Triton specializes on, or None when an argument is not a tensor, a plain value or one that
+        :meth:`other_key` keys (by default nothing else: a TMA descriptor's block shape is set by a config's
+        pre-hook, which only Triton's path runs; the TMA launcher knows it may skip it)."""
         # Runs on every launch: exact-type checks first (ints are most of the arguments), no generator.
         key = []
         append = key.append
@@ -114,13 +115,21 @@ class LeanLauncher:
             t = type(v)
             if t is int:
                 append((v == 1, v % 16 == 0, v > 0x7FFFFFFF) if name in varying else v)
-            elif t is torch.Tensor or t is torch.nn.Parameter or isinstance(v, torch.Tensor):
+            elif isinstance(v, torch.Tensor):
                 append((v.dtype, v.data_ptr() % 16 == 0))
             elif v is None or t in _PLAIN:
                 append(v)
             else:
-                return None
+                other = self.other_key(v)
+                if other is None:
+                    return None
+                append(other)
         return tuple(key)
+
+    def other_key(self, value: Any) -> Optional[tuple]:
+        """The signature entry of an argument that is neither a tensor nor a plain value, or None: then the
+        launch takes Triton's path. A subclass that knows such an argument (a TMA descriptor) keys it here."""
+        return None
 
     def launch(self, grid: Callable[[dict], tuple], args: dict) -> None:
         """Launch with ``args`` (every non-config argument, by name); ``grid(meta)`` as in ``kernel[grid]``."""

@@ -220,24 +220,11 @@ class _TmaLeanLauncher(fastlaunch.LeanLauncher):
 
     pre_hook_is_launch_free = True  # set_block_shapes only fills block_shape, which the launcher does not read
 
-    def signature(self, args: dict) -> Optional[tuple]:
-        # The base signature with each descriptor replaced by its tensor's (dtype, 16-byte alignment).
-        TensorDescriptor = _tensor_descriptor()
-        key = []
-        append = key.append
-        for name, v in args.items():
-            t = type(v)
-            if t is TensorDescriptor:
-                append((v.base.dtype, v.base.data_ptr() % 16 == 0))
-            elif t is int:
-                append((v == 1, v % 16 == 0, v > 0x7FFFFFFF) if name in self.varying else v)
-            elif isinstance(v, torch.Tensor):
-                append((v.dtype, v.data_ptr() % 16 == 0))
-            elif v is None or t in (float, bool, str):
-                append(v)
-            else:
-                return None
-        return tuple(key)
+    def other_key(self, value) -> Optional[tuple]:
+        # A descriptor is keyed as its tensor is: dtype and 16-byte alignment.
+        if type(value) is _tensor_descriptor():
+            return (value.base.dtype, value.base.data_ptr() % 16 == 0)
+        return None
 
 
 def _lean_launcher(kernel) -> _TmaLeanLauncher:

@@ -296,7 +296,6 @@ def sweep_configs() -> list[triton.Config]:
         _cfg(256, 128, 64, 4, 8),
         _cfg(128, 256, 64, 3, 8, ws=True),
         _cfg(128, 256, 64, 4, 8, ws=True),
-        _cfg(128, 256, 64, 3, 8, subtile=False, ws=True),
         _cfg(128, 128, 64, 3, 8, ws=True),
         _cfg(128, 128, 64, 4, 8, ws=True),
         _cfg(128, 128, 64, 4, 4, ws=True),
