@@ -207,6 +207,24 @@ def generated_decode_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -
     return _cached(("decode", num_linears0, epilogue0, epilogue1), source, "fxfuse_decode")
 
 
+def generated_gemv_kernel(num_linears: int, epilogue: str) -> ModuleType:
+    """Import (generating if needed) the small-M stage kernel module (:mod:`fxfuse.kernels.gemv_template`).
+
+    The module has ``fused_gemv_kernel``, ``NUM_LINEARS`` and ``EPILOGUE``. Raises ``ValueError`` for an
+    invalid epilogue.
+
+    Example:
+        >>> generated_gemv_kernel(2, "mul(silu(a0),a1)").EPILOGUE  # doctest: +SKIP
+        'mul(silu(a0),a1)'
+    """
+    def source() -> str:
+        from .kernels.gemv_template import render_gemv
+
+        return render_gemv(num_linears, epilogue)
+
+    return _cached(("gemv", num_linears, epilogue), source, "fxfuse_gemv")
+
+
 def generated_tma_kernel(num_linears: int, epilogue: str) -> ModuleType:
     """Import (generating if needed) the Hopper TMA stage kernel module (:mod:`fxfuse.kernels.tma_template`).
 

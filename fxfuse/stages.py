@@ -2,6 +2,8 @@
 
 A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 
+* ``gemv``: for a few rows (M ≤ ``GEMV_MAX_M``), the small-M kernel that streams the weights once (split-K),
+  :func:`fxfuse.kernels.run_stage_gemv`;
 * ``tma``: the persistent TMA kernel (Hopper; row strides 16-byte aligned), :func:`fxfuse.kernels.run_stage_tma`;
 * ``triton``: the pointer-based GEMM + epilogue kernel, :func:`fxfuse.kernels.run_stage`;
 * ``torch``: the original ops of the stage (cuBLAS ``F.linear`` + the eager pointwise ops);
@@ -10,8 +12,8 @@ A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 
 On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest kept (also on disk), so a
 region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
-both. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``tma`` where it applies,
-else ``triton`` (the GPU tests check the kernels, not cuBLAS).
+both. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else
+``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 
 Example:
     >>> h = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import epilogue as ep
-from .kernels import run_stage, run_stage_tma
+from .kernels import GEMV_MAX_M, run_stage, run_stage_gemv, run_stage_tma
 from .kernels.template import m_bucket
 from .kernels.tma_launch import tma_applicable
 
@@ -37,7 +39,7 @@ __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
 log = logging.getLogger(__name__)
 
-STAGE_IMPLEMENTATIONS = ("tma", "triton", "torch", "cublaslt")
+STAGE_IMPLEMENTATIONS = ("gemv", "tma", "triton", "torch", "cublaslt")
 # Epilogues cuBLASLt fuses into the GEMM (with the bias): epilogue -> ``use_gelu`` of ``torch._addmm_activation``
 # (its GELU is the tanh approximation; without it, ReLU).
 _CUBLASLT_EPILOGUES = {"gelu_tanh(a0)": True, "relu(a0)": False}
@@ -77,6 +79,8 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     if choice is None:
         runners = _runners(x, weights, biases, operands, epilogue, timed)
         choice = _measure(key, runners) if timed else next(iter(runners))
+    if choice == "gemv":
+        return run_stage_gemv(x, weights, biases, operands, epilogue, check=False)
     if choice == "tma":
         out = run_stage_tma(x, weights, biases, operands, epilogue, check=False)
         if out is not None:  # None: this x does not suit TMA (alignment); the pointer kernel takes it
@@ -91,6 +95,8 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
 
 def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
     runners: dict[str, Callable[[], Tensor]] = {}
+    if x.shape[0] <= GEMV_MAX_M:
+        runners["gemv"] = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False)
     if tma_applicable(x, weights):
         runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)
     runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)

@@ -6,7 +6,8 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
   stay on chip: :func:`fxfuse.kernels.chain_template.chain_fits`);
 * ``decode_split_hidden``: a two-stage MLP on M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden dim;
 * ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue per stage (always possible), each stage by the
-  fastest of the TMA kernel, the pointer kernel and its original ops (:mod:`fxfuse.stages`).
+  fastest of the small-M kernel (M ≤ 16), the TMA kernel, the pointer kernel, cuBLASLt's epilogue and its
+  original ops (:mod:`fxfuse.stages`).
 
 On a GPU each candidate and the original ops are timed once per shape bucket and the fastest runs
 (:func:`fastest`), so fusing never makes a region slower; without timing (``FXFUSE_AUTOTUNE=0``, the
@@ -19,8 +20,8 @@ Example:
     'fused_chain'
     >>> choose_strategy(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (768, 3072, 768))
     'gemm_epilogue'
-    >>> choose_strategy(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (1024, 4096, 1024), m=1)
-    'decode_split_hidden'
+    >>> kernel_candidates(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (1024, 4096, 1024), m=1)
+    ['gemm_epilogue', 'decode_split_hidden']
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = N
     out = []
     if chain_fits(widths, elem_size) and all(s.num_linears == 1 for s in spec.stages):
         out.append(FUSED_CHAIN)
+    # One GEMM+epilogue per stage comes before the one-launch decode kernel: at M <= 16 its stages run the
+    # small-M split-K kernel, which streamed the weights faster than the decode kernel at every decode row
+    # measured on the H200 (benchmarks/probe_gemv_sweep.py; the decode kernel's fp32 atomics grow with M).
+    out.append(GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE)
     small = m is not None and m <= DECODE_MAX_M
     if small and len(spec.stages) == 2 and spec.stages[1].num_linears == 1:
         out.append(DECODE)
-    out.append(GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE)
     return out
 
 

@@ -8,7 +8,7 @@ from test_ops import TOL, f64, make_args, rel_err
 
 from fxfuse import codegen, ops
 from fxfuse.kernels import DECODE_MAX_M, run_decode
-from fxfuse.kernels.decode_launch import _workspaces
+from fxfuse.kernels.workspace import _workspaces
 from fxfuse.ops import reference_mlp
 from fxfuse.spec import MLPSpec
 
@@ -33,7 +33,7 @@ def decode_call(args):
 
 
 def workspaces_are_clean():
-    return all(ws.count_nonzero().item() == 0 and counter.item() == 0 for ws, counter in _workspaces.values())
+    return all(ws.count_nonzero().item() == 0 and c.count_nonzero().item() == 0 for ws, c in _workspaces.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -39,10 +39,10 @@ def fixed_times(monkeypatch, times_ms: list[float]):
 @pytest.mark.parametrize("spec,widths,m,expected", [
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 1 << 20, [FUSED_CHAIN, GEMM_EPILOGUE]),
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 4, [FUSED_CHAIN, GEMM_EPILOGUE]),  # 3 stages: no decode
-    ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 1, [DECODE, GEMM_EPILOGUE]),
+    ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 1, [GEMM_EPILOGUE, DECODE]),
     ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 17, [GEMM_EPILOGUE]),
-    ("1b:gelu_tanh(a0);1b:a0", (64, 128, 64), 8, [FUSED_CHAIN, DECODE, GEMM_EPILOGUE]),
-    ("2--:mul(a0,silu(a1));1-:a0", (4096, 14336, 4096), 16, [DECODE, GATED_GEMM_EPILOGUE]),
+    ("1b:gelu_tanh(a0);1b:a0", (64, 128, 64), 8, [FUSED_CHAIN, GEMM_EPILOGUE, DECODE]),
+    ("2--:mul(a0,silu(a1));1-:a0", (4096, 14336, 4096), 16, [GATED_GEMM_EPILOGUE, DECODE]),
     ("2--:mul(a0,silu(a1));1-:a0", (4096, 14336, 4096), None, [GATED_GEMM_EPILOGUE]),  # M unknown: many rows
 ])
 def test_candidates_by_shape(spec, widths, m, expected):

@@ -3,6 +3,7 @@
 * ``run_stage``: one GEMM (or a gated pair) with bias and the generated epilogue fused.
 * ``run_chain``: a whole narrow Linear → act → … → Linear chain in one kernel.
 * ``run_decode``: a whole two-stage MLP for a few rows (M ≤ ``DECODE_MAX_M``) in one kernel.
+* ``run_stage_gemv``: ``run_stage`` for a few rows (M ≤ ``GEMV_MAX_M``): weights streamed once, split-K.
 * ``run_stage_tma``: ``run_stage`` on Hopper with TMA descriptors and a persistent grid (large M), or None.
 
 Example:
@@ -12,8 +13,9 @@ Example:
 
 from .chain_launch import run_chain
 from .decode_launch import DECODE_MAX_M, run_decode
+from .gemv_launch import GEMV_MAX_M, run_stage_gemv
 from .launch import SUPPORTED_DTYPES, run_stage
 from .tma_launch import run_stage_tma, tma_supported
 
-__all__ = ["DECODE_MAX_M", "SUPPORTED_DTYPES", "run_chain", "run_decode", "run_stage", "run_stage_tma",
-           "tma_supported"]
+__all__ = ["DECODE_MAX_M", "GEMV_MAX_M", "SUPPORTED_DTYPES", "run_chain", "run_decode", "run_stage",
+           "run_stage_gemv", "run_stage_tma", "tma_supported"]

@@ -1,10 +1,8 @@
 """Python wrapper of the decode kernel (:mod:`fxfuse.kernels.decode_template`): a two-stage MLP, M ≤ 16, one launch.
 
 The kernel sums partial products in an fp32 workspace and counts finished programs in an int32 counter;
-the last program leaves both at zero. So they are allocated zeroed once and reused, one pair per
-(device, stream, N) with ``DECODE_MAX_M`` rows (a launch uses the first M): launches on one stream run in
-order, so two never share a pair at the same time. A tracer (FakeTensor, ``torch.compile``) or a CUDA graph
-capture gets a fresh zeroed pair instead, so the traced or captured program owns its buffers.
+the last program leaves both at zero (:mod:`.workspace`: one pair per device, stream and N, with
+``DECODE_MAX_M`` rows; a launch uses the first M).
 """
 
 from __future__ import annotations
@@ -25,12 +23,12 @@ from .launch import (
     _parse,
     _torch_stage,
     _traced_in_interpreter,
-    _tracing,
     check_placement,
     launch_kernel,
 )
 from .template import interpreting as _interpreting
 from .template import m_bucket
+from .workspace import zeroed_workspace
 
 logger = logging.getLogger(__name__)
 
@@ -40,27 +38,6 @@ __all__ = ["DECODE_MAX_M", "run_decode"]
 DECODE_MAX_M = DECODE_BLOCK_M
 _INT32_MAX = 2**31 - 1  # the kernel indexes with int32 offsets
 _WORKSPACE_SEMS = ("acq_rel", "relaxed")
-
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-# The current stream's handle, cheaply (Triton reads it the same way); CPU (interpreter) has one "stream".
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
-    (lambda index: torch.cuda.current_stream(index).cuda_stream)
-
-
-def _workspace(x: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zeroed fp32 ``[DECODE_MAX_M, N]`` workspace and int32 counter for this call (see the module doc)."""
-    cuda = x.device.type == "cuda"
-    if _tracing(x) or (cuda and torch.cuda.is_current_stream_capturing()):
-        key = None
-    else:
-        key = (x.device, _raw_stream(x.device.index) if cuda else 0, N)
-    pair = None if key is None else _workspaces.get(key)
-    if pair is None:
-        pair = (torch.zeros((DECODE_MAX_M, N), dtype=torch.float32, device=x.device),
-                torch.zeros((1,), dtype=torch.int32, device=x.device))
-        if key is not None:
-            _workspaces[key] = pair
-    return pair
 
 
 def _validate(x, weights, biases, operands, exprs) -> tuple[int, int, int, int]:
@@ -152,7 +129,7 @@ def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
         return out
     n_lin0 = len(weights) - 1
     kernel = codegen.generated_decode_kernel(n_lin0, epilogues[0], epilogues[1]).fused_decode_kernel
-    ws, counter = _workspace(x, N)
+    ws, counter = zeroed_workspace(x, "decode", (DECODE_MAX_M, N), 1)
     w2, b2 = weights[-1], biases[-1]
     # Stage 0's weights / biases are w0 (, w1) / b0 (, b1); stage 1's are always w2 / b2.
     stage_w = {**{i: weights[i] for i in range(n_lin0)}, 2: w2}

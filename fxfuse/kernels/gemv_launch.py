@@ -1,0 +1,94 @@
+"""Python wrapper of the small-M stage kernel (:mod:`fxfuse.kernels.gemv_template`): one stage, M ≤ 16.
+
+Split-K launches add their partial sums into a zeroed fp32 workspace ``[num_linears, 16, N]`` and count
+finished splits per column tile; the last split leaves both at zero (:mod:`.workspace`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import triton
+
+from .. import codegen
+from .gemv_template import GEMV_BLOCK_M
+from .launch import (
+    _input_precision,
+    _parse,
+    _torch_stage,
+    _traced_in_interpreter,
+    _validate,
+    launch_kernel,
+    operand_args,
+)
+from .template import interpreting as _interpreting
+from .template import m_bucket
+from .workspace import zeroed_workspace
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GEMV_MAX_M", "run_stage_gemv"]
+
+# Rows the kernel takes: one padded BLOCK_M tile holds them all.
+GEMV_MAX_M = GEMV_BLOCK_M
+
+
+def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                   operands: Sequence[torch.Tensor], epilogue: str, *, check: bool = True,
+                   config: Optional[triton.Config] = None) -> torch.Tensor:
+    """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` for a few rows, streaming the weights once.
+
+    The same contract as :func:`fxfuse.kernels.run_stage` (any strides, one or two ``[N, K]`` weights,
+    ``[N]`` biases or ``None``, operands of N elements or one), for ``M <= GEMV_MAX_M`` rows.
+
+    Args:
+        check: validate the arguments first (``torch.ops.fxfuse.mlp`` checks them itself and passes False).
+        config: run this config (one of ``gpu_gemv_configs()``) instead of the autotuned one (probes).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, epilogue, or more than ``GEMV_MAX_M`` rows.
+
+    Example:
+        >>> x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> run_stage_gemv(x, [wg, wu], [None, None], [], "mul(silu(a0),a1)").shape  # doctest: +SKIP
+        torch.Size([1, 14336])
+    """
+    if check:
+        M, N, K = _validate(x, weights, biases, operands, _parse(epilogue))
+    else:
+        (M, K), N = x.shape, weights[0].shape[0]
+    if M > GEMV_MAX_M:  # rows past the one tile would be silently dropped
+        raise ValueError(f"the small-M stage kernel takes at most {GEMV_MAX_M} rows, got {M}")
+    if _interpreting() and _traced_in_interpreter(x):
+        return _torch_stage(x, weights, biases, operands, _parse(epilogue))
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    kernel = codegen.generated_gemv_kernel(len(weights), epilogue).fused_gemv_kernel
+    n_lin = len(weights)
+    # One counter per column tile of the narrowest BLOCK_N (16).
+    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_BLOCK_M, N), triton.cdiv(N, 16))
+    args: dict = {"x_ptr": x}
+    args.update({f"w{i}_ptr": w for i, w in enumerate(weights)})
+    args.update({f"b{i}_ptr": (b if b is not None else x) for i, b in enumerate(biases)})  # x: valid, unread
+    args.update(operand_args(operands))
+    args.update({"out_ptr": out, "ws_ptr": ws, "counter_ptr": counters, "M": M, "N": N, "K": K,
+                 "M_BUCKET": m_bucket(M), "stride_xm": x.stride(0), "stride_xk": x.stride(1)})
+    for i, w in enumerate(weights):
+        args[f"stride_w{i}n"], args[f"stride_w{i}k"] = w.stride(0), w.stride(1)
+    args.update({f"stride_b{i}": (b.stride(0) if b is not None else 0) for i, b in enumerate(biases)})
+    args["stride_om"], args["stride_on"] = out.stride(0), out.stride(1)
+    args.update({f"HAS_BIAS{i}": b is not None for i, b in enumerate(biases)})
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M})
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    if config is not None:  # one variant, bypassing the autotuner
+        kernel.fn[grid](**args, **config.all_kwargs())
+    else:
+        launch_kernel(kernel, grid, args, x)
+    return out

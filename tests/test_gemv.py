@@ -1,0 +1,151 @@
+"""The small-M stage kernel (M <= 16, split-K) against the float64 reference, and its place among the stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ops import TOL, rel_err
+
+from fxfuse import stages
+from fxfuse.kernels import GEMV_MAX_M, run_stage_gemv
+from fxfuse.kernels.gemv_template import gpu_gemv_configs
+from fxfuse.kernels.workspace import _workspaces
+
+# (epilogue, number of linears, bias?, operands?, K, N): odd widths, not multiples of the test tiles.
+STAGES = [
+    ("mul(silu(a0),a1)", 2, False, 0, 70, 45),  # SwiGLU gate+up
+    ("gelu_tanh(a0)", 1, True, 0, 100, 33),  # GPT-2 fc1
+    ("a0", 1, True, 0, 129, 50),  # a plain linear with bias, K past two splits
+    ("mul(mul(gelu_tanh(a0),a1),v0)", 2, True, 1, 48, 40),  # gated with biases and an operand
+]
+
+
+def make_stage(epilogue, n_lin, bias, n_ops, k, n, m, dtype=torch.float32, device="cpu"):
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    ws = [torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5 for _ in range(n_lin)]
+    bs = [torch.randn(n, dtype=dtype, device=device) * 0.1 if bias else None for _ in range(n_lin)]
+    ops = [torch.rand(n, dtype=dtype, device=device) + 0.5 for _ in range(n_ops)]
+    return x, ws, bs, ops, epilogue
+
+
+def reference(x, ws, bs, ops, epilogue):
+    """The stage in float64 (epilogues of ``STAGES`` only)."""
+    a = [F.linear(x.double(), w.double(), None if b is None else b.double()) for w, b in zip(ws, bs)]
+    out = {"mul(silu(a0),a1)": lambda: F.silu(a[0]) * a[1],
+           "gelu_tanh(a0)": lambda: F.gelu(a[0], approximate="tanh"),
+           "a0": lambda: a[0],
+           "mul(mul(gelu_tanh(a0),a1),v0)": lambda: F.gelu(a[0], approximate="tanh") * a[1] * ops[0].double()}
+    return out[epilogue]()
+
+
+def workspaces_are_clean():
+    return all(ws.count_nonzero().item() == 0 and c.count_nonzero().item() == 0 for ws, c in _workspaces.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
+def test_gemv_matches_float64_reference(stage, dtype):
+    for m in (1, 3, GEMV_MAX_M):  # different M back to back share the split-K workspace
+        args = make_stage(*stage, m, dtype)
+        out = run_stage_gemv(*args)
+        assert out.shape == (m, stage[-1]) and out.dtype == dtype
+        assert rel_err(out, reference(*args)) < TOL[dtype]
+    assert workspaces_are_clean()
+
+
+def test_strided_inputs_and_single_element_operand():
+    k, n = 40, 24
+    x = torch.randn(k, 3).t()  # [3, K], non-contiguous
+    wg, wu = (torch.randn(k, n).t() / k ** 0.5 for _ in range(2))  # [N, K] views of [K, N] storage
+    scale = torch.tensor([1.5])
+    out = run_stage_gemv(x, [wg, wu], [None, None], [scale], "mul(mul(silu(a0),a1),v0)")
+    xd = x.double()
+    ref = F.silu(xd @ wg.double().T) * (xd @ wu.double().T) * 1.5
+    assert rel_err(out, ref) < TOL[torch.float32]
+    rows = torch.randn(2 * n, k)[::2] / k ** 0.5  # every other row of a bigger weight
+    assert rel_err(run_stage_gemv(x, [rows], [None], [], "a0"), xd @ rows.double().T) < TOL[torch.float32]
+
+
+def test_bad_arguments_raise():
+    x, ws, bs, ops, epi = make_stage(*STAGES[1], GEMV_MAX_M + 1)
+    with pytest.raises(ValueError, match="at most"):
+        run_stage_gemv(x, ws, bs, ops, epi)
+    with pytest.raises(ValueError, match="weight 0"):
+        run_stage_gemv(x[:2], [ws[0][:, :-1]], bs, ops, epi)
+
+
+def test_untimed_stage_choice_is_the_small_m_kernel(monkeypatch):
+    calls = []
+    real = stages.run_stage_gemv
+    monkeypatch.setattr(stages, "run_stage_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
+        x, ws, bs, ops, epi = make_stage(*STAGES[0], m)
+        out = stages.run_best_stage(x, ws, bs, ops, epi, timed=False)
+        assert rel_err(out, reference(x, ws, bs, ops, epi)) < TOL[torch.float32]
+    assert calls == [1, GEMV_MAX_M]  # 17 rows take the GEMM kernels
+
+
+GPU_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# Decode-like widths: gated 512 -> 1000 (K and N not multiples of the tiles), down 1000 -> 384 (split-K applies).
+GPU_STAGES = [("mul(silu(a0),a1)", 2, False, 0, 512, 1000), ("a0", 1, True, 0, 1000, 384),
+              ("gelu_tanh(a0)", 1, True, 0, 1024, 4096)]
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("stage", GPU_STAGES, ids=[s[0] for s in GPU_STAGES])
+def test_gemv_on_gpu(stage, dtype, no_tf32):
+    for m in (1, 5, GEMV_MAX_M):
+        args = make_stage(*stage, m, dtype, "cuda")
+        assert rel_err(run_stage_gemv(*args), reference(*args)) < GPU_TOL[dtype], m
+    torch.cuda.synchronize()
+    assert workspaces_are_clean()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", GPU_STAGES[:2], ids=[s[0] for s in GPU_STAGES[:2]])
+def test_every_gpu_config(stage):
+    """Each config the autotuner may pick, split-K ones included, run directly (bf16)."""
+    for config in gpu_gemv_configs():
+        for m in (1, GEMV_MAX_M):
+            args = make_stage(*stage, m, torch.bfloat16, "cuda")
+            out = run_stage_gemv(*args, config=config)
+            assert rel_err(out, reference(*args)) < 1e-2, (config, m)
+    torch.cuda.synchronize()
+    assert workspaces_are_clean()
+
+
+@pytest.mark.gpu
+def test_gemv_on_two_streams_and_in_a_cuda_graph():
+    split = next(c for c in gpu_gemv_configs() if c.kwargs["SPLIT_K"] > 1)
+    stage = GPU_STAGES[1]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    calls = [make_stage(*stage, m, torch.bfloat16, "cuda") for m in (1, 8, 3, 16)]
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(20):  # many split-K launches in flight on both streams at once
+        for i, args in enumerate(calls):
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append((i, run_stage_gemv(*args, config=split)))
+    torch.cuda.synchronize()
+    for i, out in outs:
+        assert rel_err(out, reference(*calls[i])) < 1e-2
+    args = calls[2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_stage_gemv(*args, config=split)
+    for _ in range(3):  # new inputs in place, replayed: the captured workspace resets itself too
+        args[0].copy_(torch.randn_like(args[0]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, reference(*args)) < 1e-2
+    assert workspaces_are_clean()
