@@ -1,10 +1,11 @@
 """Host µs per call of each layer of an optimized module's call path, outermost to innermost.
 
-    python3 benchmarks/probe_host.py [names...]     (default: nerf64 gpt2m_mlp_m1 gpt2_mlp)
+    python3 benchmarks/probe_host.py [--profile] [names...]     (default: nerf64 gpt2m_mlp_m1 gpt2_mlp)
 
 For each workload: ``opt(x)`` (the module), ``fused_mlp`` (what the graph calls), ``_dispatch`` (checks and the
 cached choice), ``_run_kernels`` (the chosen kernels) and eager, each as host time per call of 50 calls issued
 back to back (no synchronization inside; the GPU queue never fills at this count), best of 20 loops.
+With ``--profile``, also the stage choices and the cProfile top of the module call (by own time).
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from timing import host_us  # noqa: E402
+from timing import host_us, profile_top  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
-from fxfuse import ops, strategy  # noqa: E402
+from fxfuse import ops, stages, strategy  # noqa: E402
 
 
-def probe(name: str) -> None:
+def probe(name: str, profile: bool = False) -> None:
     w = next(w for w in WORKLOADS if w.name == name)
     mod, x = build_module(w), make_input(w)
     with torch.no_grad():
@@ -41,11 +42,16 @@ def probe(name: str) -> None:
             row["_run_kernels"] = host_us(lambda: ops._run_kernels(*args, chosen))
         row["eager"] = host_us(lambda: mod(x))
         print(f"{name} ({chosen}): " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " us/call (host)")
+        if profile:
+            print("  stage choices:", stages.stage_choices())
+            print(profile_top(lambda: opt(x), lines=25))
 
 
 def main() -> None:
-    for name in sys.argv[1:] or ["nerf64", "gpt2m_mlp_m1", "gpt2_mlp"]:
-        probe(name)
+    args = sys.argv[1:]
+    profile = "--profile" in args
+    for name in [a for a in args if a != "--profile"] or ["nerf64", "gpt2m_mlp_m1", "gpt2_mlp"]:
+        probe(name, profile)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from test_ops import TOL, rel_err
 
 from fxfuse import stages
 from fxfuse.kernels import GEMV_MAX_M, run_stage_gemv
-from fxfuse.kernels.gemv_template import gpu_gemv_configs
+from fxfuse.kernels.gemv_template import fit_gemv_config, gpu_gemv_configs
 from fxfuse.kernels.workspace import _workspaces
 
 # (epilogue, number of linears, bias?, operands?, K, N): odd widths, not multiples of the test tiles.
@@ -114,8 +114,9 @@ def test_gemv_on_gpu(stage, dtype, no_tf32):
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", GPU_STAGES[:2], ids=[s[0] for s in GPU_STAGES[:2]])
 def test_every_gpu_config(stage):
-    """Each config the autotuner may pick, split-K ones included, run directly (bf16)."""
-    for config in gpu_gemv_configs():
+    """Each config the autotuner may pick (fitted to shared memory as it would be), split-K ones included, run
+    directly (bf16)."""
+    for config in (fit_gemv_config(c, stage[1], 2) for c in gpu_gemv_configs()):
         for m in (1, GEMV_MAX_M):
             args = make_stage(*stage, m, torch.bfloat16, "cuda")
             out = run_stage_gemv(*args, config=config)

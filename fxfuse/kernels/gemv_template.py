@@ -37,8 +37,8 @@ from .template import interpreting as _interpreting
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "gemv_configs", "gpu_gemv_configs", "prune_gemv_configs",
-           "render_gemv"]
+__all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs", "gpu_gemv_configs",
+           "prune_gemv_configs", "render_gemv"]
 
 GEMV_TEMPLATE_VERSION = 1
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
@@ -240,6 +240,12 @@ def _programs(c: triton.Config, N: int) -> int:
     return triton.cdiv(N, c.kwargs["BLOCK_N"]) * c.kwargs["SPLIT_K"]
 
 
+def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> triton.Config | None:
+    """``c`` with as many pipeline stages as fit shared memory (each holds the weight tiles and an x tile)."""
+    kw = c.kwargs
+    return fit_stages(c, (num_linears * kw["BLOCK_N"] * kw["BLOCK_K"] + GEMV_BLOCK_M * kw["BLOCK_K"]) * elem_size)
+
+
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     gated = "w1_ptr" in args
@@ -257,7 +263,7 @@ def _prune(configs, named_args, **kwargs):
             continue
         if split > 1 and triton.cdiv(N, bn) >= 2 * sms:
             continue
-        c = fit_stages(c, ((2 if gated else 1) * bn * bk + GEMV_BLOCK_M * bk) * elem)
+        c = fit_gemv_config(c, 2 if gated else 1, elem)
         if c is not None:
             kept.append(c)
     if not kept:
