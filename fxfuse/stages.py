@@ -12,8 +12,9 @@ A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 
 On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest kept (also on disk), so a
 region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
-both. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else
-``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
+both. A few rows (M ≤ 16) choose between ``gemv`` and the library paths, more rows between ``tma``, ``triton`` and
+the library paths. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few
+rows, else ``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 
 Example:
     >>> h = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
@@ -96,10 +97,12 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
 def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
     runners: dict[str, Callable[[], Tensor]] = {}
     if x.shape[0] <= GEMV_MAX_M:
+        # A few rows: the weight-streaming kernel; the GEMM kernels' 64-128-row tiles would mostly multiply padding.
         runners["gemv"] = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False)
-    if tma_applicable(x, weights):
-        runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)
-    runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
+    else:
+        if tma_applicable(x, weights):
+            runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)
+        runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
     if timed:
         runners["torch"] = functools.partial(_torch_stage, x, weights, biases, operands, epilogue)
         # CUDA only: on the CPU ATen's use_gelu is the exact (erf) GELU, not the tanh one.

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -186,9 +187,25 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     return best
 
 
-def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
-    """Median µs of each runner (``do_bench``, after a first call that compiles and autotunes).
+def host_us(run: Callable[[], object], calls: int = 10) -> float:
+    """Host µs per call of ``calls`` calls issued back to back (the GPU queue does not fill at this count)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(calls):
+        run()
+    elapsed = time.perf_counter() - t
+    sync()
+    return elapsed / calls * 1e6
 
+
+def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
+    """µs per call of each runner: the larger of its GPU median (``do_bench``, after a first call that compiles
+    and autotunes) and its host time per call.
+
+    ``do_bench`` flushes L2 between calls, which hides up to the flush's duration of host time; calls in a
+    loop do not, so a candidate whose launches cost more host time than its kernels take is as slow as its
+    host path (at decode sizes a TMA launch's descriptors cost more than the kernel).
     A runner that raises is left out (logged): a kernel that does not compile or launch here is not a candidate.
     """
     from triton.testing import do_bench
@@ -199,7 +216,8 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
     for name, run in runners.items():
         try:
             run()
-            times[name] = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+            gpu = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+            times[name] = max(gpu, host_us(run))
         except torch.OutOfMemoryError:
             raise
         except Exception as err:

@@ -150,3 +150,26 @@ def test_gemv_on_two_streams_and_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert rel_err(out, reference(*args)) < 1e-2
     assert workspaces_are_clean()
+
+
+@pytest.mark.gpu
+def test_bound_launch_follows_new_inputs_and_weights():
+    """After the first launch the host path is a launch bound to the call's weights: fresh inputs, weights updated
+    in place and new weight tensors all give the right result."""
+    from fxfuse.kernels.gemv_launch import _bound
+
+    x, ws, bs, ops, epi = make_stage(*GPU_STAGES[1], 4, torch.bfloat16, "cuda")
+    run_stage_gemv(x, ws, bs, ops, epi)
+    bound = len(_bound)
+    for _ in range(3):
+        x = torch.randn_like(x)
+        assert rel_err(run_stage_gemv(x, ws, bs, ops, epi), reference(x, ws, bs, ops, epi)) < 1e-2
+    assert len(_bound) == bound  # every call after the first took the bound launch
+    ws[0].mul_(-2.0)  # same storage, new values
+    assert rel_err(run_stage_gemv(x, ws, bs, ops, epi), reference(x, ws, bs, ops, epi)) < 1e-2
+    new_ws = [w.clone() * 0.5 for w in ws]  # new storage: a new binding
+    assert rel_err(run_stage_gemv(x, new_ws, bs, ops, epi), reference(x, new_ws, bs, ops, epi)) < 1e-2
+    assert rel_err(run_stage_gemv(x, new_ws, bs, ops, epi), reference(x, new_ws, bs, ops, epi)) < 1e-2
+    assert len(_bound) == bound + 1
+    unaligned = torch.randn(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x)  # a different signature
+    assert rel_err(run_stage_gemv(unaligned, ws, bs, ops, epi), reference(unaligned, ws, bs, ops, epi)) < 1e-2

@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeanLauncher", "launch", "lean_launch_enabled"]
+__all__ = ["LeanLauncher", "bind", "launch", "lean_launch_enabled"]
 
 try:  # triton >= 3.4 keeps the launch hooks here
     from triton import knobs as _knobs
@@ -67,6 +67,25 @@ def launch(kernel: Any, grid: Callable[[dict], tuple], args: dict, varying: Sequ
     if lean is None:
         lean = kernel._fxfuse_lean = LeanLauncher(kernel, varying)
     lean.launch(grid, args)
+
+
+def bind(kernel: Any, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str],
+         varying: Sequence[str] = ("M",)) -> Optional[Callable[..., None]]:
+    """A launch of ``kernel`` with ``args`` in which only the ``slots`` (tensor arguments) change: ``fn(*slots)``.
+
+    Returns None until a launch with this signature went through :func:`launch` (the compiled kernel and its
+    config are known only then), or while a launch hook is installed. The caller must only pass tensors
+    that give ``args`` the same signature (dtype, 16-byte alignment), e.g. fresh ``torch.empty`` outputs
+    and inputs of the same dtype whose alignment it checked.
+
+    The other tensors are bound by address, not by reference (Triton's launcher takes an int as a pointer):
+    the binding keeps no weight alive, so the caller must key it by those tensors' addresses (and shapes,
+    strides, dtypes) and use it only while they match.
+    """
+    lean = getattr(kernel, "_fxfuse_lean", None)
+    if lean is None:
+        lean = kernel._fxfuse_lean = LeanLauncher(kernel, varying)
+    return lean.bind(grid, args, slots)
 
 
 class _Entry:
@@ -150,6 +169,31 @@ class LeanLauncher:
         entry.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, entry.function,
                   entry.packed_metadata, None, None, None, *entry.ordered(full))
         self.hits += 1
+
+    def bind(self, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str]) -> Optional[Callable[..., None]]:
+        """See :func:`bind`."""
+        if not lean_launch_enabled():
+            return None
+        key = self.signature(args)
+        entry = None if key is None else self.entries.get(key)
+        if entry is None:
+            return None
+        full = args.copy()
+        full.update(entry.meta)
+        g = grid(full)
+        g0, g1, g2 = g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1
+        ordered = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in entry.ordered(full)]
+        positions = [self.arg_names.index(name) for name in slots]
+        device_index = full[entry.tensor_name].device.index
+        run, function, packed = entry.run, entry.function, entry.packed_metadata
+
+        def launch_bound(*values):
+            a = ordered.copy()  # a copy per call: two threads may launch the same binding
+            for i, v in zip(positions, values):
+                a[i] = v
+            run(g0, g1, g2, _raw_stream(device_index), function, packed, None, None, None, *a)
+
+        return launch_bound
 
     def _record(self, key: tuple, compiled: Any, args: dict) -> None:
         config = getattr(self.kernel, "best_config", None)

@@ -2,6 +2,11 @@
 
 Split-K launches add their partial sums into a zeroed fp32 workspace ``[num_linears, 16, N]`` and count
 finished splits per column tile; the last split leaves both at zero (:mod:`.workspace`).
+
+At decode sizes the kernel takes a few µs, so the host path matters as much: after the first launch at a
+given call (the same weights, biases, operands, row count, strides, dtype, stream), the next ones skip the
+argument dict, the workspace lookup and the launcher's signature and call a launch bound to everything but
+``x`` and ``out`` (:func:`.fastlaunch.bind`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from typing import Optional
 
 import torch
 import triton
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen
+from . import fastlaunch
 from .gemv_template import GEMV_BLOCK_M
 from .launch import (
     _input_precision,
@@ -34,6 +41,20 @@ __all__ = ["GEMV_MAX_M", "run_stage_gemv"]
 
 # Rows the kernel takes: one padded BLOCK_M tile holds them all.
 GEMV_MAX_M = GEMV_BLOCK_M
+_MAX_BOUND = 1024  # bound launches kept; past it, all are dropped (rebuilt on the next call of each)
+_bound: dict[tuple, object] = {}
+
+
+def _call_key(x, weights, biases, operands, epilogue) -> tuple:
+    """Everything the launch's arguments depend on but x's address (checked for alignment instead)."""
+    key = [epilogue, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
+           fastlaunch._raw_stream(x.device.index)]
+    if x.dtype == torch.float32:
+        key.append(torch.backends.cuda.matmul.allow_tf32)
+    for group in (weights, biases, operands):
+        for t in group:
+            key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
+    return tuple(key)
 
 
 def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
@@ -64,6 +85,16 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         raise ValueError(f"the small-M stage kernel takes at most {GEMV_MAX_M} rows, got {M}")
     if _interpreting() and _traced_in_interpreter(x):
         return _torch_stage(x, weights, biases, operands, _parse(epilogue))
+    call_key = None
+    # Not while tracing (the launch must become a graph node) nor capturing (the capture owns its workspace).
+    if config is None and x.is_cuda and type(x) is torch.Tensor and _get_current_dispatch_mode() is None \
+            and not torch.cuda.is_current_stream_capturing():
+        call_key = _call_key(x, weights, biases, operands, epilogue)
+        bound = _bound.get(call_key)
+        if bound is not None:
+            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+            bound(x, out)
+            return out
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
@@ -89,6 +120,12 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
 
     if config is not None:  # one variant, bypassing the autotuner
         kernel.fn[grid](**args, **config.all_kwargs())
-    else:
-        launch_kernel(kernel, grid, args, x)
+        return out
+    launch_kernel(kernel, grid, args, x)
+    if call_key is not None:
+        bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
+        if bound is not None:
+            if len(_bound) >= _MAX_BOUND:
+                _bound.clear()
+            _bound[call_key] = bound
     return out
