@@ -34,12 +34,16 @@ from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
+from . import replay
+from .kernels.gemv_launch import GEMV_MAX_M
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import (
     DECODE,
     DECODE_MAX_M,
     FUSED_CHAIN,
+    GATED_GEMM_EPILOGUE,
+    GEMM_EPILOGUE,
     ORIGINAL_OPS,
     cached_choice,
     fastest,
@@ -185,6 +189,17 @@ _failed: set[tuple[str, str, str]] = set()
 
 
 def _dispatch(x, weights, biases, operands, spec):
+    replay_key = None
+    if type(x) is Tensor and x.is_cuda and x.dim() > 0 and 0 < x.numel() <= GEMV_MAX_M * x.shape[-1]:
+        # A decode-size call like one already run: replay its bound launches (fxfuse.replay).
+        replay_key = replay.replay_key(x, weights, biases, operands, spec)
+        run = replay.lookup(replay_key)
+        if run is not None:
+            try:
+                return run(x)
+            except Exception as err:  # never expected; the full path below decides again
+                log.warning("fxfuse: replaying %s failed (%s: %s); dropped", spec, type(err).__name__, err)
+                replay.replays.pop(replay_key, None)
     reason = kernel_fallback_reason(x, weights, biases, operands, spec)
     if reason is not None:
         if reason not in _logged_fallbacks:
@@ -194,6 +209,7 @@ def _dispatch(x, weights, biases, operands, spec):
     args = (x, weights, biases, operands, spec)
     timed = x.device.type == "cuda" and type(x) is Tensor and measured_choice_enabled()
     strategy = cached_choice(args) if timed else None
+    settled = strategy is not None or not timed  # this call only runs (it times nothing)
     if strategy is None:
         m = x.numel() // x.shape[-1]
         widths = (x.shape[-1], *(w.shape[0] for w in weights))
@@ -206,6 +222,8 @@ def _dispatch(x, weights, biases, operands, spec):
     if strategy == ORIGINAL_OPS:
         return reference_mlp(*args)
     try:
+        if replay_key is not None and settled and strategy in (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE):
+            return replay.build(replay_key, x, lambda: _run_kernels(*args, strategy), len(_plan(spec)[0]))
         return _run_kernels(*args, strategy)
     except torch.OutOfMemoryError:
         raise

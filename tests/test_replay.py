@@ -1,0 +1,70 @@
+"""Replays of decode-size regions: recorded from a call whose every stage was a bound launch, re-run per input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ops import rel_err
+
+import fxfuse
+from fxfuse import replay
+from fxfuse.kernels import gemv_launch
+
+
+def fake_stage(w):
+    """A stand-in for a bound small-M launch: ``out = h @ w.T`` written into the given output."""
+    return lambda h, out: out.copy_(h @ w.T)
+
+
+def test_build_keeps_a_replay_only_when_every_stage_was_bound():
+    w1, w2 = torch.randn(16, 8), torch.randn(4, 16)
+    x = torch.randn(2, 8)
+
+    def run(bound_second=True):
+        h = x @ w1.T
+        gemv_launch._recording.append((fake_stage(w1), (2, 16), x.dtype))
+        out = h @ w2.T
+        gemv_launch._recording.append((fake_stage(w2), (2, 4), x.dtype) if bound_second else None)
+        return out
+
+    replay.forget_all()
+    out = replay.build(("a",), x, lambda: run(bound_second=False), 2)
+    assert torch.equal(out, x @ w1.T @ w2.T) and ("a",) not in replay.replays
+    replay.build(("b",), x, run, 2)
+    fresh = torch.randn(2, 8)
+    torch.testing.assert_close(replay.replays[("b",)](fresh), fresh @ w1.T @ w2.T)
+    replay.build(("c",), x, lambda: (run(), run())[1], 2)  # more launches than stages (a timing run): no replay
+    assert ("c",) not in replay.replays
+    replay.forget_all()
+
+
+class GPT2MLP(torch.nn.Module):
+    def __init__(self, d=256, h=1024):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+@pytest.mark.gpu
+def test_decode_calls_replay_and_follow_weight_changes():
+    replay.forget_all()
+    model = GPT2MLP().cuda().to(torch.bfloat16).eval()
+    opt = fxfuse.optimize(model)
+    with torch.no_grad():
+        for m in (1, 4):
+            for _ in range(3):  # fresh inputs each call; from the second call on, a replay
+                x = torch.randn(2, m, 256, device="cuda", dtype=torch.bfloat16)
+                assert rel_err(opt(x), model(x)) < 1e-2
+        assert len(replay.replays) == 2  # one per input shape
+        model.fc1.weight.mul_(-1.0)  # in place: same addresses, the replay reads the new values
+        x = torch.randn(2, 1, 256, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(opt(x), model(x)) < 1e-2
+        model.half()  # new tensors: recorded again, nothing stale runs
+        x = x.half()
+        for _ in range(2):
+            assert rel_err(opt(x), model(x)) < 1e-2
+        assert len(replay.replays) == 3
+    replay.forget_all()
