@@ -68,3 +68,20 @@ def test_decode_calls_replay_and_follow_weight_changes():
             assert rel_err(opt(x), model(x)) < 1e-2
         assert len(replay.replays) == 3
     replay.forget_all()
+
+
+def test_replaying_runner_times_the_replay_once_recorded():
+    w = torch.randn(4, 8)
+    x = torch.randn(2, 8)
+    calls = []
+
+    def run():
+        calls.append("full")
+        gemv_launch._recording.append((lambda h, out: (calls.append("replay"), out.copy_(h @ w.T)), (2, 4), x.dtype))
+        return x @ w.T
+
+    runner = replay.replaying(x, run, 1)
+    outs = [runner() for _ in range(3)]
+    assert calls == ["full", "replay", "replay"] and not replay.replays  # kept by the runner, not published
+    for out in outs:
+        torch.testing.assert_close(out, x @ w.T)
