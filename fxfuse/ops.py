@@ -35,7 +35,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from . import replay
-from .kernels.gemv_launch import GEMV_MAX_M
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import (
@@ -190,13 +189,15 @@ _failed: set[tuple[str, str, str]] = set()
 
 def _dispatch(x, weights, biases, operands, spec):
     replay_key = None
-    if type(x) is Tensor and x.is_cuda and x.dim() > 0 and 0 < x.numel() <= GEMV_MAX_M * x.shape[-1]:
-        # A decode-size call like one already run: replay its bound launches (fxfuse.replay).
+    if type(x) is Tensor and x.is_cuda and x.dim() > 0 and x.numel() > 0 and replay.may_replay(spec, x):
+        # A call like one already run: replay its stages (fxfuse.replay).
         replay_key = replay.replay_key(x, weights, biases, operands, spec)
         run = replay.lookup(replay_key)
         if run is not None:
             try:
                 return run(x)
+            except ReferenceError:  # a parameter it held weakly is gone: record it again
+                replay.replays.pop(replay_key, None)
             except Exception as err:  # never expected; the full path below decides again
                 log.warning("fxfuse: replaying %s failed (%s: %s); dropped", spec, type(err).__name__, err)
                 replay.replays.pop(replay_key, None)
@@ -222,6 +223,8 @@ def _dispatch(x, weights, biases, operands, spec):
             strategy = fastest(args, runners, functools.partial(reference_mlp, *args))
         else:
             strategy = candidates[0]
+    if replay_key is not None and settled and strategy not in (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE):
+        replay.will_not_replay(spec, x)  # only per-stage strategies leave steps
     if strategy == ORIGINAL_OPS:
         return reference_mlp(*args)
     try:

@@ -1,15 +1,17 @@
-"""Replays: a decode-size region's launches, bound once, run again with only the input changing.
+"""Replays: a region's stages, bound once, run again with only the input changing.
 
-At decode sizes (M ≤ 16) a region's kernels take a few µs each, and every layer of the call path (argument
-checks, the strategy and per-stage choices, the launch arguments) costs as much again on the host. Once a
-region runs with its choice made (timed, or taken without timing), the next call like it
-replays what that call launched: the stage kernels' bound launches (:func:`fxfuse.kernels.fastlaunch.bind`),
-each with a fresh output. "Like it" is the :func:`replay_key`: the spec, the input's shape, strides, dtype,
-device, alignment and stream, and every weight's, bias's and operand's address, shape, strides and dtype, so
-a moved, replaced or re-typed parameter, a new batch shape or another stream is recorded again.
+A region's call path (argument checks, the strategy and per-stage choices, the launch arguments) costs tens
+of µs on the host: as much as a decode-size region's kernels, and in a host-bound model (a small transformer
+at a few thousand tokens) it adds to every layer. Once a region runs with its choice made (timed, or taken
+without timing), the next call like it replays what that call ran: each stage's *step*, a launch bound to
+everything but its input and output (:func:`fxfuse.kernels.fastlaunch.bind`) or the stage's library call.
+"Like it" is the :func:`replay_key`: the spec, the input's shape, strides, dtype, device, alignment and
+stream, and every weight's, bias's and operand's address, shape, strides and dtype, so a moved, replaced or
+re-typed parameter, a new batch shape or another stream is recorded again.
 
-Only regions whose every stage ran the small-M kernel are replayed (the other kernels' host paths are not
-bound); nothing is replayed while tracing or capturing a CUDA graph.
+Only regions whose every stage left a step are replayed (the small-M and TMA kernels and the library stages
+do; the pointer GEMM kernel, the chain and decode kernels do not); nothing is replayed while tracing or
+capturing a CUDA graph.
 
 Example:
     >>> key = replay_key(x, weights, biases, operands, spec)          # doctest: +SKIP
@@ -20,21 +22,58 @@ Example:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .kernels import gemv_launch
+from .kernels import fastlaunch
 from .kernels.fastlaunch import _raw_stream
 
-__all__ = ["build", "replay_key", "replaying", "replays"]
+__all__ = ["build", "may_replay", "replay_key", "replaying", "replays", "weak_tensor", "will_not_replay"]
 
 log = logging.getLogger(__name__)
 
 _MAX_REPLAYS = 1024  # past it, all are dropped (recorded again on the next call of each)
+_MAX_FAILED_BUILDS = 3  # recordings that left no replay before a region shape stops trying
 replays: dict[tuple, Callable[[Tensor], Tensor]] = {}
+_failed_builds: dict[tuple, int] = {}  # (spec, input shape) -> recordings that left no replay
+
+
+def weak_tensor(t: Optional[Tensor]) -> Callable[[], Optional[Tensor]]:
+    """A getter of ``t`` that does not keep it alive: a replay must not hold a deleted model's weights.
+
+    A view (a packed weight's half, a transposed parameter) is remade from a weak reference to its base on
+    each call; a getter whose tensor is gone raises ``ReferenceError`` (the replay is then dropped).
+    """
+    if t is None:
+        return lambda: None
+    if t._base is None:
+        ref = weakref.ref(t)
+        view = None
+    else:  # no name in this scope may hold the base: the closure would keep it alive
+        ref = weakref.ref(t._base)
+        view = (t.shape, t.stride(), t.storage_offset())
+
+    def get() -> Tensor:
+        target = ref()
+        if target is None:
+            raise ReferenceError("a tensor of a replayed stage was freed")
+        return target if view is None else target.as_strided(*view)
+
+    return get
+
+
+def may_replay(spec: str, x: Tensor) -> bool:
+    """False for a region shape that will not be replayed (its strategy leaves no steps): no key is computed."""
+    return _failed_builds.get((spec, x.shape), 0) < _MAX_FAILED_BUILDS
+
+
+def will_not_replay(spec: str, x: Tensor) -> None:
+    """Stop computing replay keys for this region shape (its strategy is one kernel or the original ops)."""
+    _failed_builds[(spec, x.shape)] = _MAX_FAILED_BUILDS
 
 
 def replay_key(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
@@ -50,27 +89,27 @@ def replay_key(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], o
 
 
 def build(key: tuple, x: Tensor, run: Callable[[], Tensor], num_stages: int) -> Tensor:
-    """Run the region once (``run()``) while recording its launches; keep a replay under ``key`` if every one of
-    its ``num_stages`` stages was a bound small-M launch. Returns ``run()``'s output."""
-    with gemv_launch.recording() as steps:
+    """Run the region once (``run()``) while recording its stages; keep a replay under ``key`` if each of its
+    ``num_stages`` stages left a step (:func:`fxfuse.kernels.fastlaunch.record`). Returns ``run()``'s output."""
+    with fastlaunch.recording() as steps:
         out = run()
-    if len(steps) == num_stages and all(s is not None for s in steps) and out.shape[-1] == steps[-1][1][1]:
-        rows, k = steps[0][1][0], x.shape[-1]
-        out_shape, device = out.shape, x.device
+    if len(steps) == num_stages and all(step is not None for step in steps):
+        rows, k, out_shape = x.numel() // x.shape[-1], x.shape[-1], out.shape
         frozen = tuple(steps)
 
         def replay(x: Tensor) -> Tensor:
             h = x.reshape(rows, k)  # a view: the key fixed x's shape and strides
-            for bound, shape, dtype in frozen:
-                nxt = torch.empty(shape, dtype=dtype, device=device)
-                bound(h, nxt)
-                h = nxt
-            return h.view(out_shape)
+            for step in frozen:
+                h = step(h)
+            return h.reshape(out_shape)
 
         if len(replays) >= _MAX_REPLAYS:
             replays.clear()
         replays[key] = replay
-        log.debug("fxfuse: replaying %s at %s from now on (%d launches)", key[0], tuple(x.shape), num_stages)
+        log.debug("fxfuse: replaying %s at %s from now on (%d stages)", key[0], tuple(x.shape), num_stages)
+    elif len(steps) <= num_stages:  # a stage without a step (more steps: a timing run, which proves nothing)
+        site = (key[0], x.shape)
+        _failed_builds[site] = _failed_builds.get(site, 0) + 1
     return out
 
 
@@ -97,8 +136,9 @@ def replaying(x: Tensor, run: Callable[[], Tensor], num_stages: int) -> Callable
 
 
 def forget_all() -> None:
-    """Drop every replay (tests; a region whose choice changed is keyed the same way and must be recorded again)."""
+    """Drop every replay and every region shape marked as not replayable (tests)."""
     replays.clear()
+    _failed_builds.clear()
 
 
 def lookup(key: tuple) -> Optional[Callable[[Tensor], Tensor]]:

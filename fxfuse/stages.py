@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import epilogue as ep
-from .kernels import GEMV_MAX_M, run_stage, run_stage_gemv, run_stage_tma
+from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stage_tma
 from .kernels.template import m_bucket
 from .kernels.tma_launch import tma_applicable
 
@@ -89,9 +89,25 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
         choice = "triton"
     if choice == "triton":
         return run_stage(x, weights, biases, operands, epilogue, check=False)
-    if choice == "cublaslt":
-        return _cublaslt_stage(x, weights, biases, operands, epilogue)
-    return _torch_stage(x, weights, biases, operands, epilogue)
+    impl = _cublaslt_stage if choice == "cublaslt" else _torch_stage
+    if fastlaunch._recording is not None:
+        fastlaunch.record(_library_step(impl, weights, biases, operands, epilogue))
+    return impl(x, weights, biases, operands, epilogue)
+
+
+def _library_step(impl: Callable, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                  operands: Sequence[Tensor], epilogue: str) -> Callable[[Tensor], Tensor]:
+    """A library stage as a replay step (:mod:`fxfuse.replay`), holding its tensors weakly."""
+    from .replay import weak_tensor
+
+    getters = [weak_tensor(t) for t in (*weights, *biases, *operands)]
+    nw, nb = len(weights), len(biases)
+
+    def step(h: Tensor) -> Tensor:
+        ts = [get() for get in getters]
+        return impl(h, ts[:nw], ts[nw:nw + nb], ts[nw + nb:], epilogue)
+
+    return step
 
 
 def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:

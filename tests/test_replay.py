@@ -9,12 +9,12 @@ from test_ops import rel_err
 
 import fxfuse
 from fxfuse import replay
-from fxfuse.kernels import gemv_launch
+from fxfuse.kernels import fastlaunch
 
 
 def fake_stage(w):
-    """A stand-in for a bound small-M launch: ``out = h @ w.T`` written into the given output."""
-    return lambda h, out: out.copy_(h @ w.T)
+    """A stand-in for a recorded stage step: ``h -> h @ w.T``."""
+    return lambda h: h @ w.T
 
 
 def test_build_keeps_a_replay_only_when_every_stage_was_bound():
@@ -23,9 +23,9 @@ def test_build_keeps_a_replay_only_when_every_stage_was_bound():
 
     def run(bound_second=True):
         h = x @ w1.T
-        gemv_launch._recording.append((fake_stage(w1), (2, 16), x.dtype))
+        fastlaunch.record(fake_stage(w1))
         out = h @ w2.T
-        gemv_launch._recording.append((fake_stage(w2), (2, 4), x.dtype) if bound_second else None)
+        fastlaunch.record(fake_stage(w2) if bound_second else None)
         return out
 
     replay.forget_all()
@@ -77,7 +77,7 @@ def test_replaying_runner_times_the_replay_once_recorded():
 
     def run():
         calls.append("full")
-        gemv_launch._recording.append((lambda h, out: (calls.append("replay"), out.copy_(h @ w.T)), (2, 4), x.dtype))
+        fastlaunch.record(lambda h: (calls.append("replay"), h @ w.T)[1])
         return x @ w.T
 
     runner = replay.replaying(x, run, 1)
@@ -85,3 +85,52 @@ def test_replaying_runner_times_the_replay_once_recorded():
     assert calls == ["full", "replay", "replay"] and not replay.replays  # kept by the runner, not published
     for out in outs:
         torch.testing.assert_close(out, x @ w.T)
+
+
+def test_library_step_holds_its_tensors_weakly():
+    from fxfuse import stages
+
+    packed = torch.nn.Parameter(torch.randn(32, 8))  # a packed weight: the stage sees a view of half of it
+    w, b = packed[:16], torch.nn.Parameter(torch.randn(16))
+    step = stages._library_step(stages._torch_stage, [w], [b], [], "gelu_tanh(a0)")
+    h = torch.randn(3, 8)
+    torch.testing.assert_close(step(h), F.gelu(h @ packed[:16].T + b, approximate="tanh"))
+    del w, packed  # the view's base is gone: the step must not run on freed memory
+    import gc
+
+    gc.collect()
+    with pytest.raises(ReferenceError):
+        step(h)
+
+
+class SwiGLU(torch.nn.Module):
+    def __init__(self, d=256, h=512):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(d, h, bias=False)
+        self.down = torch.nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.gpu
+def test_large_m_regions_replay_their_tma_launches():
+    import gc
+
+    replay.forget_all()
+    model = SwiGLU().cuda().to(torch.bfloat16).eval()
+    opt = fxfuse.optimize(model)
+    with torch.no_grad():
+        for _ in range(3):  # TMA gate+up and down (untimed in the GPU tests): recorded, then replayed
+            x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
+            assert rel_err(opt(x), model(x)) < 1e-2
+        assert len(replay.replays) == 1
+        del opt, model
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = SwiGLU().cuda().to(torch.bfloat16).eval()  # may reuse the addresses: still right
+        opt = fxfuse.optimize(model)
+        for _ in range(2):
+            x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
+            assert rel_err(opt(x), model(x)) < 1e-2
+    replay.forget_all()

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeanLauncher", "bind", "launch", "lean_launch_enabled"]
+__all__ = ["LeanLauncher", "bind", "launch", "lean_launch_enabled", "record", "recording"]
 
 try:  # triton >= 3.4 keeps the launch hooks here
     from triton import knobs as _knobs
@@ -67,6 +68,28 @@ def launch(kernel: Any, grid: Callable[[dict], tuple], args: dict, varying: Sequ
     if lean is None:
         lean = kernel._fxfuse_lean = LeanLauncher(kernel, varying)
     lean.launch(grid, args)
+
+
+_recording: Optional[list] = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it, each stage launcher that can be replayed appends one *step* (``h -> out``, the stage on a
+    new input of the same layout; or None when it cannot be replayed) to the yielded list
+    (:mod:`fxfuse.replay` records a region's stages this way)."""
+    global _recording
+    _recording = steps = []
+    try:
+        yield steps
+    finally:
+        _recording = None
+
+
+def record(step: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Append ``step`` to the active :func:`recording`, if any (a no-op otherwise: one global read)."""
+    if _recording is not None:
+        _recording.append(step)
 
 
 def bind(kernel: Any, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str],
@@ -169,6 +192,12 @@ class LeanLauncher:
         entry.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, entry.function,
                   entry.packed_metadata, None, None, None, *entry.ordered(full))
         self.hits += 1
+
+    def entry_meta(self, args: dict) -> Optional[dict]:
+        """The config (its kwargs) that launches with ``args``' signature use, or None before the first."""
+        key = self.signature(args)
+        entry = None if key is None else self.entries.get(key)
+        return None if entry is None else dict(entry.meta)
 
     def bind(self, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str]) -> Optional[Callable[..., None]]:
         """See :func:`bind`."""

@@ -11,7 +11,6 @@ argument dict, the workspace lookup and the launcher's signature and call a laun
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Optional
@@ -44,19 +43,16 @@ __all__ = ["GEMV_MAX_M", "run_stage_gemv"]
 GEMV_MAX_M = GEMV_BLOCK_M
 _MAX_BOUND = 1024  # bound launches kept; past it, all are dropped (rebuilt on the next call of each)
 _bound: dict[tuple, object] = {}
-_recording: Optional[list] = None
 
 
-@contextlib.contextmanager
-def recording():
-    """Within it, every call appends ``(bound launch or None, out shape, out dtype)`` to the yielded list
-    (:mod:`fxfuse.replay` records a region's launches this way)."""
-    global _recording
-    _recording = steps = []
-    try:
-        yield steps
-    finally:
-        _recording = None
+def _step(bound, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+    """The stage as a replay step: a fresh output, the bound launch."""
+    def step(h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        bound(h, out)
+        return out
+
+    return step
 
 
 def _call_key(x, weights, biases, operands, epilogue) -> tuple:
@@ -108,8 +104,8 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         if bound is not None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
             bound(x, out)
-            if _recording is not None:
-                _recording.append((bound, (M, N), x.dtype))
+            if fastlaunch._recording is not None:
+                fastlaunch.record(_step(bound, (M, N), x.dtype, x.device))
             return out
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -145,6 +141,6 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
             if len(_bound) >= _MAX_BOUND:
                 _bound.clear()
             _bound[call_key] = bound
-    if _recording is not None:
-        _recording.append(None if bound is None else (bound, (M, N), x.dtype))
+    if fastlaunch._recording is not None:
+        fastlaunch.record(None if bound is None else _step(bound, (M, N), x.dtype, x.device))
     return out
