@@ -68,9 +68,8 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
     """
     expr, text = _canonical(num_linears, epilogue)
     n_ops = ep.num_operands(expr)
-    # Both stage templates define LOW_PRECISION (a 16-bit output) where the epilogue runs and import fastmath.
     body, result = ep.to_triton(expr, acc_names=["acc0", "acc1"][:num_linears],
-                                operand_names=[f"v{i}" for i in range(n_ops)], indent="    ", fast="LOW_PRECISION")
+                                operand_names=[f"v{i}" for i in range(n_ops)], indent="    ")
     lines: list[str] = []
     for line in template.splitlines():
         if line.endswith("# [gated]"):

@@ -24,7 +24,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,6 @@ class OpDef:
     triton: str
     torch: Callable
     commutative: bool = False
-    # The form through fxfuse/kernels/fastmath.py (``{fast}``: the template's low-precision flag), if any.
-    fast: Optional[str] = None
 
 
 def _pow(x, c):
@@ -78,11 +76,10 @@ OPS: dict[str, OpDef] = {
             1,
             "{0} * tl.sigmoid(1.5957691216057308 * ({0} + 0.044715 * {0} * {0} * {0}))",
             lambda x: F.gelu(x, approximate="tanh"),
-            fast="_fm.gelu_tanh({0}, {fast})",
         ),
-        OpDef("silu", 1, "{0} * tl.sigmoid({0})", F.silu, fast="_fm.silu({0}, {fast})"),
-        OpDef("sigmoid", 1, "tl.sigmoid({0})", torch.sigmoid, fast="_fm.sigmoid({0}, {fast})"),
-        OpDef("tanh", 1, "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", torch.tanh, fast="_fm.tanh({0}, {fast})"),
+        OpDef("silu", 1, "{0} * tl.sigmoid({0})", F.silu),
+        OpDef("sigmoid", 1, "tl.sigmoid({0})", torch.sigmoid),
+        OpDef("tanh", 1, "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", torch.tanh),
         OpDef("neg", 1, "(-{0})", torch.neg),
         OpDef("exp", 1, "tl.exp({0})", torch.exp),
         OpDef("log", 1, "tl.log({0})", torch.log),
@@ -277,14 +274,11 @@ def canonicalize(expr: Expr) -> tuple[Expr, list[Acc | Operand]]:
 
 
 def to_triton(expr: Expr, *, acc_names: Sequence[str], operand_names: Sequence[str], indent: str = "    ",
-              prefix: str = "_e", fast: Optional[str] = None) -> tuple[list[str], str]:
+              prefix: str = "_e") -> tuple[list[str], str]:
     """Render ``expr`` as Triton statements on fp32 values.
 
     ``acc_names[i]`` / ``operand_names[i]`` are the Triton variables holding ``a_i`` / ``v_i`` (already
     fp32 and broadcastable). Returns ``(lines, result_variable)``; shared subtrees are computed once.
-    ``fast``: the name of a compile-time flag in scope that is true when the result is stored in 16 bits; then
-    tanh-based activations go through :mod:`fxfuse.kernels.fastmath` (imported as ``_fm``), which uses the
-    hardware tanh for them.
     """
     lines: list[str] = []
     memo: dict[Expr, str] = {}
@@ -302,8 +296,6 @@ def to_triton(expr: Expr, *, acc_names: Sequence[str], operand_names: Sequence[s
         if e.op == "pow":
             template = _ALLOWED_POWERS[e.args[1].value]  # type: ignore[union-attr]
             code = template.format(args[0])
-        elif fast is not None and OPS[e.op].fast is not None:
-            code = OPS[e.op].fast.format(*args, fast=fast)
         else:
             code = OPS[e.op].triton.format(*args)
         name = f"{prefix}{len(memo)}"

@@ -39,7 +39,7 @@ __all__ = ["TMA_TEMPLATE", "TMA_TEMPLATE_VERSION", "autotune_configs", "gpu_conf
            "set_block_shapes", "sweep_configs"]
 
 # Bump when the template or the launch contract changes: it is part of the cache file's hash.
-TMA_TEMPLATE_VERSION = 4
+TMA_TEMPLATE_VERSION = 3
 
 # Shared memory one CTA may use: H100/H200 allow 227 KiB; keep slack for barriers and layout conversions.
 _SMEM_BUDGET = 220 * 1024
@@ -58,7 +58,6 @@ TMA_TEMPLATE = '''\
 import triton
 import triton.language as tl
 
-from fxfuse.kernels import fastmath as _fm
 from fxfuse.kernels.tma_template import autotune_configs, prune_configs
 from fxfuse.kernels.tuning import autotune
 
@@ -82,10 +81,8 @@ def _apply_epilogue(
     acc0,
     acc1,  # [gated]
     v@,  # [each operand]
-    LOW_PRECISION: tl.constexpr,
 ):
-    """The stage's pointwise math on fp32 values (accumulators with bias, operands as ``[1, BLOCK_N]``);
-    ``LOW_PRECISION``: the output has 16 bits, so activations may use the hardware tanh (fastmath)."""
+    """The stage's pointwise math on fp32 values (accumulators with bias, operands as ``[1, BLOCK_N]``)."""
     # [epilogue]
     return $RESULT
 
@@ -196,7 +193,6 @@ def fused_stage_tma_kernel(
             acc0,
             acc1,  # [gated]
             v@,  # [each operand]
-            out_desc.dtype.primitive_bitwidth < 32,
         )
         if EPILOGUE_SUBTILE:
             halves = tl.permute(tl.reshape(result, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
