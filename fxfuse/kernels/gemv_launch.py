@@ -11,6 +11,7 @@ argument dict, the workspace lookup and the launcher's signature and call a laun
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Optional
@@ -53,6 +54,18 @@ def _step(bound, shape: tuple[int, int], dtype: torch.dtype, device: torch.devic
         return out
 
     return step
+
+
+def _pdl_supported(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch: Hopper or newer, not in the interpreter, not inside a CUDA graph capture."""
+    if not x.is_cuda or _interpreting() or torch.cuda.is_current_stream_capturing():
+        return False
+    return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _call_key(x, weights, biases, operands, epilogue) -> tuple:
@@ -125,7 +138,10 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     args.update({f"stride_b{i}": (b.stride(0) if b is not None else 0) for i, b in enumerate(biases)})
     args["stride_om"], args["stride_on"] = out.stride(0), out.stride(1)
     args.update({f"HAS_BIAS{i}": b is not None for i, b in enumerate(biases)})
-    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M})
+    pdl = _pdl_supported(x)
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl})
+    if pdl:
+        args["launch_pdl"] = True  # a launch option (compiled into the kernel's metadata), not a kernel argument
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])

@@ -14,6 +14,9 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
   sums out with ``atomic_xchg(ws, 0)`` (leaving the workspace zero for the next launch), resets the
   counter, and runs the epilogue. With ``SPLIT_K = 1`` none of that is compiled in.
 * The epilogue runs on the fp32 accumulators (bias, operands, pointwise math) and casts once.
+* On Hopper the launch is a programmatic dependent launch (``USE_PDL``): it is scheduled while the previous
+  kernel (the region's first stage) finishes and waits for it on the GPU, which hides one launch latency of
+  a decode MLP's two launches.
 
 Rows and columns past the edge are read wrapped around (in bounds, so the weight loads need no row mask)
 and dropped at the store; only K is masked.
@@ -40,7 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs", "gpu_gemv_configs",
            "prune_gemv_configs", "render_gemv"]
 
-GEMV_TEMPLATE_VERSION = 1
+GEMV_TEMPLATE_VERSION = 2
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
 
@@ -86,6 +89,8 @@ _DOC = '''\
     INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs ("ieee" or "tf32").
     BLOCK_M:     rows per launch (M padded to it); BLOCK_N: output columns per program; BLOCK_K: K step;
     SPLIT_K:     programs sharing one column tile's K steps (grid axis 1).
+    USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
+                 previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
     """
 '''
 
@@ -109,9 +114,14 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     params += [f"stride_b{i}" for i in lin] + [f"stride_v{j}" for j in range(n_ops)]
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
                "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr"]
+               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "USE_PDL: tl.constexpr"]
 
     body = [
+        "if USE_PDL:",
+        "    # Launched early (programmatic dependent launch): wait until the previous kernel, which may write",
+        "    # x, has finished, and let the next one be scheduled as this one's programs retire.",
+        "    tl.extra.cuda.gdc_wait()",
+        "    tl.extra.cuda.gdc_launch_dependents()",
         "pid_n = tl.program_id(0)",
         "pid_k = tl.program_id(1)",
         "offs_m = tl.arange(0, BLOCK_M)",
