@@ -3,6 +3,7 @@ Triton autotuner (fxfuse.kernels.tuning)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 
@@ -77,7 +78,7 @@ def test_keys_separate_devices_and_versions(monkeypatch):
 def test_measured_choice_is_timed_once_then_read_from_disk(monkeypatch, caplog):
     monkeypatch.setattr(strategy, "_choices", {})
     monkeypatch.setattr(strategy, "_measured", {})
-    timings = iter([0.010, 0.025])  # ms: fused, then original
+    timings = itertools.cycle([0.010, 0.025])  # ms: fused, then original (in every timing round)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), next(timings))[1])
     x, w1, w2 = torch.randn(5, 8), torch.randn(16, 8), torch.randn(8, 16)
     args = (x, [w1, w2], [], [], "1-:relu(a0);1-:a0")
@@ -100,7 +101,7 @@ def test_measured_choice_is_timed_once_then_read_from_disk(monkeypatch, caplog):
 def test_slower_kernels_keep_the_original_ops(monkeypatch):
     monkeypatch.setattr(strategy, "_choices", {})
     monkeypatch.setattr(strategy, "_measured", {})
-    timings = iter([0.030, 0.020])
+    timings = itertools.cycle([0.030, 0.020])
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: next(timings))
     x = torch.randn(3, 8)
     assert not strategy.kernels_are_faster((x, [torch.randn(8, 8)], [], [], "1-:a0"), lambda: x, lambda: x)
