@@ -90,7 +90,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     if choice == "triton":
         return run_stage(x, weights, biases, operands, epilogue, check=False)
     impl = _cublaslt_stage if choice == "cublaslt" else _torch_stage
-    if fastlaunch._recording is not None:
+    if fastlaunch.recording_open():
         fastlaunch.record(_library_step(impl, weights, biases, operands, epilogue))
     return impl(x, weights, biases, operands, epilogue)
 

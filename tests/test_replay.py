@@ -134,3 +134,36 @@ def test_large_m_regions_replay_their_tma_launches():
             x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
             assert rel_err(opt(x), model(x)) < 1e-2
     replay.forget_all()
+
+
+def test_a_recording_that_runs_a_timing_loop_keeps_few_steps():
+    """The first call at a shape times its stages (hundreds of launches); its recording must not keep them all."""
+    with fastlaunch.recording() as steps:
+        for _ in range(1000):
+            fastlaunch.record(lambda h: h)
+    assert len(steps) == fastlaunch._MAX_RECORDED + 1
+    assert replay.build(("timing",), torch.randn(2, 3), lambda: torch.zeros(2, 3), 2) is not None
+    assert ("timing",) not in replay.replays
+
+
+@pytest.mark.gpu
+def test_timing_a_large_region_does_not_hold_its_outputs(monkeypatch):
+    """The first call at a shape times every candidate while recording; its launches must not keep their
+    inputs and outputs alive (an H200 benchmark ran out of 139 GiB that way)."""
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
+    replay.forget_all()
+    model = SwiGLU(256, 512).cuda().to(torch.bfloat16).eval()
+    opt = fxfuse.optimize(model)
+    x = torch.randn(16384, 256, device="cuda", dtype=torch.bfloat16)
+    out_bytes = 16384 * 512 * 2 * 2  # the gated stage's output, the largest tensor of a call
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        y = opt(x)  # times the candidates (hundreds of launches), recording
+        assert rel_err(y, model(x)) < 1e-2
+    del y
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 4 * out_bytes
+    assert torch.cuda.max_memory_allocated() - before < 64 * out_bytes
+    replay.forget_all()

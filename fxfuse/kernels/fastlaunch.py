@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeanLauncher", "bind", "launch", "lean_launch_enabled", "record", "recording"]
+__all__ = ["LeanLauncher", "bind", "launch", "lean_launch_enabled", "record", "recording", "recording_open"]
 
 try:  # triton >= 3.4 keeps the launch hooks here
     from triton import knobs as _knobs
@@ -86,9 +86,21 @@ def recording():
         _recording = None
 
 
+_MAX_RECORDED = 64  # a recording that runs a timing loop (the first call at a shape) stops keeping steps here
+
+
+def recording_open() -> bool:
+    """Whether :func:`record` would keep a step now (a recording is active and not full): check before
+    building a step that costs host time."""
+    return _recording is not None and len(_recording) <= _MAX_RECORDED
+
+
 def record(step: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
-    """Append ``step`` to the active :func:`recording`, if any (a no-op otherwise: one global read)."""
-    if _recording is not None:
+    """Append ``step`` to the active :func:`recording`, if any (a no-op otherwise: one global read).
+
+    Past ``_MAX_RECORDED`` steps nothing more is kept: such a recording timed its stages (hundreds of launches)
+    and cannot become a replay anyway, and its steps would only hold memory until it ends."""
+    if _recording is not None and len(_recording) <= _MAX_RECORDED:
         _recording.append(step)
 
 

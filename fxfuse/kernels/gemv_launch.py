@@ -117,7 +117,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         if bound is not None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
             bound(x, out)
-            if fastlaunch._recording is not None:
+            if fastlaunch.recording_open():
                 fastlaunch.record(_step(bound, (M, N), x.dtype, x.device))
             return out
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -157,6 +157,6 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
             if len(_bound) >= _MAX_BOUND:
                 _bound.clear()
             _bound[call_key] = bound
-    if fastlaunch._recording is not None:
+    if fastlaunch.recording_open():
         fastlaunch.record(None if bound is None else _step(bound, (M, N), x.dtype, x.device))
     return out

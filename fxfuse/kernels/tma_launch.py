@@ -205,7 +205,7 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
     elif x.device.type == "cuda":
         lean = _lean_launcher(kernel)
         lean.launch(grid, args)
-        if fastlaunch._recording is not None:
+        if fastlaunch.recording_open():
             fastlaunch.record(_bound_step(lean, grid, args, out))
     else:
         kernel[grid](**args)
@@ -234,9 +234,13 @@ def _bound_step(lean: _TmaLeanLauncher, grid, args: dict, out: torch.Tensor):
     TensorDescriptor = _tensor_descriptor()
     full = {**args, **meta}
     tma_template.set_block_shapes(full)  # fills the block shapes of this call's descriptors
-    w = args["w_desc"]
-    weak = dict(args, w_desc=TensorDescriptor(_Address(w.base), list(w.shape), list(w.strides),
-                                              list(w.block_shape)))
+
+    def by_address(d):  # the same descriptor over a stand-in base: the binding keeps no tensor alive
+        return TensorDescriptor(_Address(d.base), list(d.shape), list(d.strides), list(d.block_shape))
+
+    # x and out are the slots (replaced on every call); their placeholders must not hold this call's tensors.
+    weak = dict(args, x_desc=by_address(args["x_desc"]), w_desc=by_address(args["w_desc"]),
+                out_desc=by_address(args["out_desc"]))
     bound = lean.bind(grid, weak, ("x_desc", "out_desc"))
     if bound is None:
         return None
