@@ -92,14 +92,6 @@ GPU_STAGES = [("mul(silu(a0),a1)", 2, False, 0, 512, 1000), ("a0", 1, True, 0, 1
               ("gelu_tanh(a0)", 1, True, 0, 1024, 4096)]
 
 
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("stage", GPU_STAGES, ids=[s[0] for s in GPU_STAGES])
