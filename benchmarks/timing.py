@@ -11,8 +11,7 @@ from collections.abc import Callable
 import torch
 
 
-def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
-    """µs per call of ``calls`` back-to-back calls, synchronized before and after; best of ``loops``."""
+def _best_us_per_call(fn: Callable[[], object], calls: int, loops: int, sync_in_timing: bool) -> float:
     fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -20,24 +19,23 @@ def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        if sync_in_timing:
+            torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        if not sync_in_timing:
+            torch.cuda.synchronize()
     return best
+
+
+def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
+    """µs per call of ``calls`` back-to-back calls, synchronized before and after; best of ``loops``."""
+    return _best_us_per_call(fn, calls, loops, sync_in_timing=True)
 
 
 def host_us(fn: Callable[[], object], calls: int = 50, loops: int = 20) -> float:
     """Host µs per call: ``calls`` calls issued back to back with no synchronization inside (the GPU queue does
     not fill at this count), best of ``loops``."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(loops):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    return _best_us_per_call(fn, calls, loops, sync_in_timing=False)
 
 
 def profile_top(fn: Callable[[], object], calls: int = 200, lines: int = 14, sort: str = "tottime") -> str:

@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 from .kernels import fastlaunch
-from .kernels.fastlaunch import _raw_stream
 
 __all__ = ["build", "may_replay", "replay_key", "replaying", "replays", "weak_tensor", "will_not_replay"]
 
@@ -78,14 +77,8 @@ def will_not_replay(spec: str, x: Tensor) -> None:
 
 def replay_key(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
                spec: str) -> tuple:
-    """What a replay of this call depends on (see the module doc)."""
-    key = [spec, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0, _raw_stream(x.device.index)]
-    if x.dtype == torch.float32:
-        key.append(torch.backends.cuda.matmul.allow_tf32)
-    for group in (weights, biases, operands):
-        for t in group:
-            key.append((t.data_ptr(), t.shape, t.stride(), t.dtype))
-    return tuple(key)
+    """What a replay of this call depends on (see the module doc): the key of its bound launches."""
+    return fastlaunch.bound_key(spec, x, weights, biases, operands)
 
 
 def build(key: tuple, x: Tensor, run: Callable[[], Tensor], num_stages: int) -> Tensor:

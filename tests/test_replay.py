@@ -167,3 +167,21 @@ def test_timing_a_large_region_does_not_hold_its_outputs(monkeypatch):
     assert torch.cuda.memory_allocated() - before < 4 * out_bytes
     assert torch.cuda.max_memory_allocated() - before < 64 * out_bytes
     replay.forget_all()
+
+
+def test_bound_key_follows_what_a_bound_launch_depends_on():
+    w, b = torch.randn(8, 8), torch.randn(8)
+    x = torch.randn(3, 8)
+    key = fastlaunch.bound_key("a0", x, [w], [b], [])
+    assert fastlaunch.bound_key("a0", torch.randn(3, 8), [w], [b], []) == key  # a new input of the same layout
+    assert fastlaunch.bound_key("a0", x, [w.clone()], [b], []) != key  # a new weight storage
+    assert fastlaunch.bound_key("a0", x, [w.t()], [b], []) != key  # same storage, other strides
+    assert fastlaunch.bound_key("a0", x.half(), [w.half()], [b.half()], []) != key  # dtype
+    assert fastlaunch.bound_key("a0", torch.randn(4, 8), [w], [b], []) != key  # rows
+    assert fastlaunch.bound_key("relu(a0)", x, [w], [b], []) != key  # another kernel
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = not old  # fp32 launches compile the precision in
+        assert fastlaunch.bound_key("a0", x, [w], [b], []) != key
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old

@@ -33,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeanLauncher", "bind", "launch", "lean_launch_enabled", "record", "recording", "recording_open"]
+__all__ = ["LeanLauncher", "bind", "bound_key", "launch", "lean_launch_enabled", "record", "recording",
+           "recording_open"]
 
 try:  # triton >= 3.4 keeps the launch hooks here
     from triton import knobs as _knobs
@@ -102,6 +103,27 @@ def record(step: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
     and cannot become a replay anyway, and its steps would only hold memory until it ends."""
     if _recording is not None and len(_recording) <= _MAX_RECORDED:
         _recording.append(step)
+
+
+def bound_key(tag: Any, x: torch.Tensor, *groups: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """What a launch bound by address (:func:`bind`) depends on, besides x's address: ``tag`` (the kernel's
+    epilogue, a region's spec), x's shape, strides, dtype, device, 16-byte alignment and stream, the TF32 flag
+    for fp32, and each tensor's address, shape, strides and dtype (``None`` entries allowed). Runs on every
+    bound call: attribute reads only.
+
+    Example:
+        >>> w = torch.randn(4, 3)
+        >>> bound_key("a0", torch.randn(2, 3), [w]) == bound_key("a0", torch.randn(2, 3), [w])
+        True
+    """
+    key = [tag, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
+           _raw_stream(x.device.index) if x.is_cuda else 0]
+    if x.dtype == torch.float32:
+        key.append(torch.backends.cuda.matmul.allow_tf32)
+    for group in groups:
+        for t in group:
+            key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
+    return tuple(key)
 
 
 def bind(kernel: Any, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str],

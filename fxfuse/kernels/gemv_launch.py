@@ -68,18 +68,6 @@ def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def _call_key(x, weights, biases, operands, epilogue) -> tuple:
-    """Everything the launch's arguments depend on but x's address (checked for alignment instead)."""
-    key = [epilogue, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
-           fastlaunch._raw_stream(x.device.index)]
-    if x.dtype == torch.float32:
-        key.append(torch.backends.cuda.matmul.allow_tf32)
-    for group in (weights, biases, operands):
-        for t in group:
-            key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
-    return tuple(key)
-
-
 def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                    operands: Sequence[torch.Tensor], epilogue: str, *, check: bool = True,
                    config: Optional[triton.Config] = None) -> torch.Tensor:
@@ -112,7 +100,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     # Not while tracing (the launch must become a graph node) nor capturing (the capture owns its workspace).
     if config is None and x.is_cuda and type(x) is torch.Tensor and _get_current_dispatch_mode() is None \
             and not torch.cuda.is_current_stream_capturing():
-        call_key = _call_key(x, weights, biases, operands, epilogue)
+        call_key = fastlaunch.bound_key(epilogue, x, weights, biases, operands)
         bound = _bound.get(call_key)
         if bound is not None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
