@@ -14,16 +14,21 @@ What it does, in order:
    * correctness reference: a float64 copy of the module on a fresh random input (upcast);
    * eager, CUDA-graphed eager (graph replay of a static-input call), ``torch.compile(mod)`` default, and
      fxfuse as a user gets it: ``fxfuse.optimize(mod)`` with default settings (autotuning and the measured
-     choice against the original ops on), timed after one warm-up call. GPU median µs by do_bench (which
-     flushes L2), first-call wall time for torch.compile and fxfuse, and for the decode rows the wall µs/call
-     of 200 back-to-back calls (median of 5 such loops) for eager, CUDA graph, compile default and fxfuse;
-   * decode rows also: ``fxfuse.optimize(mod, cuda_graphs=True)`` (opt-in CUDA graphs), wall µs/call and
-     correctness; "n/a" when this fxfuse has no such option;
+     choice against the original ops on), each built first (first-call wall time for torch.compile and
+     fxfuse, one warm-up call) and kept alive until the row's timing is done;
+   * decode rows also: ``fxfuse.optimize(mod, cuda_graphs=True)`` (opt-in CUDA graphs), built and checked
+     for correctness the same way; "n/a" when this fxfuse has no such option;
+   * then the timing, in ``--rounds`` (default 3) interleaved rounds: each round times every variant once, in
+     a fixed order (eager, CUDA graph, compile default, fxfuse, fxfuse CUDA graphs), and a cell is the median
+     over the rounds (``gpu_rounds`` / ``wall_rounds`` in results.json keep each round). GPU µs: do_bench
+     median (L2 flushed); decode rows also wall µs/call of 200 back-to-back calls (median of 5 such loops).
+     H200 timings drift by 3-6 % within a run (clocks, power): variants timed one after the other would get
+     a bias from when they ran, interleaved rounds spread that drift over all of them;
    * fxfuse correctness: ‖opt(x) − ref‖/‖ref‖ against the float64 reference (tolerance 2e-2 for bf16/fp16),
      plus a determinism check (two calls on one input must agree bit for bit);
    * floor = max(FLOPs / matmul rate, min bytes / copy bandwidth) with the ceilings measured in step 1;
    * ``fxfuse.report(opt)`` printed to the log (regions, strategies).
-   Eager is timed a second time at the end of the row: the spread between the two is the run's noise.
+   The spread of eager's rounds ((max − min) / min, "eager spread") is the run's noise.
 3. Pass 2 (max-autotune, bounded): ``torch.compile(mod, mode="max-autotune-no-cudagraphs")`` compiles take
    11–46 s per module (≈ 205 s for all 9 on a fresh H200), the bulk of the run. They run AFTER every row's
    main numbers are in, in priority order (llama_swiglu_4096, the slowest compile, last). A compile starts only
@@ -38,7 +43,7 @@ What it does, in order:
 
 Every variant is guarded: a failure prints ``ERR: <short message>`` in its cell and the run goes on
 (a CUDA fault that poisons the context cannot be recovered in-process, though: later cells then fail too).
-``torch._dynamo.reset()`` runs between compiled variants and memory is cleared between rows.
+``torch._dynamo.reset()`` runs before a row's compile and after its timing rounds; memory is cleared between rows.
 results.md / results.json / log.txt under ``--out`` are rewritten after every row, so a run cut short still
 leaves every finished row behind. Measured on an H200 (2026-11-21): pass 1 ≈ 60–90 s (fxfuse first call 2–6 s
 per row), pass 2 ≈ 210 s.
@@ -92,6 +97,7 @@ from benchmarks.workloads import (  # noqa: E402
 TOL = 2e-2  # relative Frobenius error tolerance for bf16/fp16 against float64
 DECODE_CALLS = 200
 DECODE_LOOPS = 5
+ROUNDS = 3  # interleaved timing rounds per row (--rounds): each variant's cell is its median over the rounds
 # max-autotune priority: rows with a reference figure in workloads.md first, the slowest compile last.
 MAX_AUTOTUNE_ORDER = [
     "seed_geglu", "gpt2_mlp", "llama_swiglu_m16", "gpt2m_mlp_m1", "nerf64", "nerf128",
@@ -224,6 +230,8 @@ class Timer:
 
     def wall_us(self, fn, calls: int = DECODE_CALLS, loops: int = DECODE_LOOPS) -> dict:
         """Wall µs per call of ``calls`` back-to-back calls (synchronized before and after); median of loops."""
+        if self.cpu:  # --cpu-smoke exercises the code path only (a CPU llama GEMV takes ~20 ms a call)
+            calls = min(calls, 20)
         for _ in range(10):
             fn()
         self.sync()
@@ -266,6 +274,34 @@ def guarded(row: dict, section: str, key: str, fn):
     row[section][key] = v
     row.setdefault("step_s", {})[f"{section}.{key}"] = round(time.perf_counter() - t0, 3)
     return v
+
+
+def time_rounds(row: dict, section: str, rounds_key: str, fns: dict, measure, rounds: int):
+    """Time every variant of ``fns`` (name -> callable) in ``rounds`` interleaved rounds; cell = median.
+
+    Each round calls ``measure(fn)`` once per variant, in the order of ``fns``. GPU timings drift by 3-6 %
+    within a run (clocks, power state), so variants measured one after the other get a bias from *when* they
+    ran; interleaving spreads the drift over all of them. ``row[section][name]`` gets the median over the
+    rounds, ``row[rounds_key][name]`` the per-round values. A variant whose measurement fails leaves the
+    rounds and its cell shows the error (as ``guarded``).
+    """
+    vals = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name not in vals:  # failed in an earlier round
+                continue
+            v = guarded(row, section, name, lambda fn=fn: measure(fn))
+            spent[name] += row["step_s"][f"{section}.{name}"]
+            if is_num(v):
+                vals[name].append(v)
+            else:
+                row[rounds_key][name] = vals.pop(name)  # the rounds before the failure, for the log
+    for name, vs in vals.items():
+        row[section][name] = statistics.median(vs)
+        row[rounds_key][name] = vs
+    for name, t in spent.items():
+        row["step_s"][f"{section}.{name}"] = round(t, 3)
 
 
 # --------------------------------------------------------------------------------------------- ceilings
@@ -323,6 +359,7 @@ def new_row(w: Workload) -> dict:
         "target_us": w.target_us, "target_wall_us": w.target_wall_us,
         "ref": {"floor_us": w.ref_floor_us, "eager_us": w.ref_eager_us, "compile_us": w.ref_compile_us},
         "gpu_us": {}, "first_call_s": {}, "wall_us": {}, "rel_err": {}, "check": {}, "report": {}, "floor": {},
+        "gpu_rounds": {}, "wall_rounds": {},  # per-round values behind the medians in gpu_us / wall_us
     }
 
 
@@ -390,54 +427,52 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
 
     guarded(row, "rel_err", "eager", build_ref)
 
-    # eager
-    guarded(row, "gpu_us", "eager", lambda: timer.gpu_us(lambda: mod(x)))
-    if w.decode:
-        guarded(row, "wall_us", "eager", lambda: timer.wall_us(lambda: mod(x))["median"])
+    # Every variant is built first (first call, compile time, correctness) and its timing function kept in
+    # ``timed``; ``keep`` holds what those functions need alive (graph, compiled module, optimized module)
+    # until the interleaved timing rounds at the end of the row are done.
+    timed = {"eager": lambda: mod(x)}
+    keep = {}
 
     # CUDA-graphed eager
     if args.cpu_smoke:
         row["gpu_us"]["cudagraph"] = "ERR: no CUDA (cpu smoke)"
     else:
-        gstate = {}
 
-        def graph_time():
-            g, out = cuda_graph(mod, x)
-            gstate["g"], gstate["out"] = g, out
-            return timer.gpu_us(g.replay)
+        def graph_capture():
+            t0 = time.perf_counter()
+            keep["graph"] = cuda_graph(mod, x)  # (graph, its static output)
+            return time.perf_counter() - t0
 
-        guarded(row, "gpu_us", "cudagraph", graph_time)
-        if w.decode and "g" in gstate:
-            guarded(row, "wall_us", "cudagraph", lambda: timer.wall_us(gstate["g"].replay)["median"])
-        gstate.clear()
+        v = guarded(row, "first_call_s", "cudagraph", graph_capture)
+        if "graph" in keep:
+            timed["cudagraph"] = keep["graph"][0].replay
+        else:
+            row["gpu_us"]["cudagraph"] = v
         cleanup()
 
-    # torch.compile default
+    # torch.compile default. Dynamo is reset before the compile but NOT after it: torch._dynamo.reset() drops
+    # Dynamo's code caches, and the kept ``cm`` would then recompile on its next call, inside the timing rounds
+    # (checked on torch 2.x: a call after the reset traces and compiles again). The reset runs after the rounds
+    # instead. fxfuse.optimize traces with torch.fx, not Dynamo, so the live Dynamo cache does not affect it.
     dynamo_reset()
-    cstate = {}
 
     def compile_first():
         t0 = time.perf_counter()
         cm = torch.compile(mod)
         cm(x)
         timer.sync()
-        cstate["cm"] = cm
+        keep["cm"] = cm
         return time.perf_counter() - t0
 
     guarded(row, "first_call_s", "compile_default", compile_first)
-    if "cm" in cstate:
-        cm = cstate["cm"]
-        guarded(row, "gpu_us", "compile_default", lambda: timer.gpu_us(lambda: cm(x)))
-        if w.decode:
-            guarded(row, "wall_us", "compile_default", lambda: timer.wall_us(lambda: cm(x))["median"])
+    if "cm" in keep:
+        cm = keep["cm"]
+        timed["compile_default"] = lambda: cm(x)
     else:
         row["gpu_us"]["compile_default"] = row["first_call_s"]["compile_default"]
-    cstate.clear()
-    dynamo_reset()
     cleanup()
 
     # fxfuse
-    fstate = {}
     if fx is None:
         msg = f"ERR: import fxfuse failed: {fx_import_err}"[:80]
         row["gpu_us"]["fxfuse"] = msg
@@ -451,14 +486,14 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
             opt(x)  # warm-up: Triton compile, autotune, measured choice against the original ops
             timer.sync()
             t2 = time.perf_counter()
-            fstate["opt"] = opt
+            keep["opt"] = opt
             row["first_call_s"]["fxfuse_optimize"] = t1 - t0
             row["first_call_s"]["fxfuse_first_run"] = t2 - t1
             return t2 - t0
 
         guarded(row, "first_call_s", "fxfuse", fx_first)
-        if "opt" in fstate:
-            opt = fstate["opt"]
+        if "opt" in keep:
+            opt = keep["opt"]
 
             def report():
                 s = summarize_report(fx.report(opt))
@@ -491,34 +526,39 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
             verdict = "PASS" if row["check"].get("pass") else "FAIL"
             print(f"  correctness: fxfuse rel err {fmt_err(e)} (eager {fmt_err(ee)}), tol {TOL:g} -> {verdict}; "
                   f"deterministic={row['check'].get('deterministic')}")
-
-            guarded(row, "gpu_us", "fxfuse", lambda: timer.gpu_us(lambda: opt(x)))
-            if w.decode:
-                guarded(row, "wall_us", "fxfuse", lambda: timer.wall_us(lambda: opt(x))["median"])
+            timed["fxfuse"] = lambda: opt(x)
         else:
             row["gpu_us"]["fxfuse"] = row["first_call_s"]["fxfuse"]
             row["check"]["pass"] = False
-    fstate.clear()
-    dynamo_reset()
     if w.decode:
-        run_fxfuse_cuda_graphs(w, fx, mod, x, ref_state, timer, row)
+        optg = build_fxfuse_cuda_graphs(w, fx, mod, x, ref_state, timer, row)
+        if optg is not None:
+            keep["optg"] = optg
+            timed["fxfuse_cuda_graphs"] = lambda: optg(x)
 
-    # eager again: the spread between the two eager medians is this run's noise
-    guarded(row, "gpu_us", "eager_repeat", lambda: timer.gpu_us(lambda: mod(x)))
+    # the timing: interleaved rounds over every variant that was built (GPU median; decode rows also wall)
+    print(f"  timing {', '.join(timed)} in {args.rounds} interleaved round(s)  [t={elapsed():.0f}s]")
+    time_rounds(row, "gpu_us", "gpu_rounds", timed, timer.gpu_us, args.rounds)
+    if w.decode:
+        time_rounds(row, "wall_us", "wall_rounds", timed, lambda fn: timer.wall_us(fn)["median"], args.rounds)
+    timed.clear()
+    keep.clear()
+    dynamo_reset()
     derive(row)
     print_row(row)
     ref_state.clear()  # the module, inputs and compiled variants go with this frame; main() then cleans up
 
 
-def run_fxfuse_cuda_graphs(w: Workload, fx, mod, x, ref_state: dict, timer: Timer, row: dict):
-    """Decode rows: ``fxfuse.optimize(mod, cuda_graphs=True)`` (opt-in), wall µs/call, GPU median, correctness.
+def build_fxfuse_cuda_graphs(w: Workload, fx, mod, x, ref_state: dict, timer: Timer, row: dict):
+    """Decode rows: ``fxfuse.optimize(mod, cuda_graphs=True)`` (opt-in): build, first calls, correctness.
 
-    The cell reads "n/a" when this fxfuse has no ``cuda_graphs`` option (TypeError from optimize).
+    Returns the optimized module for the timing rounds, or None (its cells then say why). The cells read "n/a"
+    when this fxfuse has no ``cuda_graphs`` option (TypeError from optimize).
     """
     key = "fxfuse_cuda_graphs"
     if fx is None:
         row["wall_us"][key] = "—"
-        return
+        return None
     st = {}
 
     def first():
@@ -539,8 +579,8 @@ def run_fxfuse_cuda_graphs(w: Workload, fx, mod, x, ref_state: dict, timer: Time
     if "opt" not in st:
         row["wall_us"][key] = v  # "n/a" or ERR
         row["gpu_us"][key] = v
-        return
-    optg = st["opt"]
+        return None
+    optg = st.pop("opt")
 
     def check():
         if "ref" not in ref_state:
@@ -552,11 +592,9 @@ def run_fxfuse_cuda_graphs(w: Workload, fx, mod, x, ref_state: dict, timer: Time
         return e
 
     e = guarded(row, "rel_err", key, check)
-    guarded(row, "wall_us", key, lambda: timer.wall_us(lambda: optg(x))["median"])
-    guarded(row, "gpu_us", key, lambda: timer.gpu_us(lambda: optg(x)))
-    print(f"  fxfuse cuda_graphs=True: wall {fmt_us(row['wall_us'][key])} µs/call, GPU {fmt_us(row['gpu_us'][key])} "
-          f"µs, rel err {fmt_err(e)} -> {'PASS' if row['check'].get('cuda_graphs_pass') else 'FAIL'}")
-    st.clear()
+    ok = "PASS" if row["check"].get("cuda_graphs_pass") else "FAIL"
+    print(f"  fxfuse cuda_graphs=True: rel err {fmt_err(e)} -> {ok}")
+    return optg
 
 
 def run_row_max_autotune(w: Workload, idx: int, args, timer: Timer, row: dict):
@@ -604,8 +642,9 @@ def derive(row: dict):
             d["speedup_vs_compile"] = g["compile_default"] / fx_t
         if is_num(g.get("compile_max_autotune")):
             d["speedup_vs_max_autotune"] = g["compile_max_autotune"] / fx_t
-    if is_num(g.get("eager")) and is_num(g.get("eager_repeat")):
-        d["eager_spread"] = abs(g["eager"] - g["eager_repeat"]) / min(g["eager"], g["eager_repeat"])
+    er = row.get("gpu_rounds", {}).get("eager") or []
+    if len(er) > 1 and all(is_num(v) for v in er):  # this run's noise: the spread of eager's rounds
+        d["eager_spread"] = (max(er) - min(er)) / min(er)
     wl = row["wall_us"]
     v = judge(fx_t, g.get("eager"), row["target_us"], target_wall_us=row["target_wall_us"],
               fxfuse_wall_us=wl.get("fxfuse"), eager_wall_us=wl.get("eager") if row["decode"] else None,
@@ -619,14 +658,20 @@ def derive(row: dict):
 
 def print_row(row: dict):
     g, d = row["gpu_us"], row.get("derived", {})
+    spread = d.get("eager_spread")
     print(f"  GPU median µs: floor {fmt_us(row['floor'].get('floor_us'))} | eager {fmt_us(g.get('eager'))} "
-          f"(repeat {fmt_us(g.get('eager_repeat'))}) | graph {fmt_us(g.get('cudagraph'))} | compile "
+          f"(spread {f'{spread:.1%}' if is_num(spread) else '—'}) | graph {fmt_us(g.get('cudagraph'))} | compile "
           f"{fmt_us(g.get('compile_default'))} | fxfuse {fmt_us(g.get('fxfuse'))}")
+    for key, label in (("gpu_rounds", "GPU"), ("wall_rounds", "wall")):
+        if row.get(key):
+            print(f"  {label} µs per round: " + "; ".join(
+                f"{name} " + " ".join(fmt_us(v) for v in vs) for name, vs in row[key].items()))
     print(f"  fxfuse/floor {fmt_ratio(d.get('fxfuse_over_floor'))}, vs eager {fmt_ratio(d.get('speedup_vs_eager'))}, "
           f"vs compile {fmt_ratio(d.get('speedup_vs_compile'))}, target {target_str(row)} -> {meets_str(row)}; "
           f"not slower than eager: {yes_no(d.get('not_slower_than_eager'))} => {pass_str(row)}")
     if row["decode"]:
-        print(f"  wall µs/call ({DECODE_CALLS} calls): {wall_str(row)}")
+        print(f"  wall µs/call ({DECODE_CALLS} calls): {wall_str(row)}; fxfuse cuda_graphs=True: wall "
+              f"{graphs_wall_str(row)}, GPU {fmt_us(g.get('fxfuse_cuda_graphs'))}")
 
 
 def target_str(row: dict) -> str:
@@ -714,13 +759,18 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
         L.append(f"- Ceilings ({how}): copy {ceil['copy_Bps'] / 1e12:.2f} TB/s (1 GiB d2d, read+write), "
                  f"bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, fp16 {ceil['fp16_flops'] / 1e12:.0f} TFLOP/s "
                  f"({ceil['mm_n']}³)")
-    L.append(f"- GPU times: `triton.testing.do_bench` median (warmup {args.warmup} ms, rep {args.rep} ms, L2 flushed), "
-             f"µs. Floor = max(FLOPs / matmul rate, min bytes / copy bandwidth). vs eager / vs compile = speedup of "
-             f"fxfuse (>1 is faster). rel err = ‖fxfuse − ref‖/‖ref‖ vs float64 on a fresh input (tol {TOL:g}).")
+    L.append(f"- GPU times, µs: median over {args.rounds} interleaved rounds of `triton.testing.do_bench` "
+             f"medians (warmup {args.warmup} ms, rep {args.rep} ms, L2 flushed). Every variant of a row is built "
+             f"first, then each round times all of them once in a fixed order (eager, CUDA graph, compile default, "
+             f"fxfuse, fxfuse CUDA graphs), so drift within the run favours none; compile max-autotune is one "
+             f"do_bench median from a later pass. Floor = max(FLOPs / matmul rate, min bytes / copy bandwidth). "
+             f"vs eager / vs compile = speedup of fxfuse (>1 is faster). rel err = ‖fxfuse − ref‖/‖ref‖ vs float64 "
+             f"on a fresh input (tol {TOL:g}).")
     L.append(f"- fxfuse = `fxfuse.optimize(model)` with default settings, timed after one warm-up call "
              f"(FXFUSE_* environment: {env.get('fxfuse_env') or 'none set'}).")
     L.append(f"- Wall (decode rows) = µs per call of {DECODE_CALLS} back-to-back calls, synchronized before and after "
-             f"(median of {DECODE_LOOPS} loops), as eager / CUDA-graph replay / compile default / fxfuse; "
+             f"(median of {DECODE_LOOPS} loops; median over {args.rounds} interleaved rounds as the GPU times), as "
+             f"eager / CUDA-graph replay / compile default / fxfuse; "
              f"'fxfuse CUDA graphs' = the same for `fxfuse.optimize(model, cuda_graphs=True)` (n/a: no such option).")
     L.append(f"- pass = correct, fxfuse GPU median ≤ target (gpt2m_mlp_m1: also fxfuse wall ≤ its wall target), and "
              f"not slower than eager: fxfuse ≤ eager × {1 + args.eager_slack:g} on the GPU median and, on decode rows, "
@@ -748,7 +798,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
     L.append("")
     L.append(verdict_line(rows))
     L.append("")
-    L.append("Details: first-call wall time (compile/optimize + first run), fusion report, noise.")
+    L.append("Details: first-call wall time (compile/optimize + first run), fusion report, noise (eager spread = "
+             "(max − min) / min of eager's GPU rounds).")
     L.append("")
     hdr2 = ["name", "M", "dims", "dtype", "GFLOP", "min MB", "bound", "compile default s", "max-autotune s",
             "fxfuse s (optimize + first run)", "fused regions", "strategies", "eager rel err", "fxfuse deterministic",
@@ -795,7 +846,7 @@ def write_results(out: Path, env: dict, ceil: dict, rows: list[dict], args, fina
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(md)
     payload = {"env": env, "ceilings": ceil, "rows": rows, "tolerance": TOL, "finished": final,
-               "elapsed_s": elapsed(), "settings": {"warmup_ms": args.warmup, "rep_ms": args.rep,
+               "elapsed_s": elapsed(), "settings": {"warmup_ms": args.warmup, "rep_ms": args.rep, "rounds": args.rounds,
                                                     "decode_calls": DECODE_CALLS, "decode_loops": DECODE_LOOPS}}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str))
     return md
@@ -876,6 +927,8 @@ def parse_args(argv=None):
                         "the noise of two eager medians)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep, ms")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"interleaved timing rounds per row; a cell is the median over them (default {ROUNDS})")
     p.add_argument("--dry-run", action="store_true", help="CPU: build modules, print FLOPs/bytes/floors only")
     p.add_argument("--cpu-smoke", action="store_true", help="development: whole pipeline on the CPU, tiny M")
     args = p.parse_args(argv)
@@ -886,6 +939,8 @@ def parse_args(argv=None):
         if unknown:
             p.error(f"--{opt.replace('_', '-')}: unknown row(s) {unknown}; known: {names}")
         setattr(args, opt, sel)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     return args
 
 

@@ -12,7 +12,8 @@ weights live in (as ``fxfuse.report`` names regions) and runs inside
 kernel launched inside a label belongs to that region (:func:`attribute`). A first run records each
 call's arguments, from which :func:`fxfuse.roofline.count_call` counts FLOPs and bytes. End-to-end
 times are ``triton.testing.do_bench`` medians of the original and the optimized model themselves, with
-nothing intercepted, as in ``benchmarks/bench_workloads.py``.
+nothing intercepted, as in ``benchmarks/bench_workloads.py``: each side's median over three interleaved
+(before, after) rounds, and the same for the wall times.
 
 Without a GPU (inputs on the CPU or the ``meta`` device) nothing is timed: the report has the
 structure (regions, FLOPs, bytes, kernel counts) and the regime predicted for a named GPU.
@@ -45,6 +46,7 @@ __all__ = ["ProfileReport", "RegionProfile", "Side", "profile"]
 REGION = "fxfuse region "
 ITERATION = "fxfuse iteration "
 _HOST_TIMED = False  # tests only: run the timed path on the CPU (host timers, CPU ops as "kernels")
+ROUNDS = 3  # interleaved (before, after) rounds of the end-to-end times; each side keeps its median
 NEED_GPU = "timings need a GPU: run with the model and inputs on a CUDA device for kernels, times and regimes"
 
 
@@ -115,9 +117,9 @@ class ProfileReport:
     ceilings: Ceilings
     regions: list[RegionProfile]
     timed: bool
-    before_us: Optional[float] = None  # end to end, GPU median (do_bench) of the original model
+    before_us: Optional[float] = None  # end to end, GPU median (do_bench; median of ROUNDS interleaved rounds)
     after_us: Optional[float] = None  # ... of the optimized model
-    before_wall_us: Optional[float] = None  # wall time per call of back-to-back calls
+    before_wall_us: Optional[float] = None  # wall time per call of back-to-back calls (the same rounds)
     after_wall_us: Optional[float] = None
     before_kernel_us: Optional[float] = None  # kernel time per forward under the profiler, whole model
     after_kernel_us: Optional[float] = None
@@ -343,10 +345,10 @@ def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: tor
     for m in (model, opt):  # first calls: Triton compiles and autotunes here
         m(*inputs)
     _sync(device)
-    rep.before_us = _median_us(lambda: model(*inputs), device)
-    rep.after_us = _median_us(lambda: opt(*inputs), device)
-    rep.before_wall_us = _wall_us(lambda: model(*inputs), rep.before_us, device)
-    rep.after_wall_us = _wall_us(lambda: opt(*inputs), rep.after_us, device)
+    before, after = (lambda: model(*inputs)), (lambda: opt(*inputs))
+    rep.before_us, rep.after_us = _interleaved(lambda: _median_us(before, device), lambda: _median_us(after, device))
+    rep.before_wall_us, rep.after_wall_us = _interleaved(lambda: _wall_us(before, rep.before_us, device),
+                                                         lambda: _wall_us(after, rep.after_us, device))
     cuda = device.type == "cuda"
     flush = torch.empty((256 if cuda else 1) << 20, dtype=torch.int8, device=device)  # as do_bench: cold L2
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -378,6 +380,16 @@ def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: tor
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _interleaved(*measures: Callable[[], float]) -> list[float]:
+    """Each measure's median over ``ROUNDS`` rounds that call every measure once, in turn.
+
+    Timings drift within a run (clocks, power state): two sides measured one after the other get a bias from
+    when they ran (a host-bound LlamaModel read 0.92x in one run, 1.03x in another). Interleaving shares it.
+    """
+    rounds = [[m() for m in measures] for _ in range(ROUNDS)]
+    return [statistics.median(side) for side in zip(*rounds)]
 
 
 def _median_us(fn, device: torch.device) -> float:
@@ -575,8 +587,9 @@ def _summary(rep: ProfileReport) -> list[str]:
     dtypes = sorted({r.dtype for r in rep.regions})
     lines = [head, "ceilings: " + rep.ceilings.describe(dtypes)]
     if rep.timed:
-        lines.append(f"end to end (GPU median, do_bench): before {_f(rep.before_us)} µs → after {_f(rep.after_us)} µs"
-                     f" = {_x(rep.speedup)}; wall {_f(rep.before_wall_us)} → {_f(rep.after_wall_us)} µs/call")
+        lines.append(f"end to end (GPU median, do_bench, {ROUNDS} interleaved rounds): before {_f(rep.before_us)} µs → "
+                     f"after {_f(rep.after_us)} µs = {_x(rep.speedup)}; wall {_f(rep.before_wall_us)} → "
+                     f"{_f(rep.after_wall_us)} µs/call")
         if rep.before_kernel_us and rep.after_kernel_us:
             rb = sum(r.before.gpu_us or 0 for r in rep.regions)
             ra = sum(r.after.gpu_us or 0 for r in rep.regions)

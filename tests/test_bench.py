@@ -92,8 +92,9 @@ def _row(name: str, fxfuse_us, eager_us=100.0, wall=None, correct=True) -> dict:
     w = next(w for w in WORKLOADS if w.name == name)
     row = bench.new_row(w)
     row["floor"] = {"floor_us": 50.0, "flops": 1e9, "bytes": 1e6, "bound": "compute"}
-    row["gpu_us"] = {"eager": eager_us, "eager_repeat": eager_us, "cudagraph": eager_us, "compile_default": 120.0,
+    row["gpu_us"] = {"eager": eager_us, "cudagraph": eager_us, "compile_default": 120.0,
                      "compile_max_autotune": bench.SKIPPED_BUDGET, "fxfuse": fxfuse_us}
+    row["gpu_rounds"] = {"eager": [eager_us] * 3}
     row["wall_us"] = dict(wall or {})
     row["rel_err"] = {"eager": 3e-3, "fxfuse": 3e-3}
     row["check"] = {"pass": correct, "deterministic": True}
@@ -118,6 +119,41 @@ def test_results_table_has_verdict_columns():
     assert "skipped (budget)" in geglu and geglu.endswith("| ≤ 180 | yes | yes | PASS |")
     assert "| n/a |" in m8 and "| — | — | no | FAIL: slower than eager" in m8
     assert "**Verdict: 1/2 rows pass** (targets met 1/1, not slower than eager 1/2); every row passes: no." in md
+
+
+def test_time_rounds_interleaves_and_keeps_the_median():
+    row = bench.new_row(next(w for w in WORKLOADS if w.name == "seed_geglu"))
+    row["floor"] = {"floor_us": 50.0}
+    order = []
+
+    def variant(name, values):
+        it = iter(values)
+
+        def fn():
+            order.append(name)
+            v = next(it)
+            if isinstance(v, Exception):
+                raise v
+            return v
+
+        return fn
+
+    fns = {"eager": variant("eager", [100.0, 103.0, 101.0]), "fxfuse": variant("fxfuse", [90.0, 80.0, 95.0]),
+           "broken": variant("broken", [50.0, RuntimeError("boom")])}
+    bench.time_rounds(row, "gpu_us", "gpu_rounds", fns, lambda fn: fn(), 3)
+    # one call per variant per round, in a fixed order; a variant that failed leaves the rounds
+    assert order == ["eager", "fxfuse", "broken"] * 2 + ["eager", "fxfuse"]
+    assert row["gpu_rounds"] == {"eager": [100.0, 103.0, 101.0], "fxfuse": [90.0, 80.0, 95.0], "broken": [50.0]}
+    assert row["gpu_us"]["eager"] == 101.0 and row["gpu_us"]["fxfuse"] == 90.0  # the medians of the rounds
+    assert row["gpu_us"]["broken"].startswith("ERR: RuntimeError: boom") and "gpu_us.broken" in row["errors"]
+    bench.derive(row)
+    assert row["derived"]["eager_spread"] == pytest.approx(0.03)  # (max - min) / min of eager's rounds
+    assert row["derived"]["speedup_vs_eager"] == pytest.approx(101 / 90)
+
+
+def test_rounds_flag():
+    assert bench.parse_args([]).rounds == bench.ROUNDS == 3
+    assert bench.parse_args(["--rounds", "5"]).rounds == 5
 
 
 def test_max_autotune_bound():

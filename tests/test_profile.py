@@ -270,6 +270,19 @@ def test_host_timed_path_on_cpu(monkeypatch, tmp_path):
     assert any(str(e.get("name", "")).startswith("fxfuse region") for e in trace["traceEvents"])
 
 
+def test_end_to_end_times_are_interleaved_rounds():
+    """before/after are measured in turn, ROUNDS times, and each side keeps its median over the rounds."""
+    order = []
+    vals = {"before": iter([10.0, 14.0, 11.0]), "after": iter([9.0, 8.0, 20.0])}
+
+    def measure(side):
+        return lambda: (order.append(side), next(vals[side]))[1]
+
+    assert fxprofile.ROUNDS == 3
+    assert fxprofile._interleaved(measure("before"), measure("after")) == [11.0, 9.0]
+    assert order == ["before", "after"] * 3
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu
