@@ -45,12 +45,14 @@ import enum
 import inspect
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+from .kernels.workspace import zero_after_capture
 
 __all__ = ["GraphedForward", "call_key", "cuda_graphed"]
 
@@ -195,10 +197,12 @@ class _ParameterWatch:
 class _Graph:
     """One captured call: static inputs, the graph, its output leaves and how to rebuild the output."""
 
-    __slots__ = ("graph", "inputs", "leaves", "spec", "clone")
+    __slots__ = ("graph", "inputs", "leaves", "spec", "clone", "owned")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, leaves: list, spec: Any, clone: bool):
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list, leaves: list, spec: Any, clone: bool,
+                 owned: Sequence[torch.Tensor] = ()):
         self.graph, self.inputs, self.leaves, self.clone = graph, inputs, leaves, clone
+        self.owned = owned  # memory the replays use that no output holds (workspaces): kept from the pool
         single = spec.is_leaf() and isinstance(leaves[0], torch.Tensor)
         self.spec = None if single else spec  # None: the output is the one tensor leaves[0]
 
@@ -348,7 +352,8 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         capturing = False
         try:
-            with torch.cuda.device(device), \
+            # fxfuse's split-K workspaces: zeroed once below instead of by a fill kernel in every replay
+            with torch.cuda.device(device), zero_after_capture() as workspaces, \
                     torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 capturing = True
                 out = self._call(module, s_args, s_kwargs)
@@ -356,9 +361,11 @@ class GraphedForward:
             if capturing:
                 _recover(device, self._pool)
             raise
+        for t in workspaces:  # before the first replay, on the stream that replays; the kernels keep them zero
+            t.zero_()
         leaves, spec = pytree.tree_flatten(out)
         pytree.tree_unflatten(leaves, spec)  # the output can be rebuilt (checked by _why_not, made sure here)
-        return _Graph(graph, statics, leaves, spec, clone=not self.static_outputs)
+        return _Graph(graph, statics, leaves, spec, clone=not self.static_outputs, owned=workspaces)
 
     # Pickling and copying make a fresh cache for the new module (graphs are not copied).
     def __reduce__(self):
