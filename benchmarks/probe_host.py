@@ -3,13 +3,15 @@
     python3 benchmarks/probe_host.py [--profile] [names...]     (default: nerf64 gpt2m_mlp_m1 gpt2_mlp)
 
 For each workload: ``opt(x)`` (the module), ``fused_mlp`` (what the graph calls), ``_dispatch`` (checks and the
-cached choice), ``_run_kernels`` (the chosen kernels) and eager, each as host time per call of 50 calls issued
+cached choice), ``_run_kernels`` (the chosen kernels), the replay key, the replay and each of its steps alone, one
+``torch.empty`` and eager, each as host time per call of 50 calls issued
 back to back (no synchronization inside; the GPU queue never fills at this count), best of 20 loops.
 With ``--profile``, also the stage choices and the cProfile top of the module call (by own time).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -22,7 +24,7 @@ from timing import host_us, profile_top  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
-from fxfuse import ops, stages, strategy  # noqa: E402
+from fxfuse import ops, replay, stages, strategy  # noqa: E402
 
 
 def probe(name: str, profile: bool = False) -> None:
@@ -40,11 +42,32 @@ def probe(name: str, profile: bool = False) -> None:
                "_dispatch": host_us(lambda: ops._dispatch(*args))}
         if chosen != strategy.ORIGINAL_OPS:
             row["_run_kernels"] = host_us(lambda: ops._run_kernels(*args, chosen))
+        key = replay.replay_key(*args)
+        row["replay_key"] = host_us(lambda: replay.replay_key(*args))
+        run = replay.replays.get(key)
+        if run is not None:  # the replay and each of its steps alone
+            row["replay"] = host_us(lambda: run(x))
+            h = x.reshape(-1, x.shape[-1])
+            for i, step in enumerate(inspect.getclosurevars(run).nonlocals["frozen"]):
+                row[f"step{i}"] = host_us(lambda step=step, h=h: step(h))
+                out = step(h)
+                row.update(launch_pieces(f"step{i}", step, h, out))
+                h = out
+        row["torch.empty"] = host_us(lambda: torch.empty_like(x))
         row["eager"] = host_us(lambda: mod(x))
         print(f"{name} ({chosen}): " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " us/call (host)")
         if profile:
             print("  stage choices:", stages.stage_choices())
             print(profile_top(lambda: opt(x), lines=25))
+
+
+def launch_pieces(label: str, step, h, out) -> dict:
+    """A bound launch's host µs with a ready output (no allocation), when the step is a small-M bound launch."""
+    step_vars = inspect.getclosurevars(step).nonlocals
+    bound = step_vars.get("bound")
+    if bound is None or "x_block" in step_vars:  # not a bound launch, or a TMA one (its slots are descriptors)
+        return {}
+    return {f"{label} bound launch": host_us(lambda: bound(h, out))}
 
 
 def main() -> None:

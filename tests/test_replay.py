@@ -185,3 +185,31 @@ def test_bound_key_follows_what_a_bound_launch_depends_on():
         assert fastlaunch.bound_key("a0", x, [w], [b], []) != key
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class _FakeCudaLauncher:
+    """The attributes of Triton 3.6's ``CudaLauncher`` that the direct launch reads; records each C launch."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, global_scratch_size=0, profile_scratch_size=0):
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, profile_scratch_size
+        self.calls = []
+        self.launch = lambda *a: self.calls.append(a)
+
+    def __call__(self, *a):  # the Python path the direct launch skips
+        raise AssertionError("went through CudaLauncher.__call__")
+
+
+def test_direct_launch_calls_the_known_c_layout_and_falls_back_otherwise(monkeypatch):
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", fastlaunch._KNOWN_LAUNCH_FORMAT, raising=False)
+    run = _FakeCudaLauncher()
+    direct = fastlaunch._direct_launch(run)
+    direct(4, 1, 1, "stream", "fn", "packed", None, None, None, "x", 7)
+    assert run.calls == [(4, 1, 1, "stream", "fn", False, True, None, None, "packed", None, None, None, "x", 7)]
+    assert direct.raw == (run.launch, False, True)
+    with_scratch = _FakeCudaLauncher(global_scratch_size=128)  # the Python path allocates it: keep that path
+    assert fastlaunch._direct_launch(with_scratch) is with_scratch
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKOOOO", raising=False)  # another Triton's layout
+    assert fastlaunch._direct_launch(run) is run
