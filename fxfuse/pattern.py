@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -152,9 +156,30 @@ def builtin_patterns() -> list[Pattern]:
     global _builtins
     with _lock:
         if _builtins is None:
-            module = importlib.import_module("fxfuse.patterns")
+            module = _builtin_module()
             _builtins = [compile_pattern(fn, builtin=True) for fn in module.BUILTINS]
         return list(_builtins)
+
+
+def _builtin_module() -> ModuleType:
+    """``fxfuse.patterns``: installed, the top-level ``patterns/`` folder ships under that name; from a source
+    checkout on ``sys.path`` (not installed) it is loaded from that folder, so the checkout fuses as well."""
+    try:
+        return importlib.import_module("fxfuse.patterns")
+    except ModuleNotFoundError as err:
+        folder = Path(__file__).resolve().parent.parent / "patterns"
+        if err.name != "fxfuse.patterns" or not (folder / "__init__.py").is_file():
+            raise
+    spec = importlib.util.spec_from_file_location("fxfuse.patterns", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fxfuse.patterns"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["fxfuse.patterns"]
+        raise
+    return module
 
 
 def all_patterns() -> list[Pattern]:

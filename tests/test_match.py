@@ -462,3 +462,25 @@ def test_near_miss_is_short_and_single_use():
 
     _, regions, rejections = plan(M(nn.ReLU()), "symbolic", torch.randn(4, 8))
     assert regions == [] and rejections == []
+
+
+def test_a_source_checkout_that_is_not_installed_finds_the_builtin_patterns():
+    # Installed, the top-level patterns/ folder ships as fxfuse.patterns; a checkout on sys.path has no such
+    # module, and used to fuse nothing ("not analyzed: No module named 'fxfuse.patterns'").
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = f"""
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # forget any install
+sys.path.insert(0, {str(repo)!r})
+import torch.nn as nn
+import fxfuse
+assert fxfuse.__file__.startswith({str(repo)!r}), fxfuse.__file__
+opt = fxfuse.optimize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)))
+print(len(fxfuse.report(opt).regions))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
