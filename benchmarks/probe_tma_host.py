@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--h", type=int, default=5632)
     p.add_argument("--source")
     p.add_argument("--llama", action="store_true")
+    p.add_argument("--after-profiler", action="store_true",
+                   help="with --llama: time again after a torch.profiler session (does one slow launches down?)")
     a = p.parse_args()
     if a.source:
         write_source(a.source)
@@ -103,23 +105,44 @@ def main() -> None:
     with torch.no_grad():
         print(profile_top(lambda: opt(x), lines=30))
     if a.llama:
-        llama_end_to_end()
+        llama_end_to_end(a.after_profiler)
 
 
-def llama_end_to_end() -> None:
+def llama_end_to_end(after_profiler: bool = False) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from profile_demo import llama
     from timing import wall_us
 
     model, (ids,) = llama()
     with torch.no_grad():
-        opt = fxfuse.optimize(model)
-        for _ in range(3):
-            opt(ids)
-        for name, fn in (("eager", lambda: model(ids)), ("fxfuse", lambda: opt(ids))):
-            print(f"LlamaModel {name}: host {host_us(fn, calls=20, loops=10):.0f} us, "
-                  f"wall {wall_us(fn, calls=50, loops=5):.0f} us per forward")
-        print(profile_top(lambda: opt(ids), calls=50, lines=40, sort="tottime"))
+        variants = {"eager": model, "fxfuse": fxfuse.optimize(model),
+                    "fxfuse (example_inputs)": fxfuse.optimize(model, (ids,))}  # as fxfuse.profile builds it
+        for m in variants.values():
+            for _ in range(3):
+                m(ids)
+        _llama_rounds(variants, ids, wall_us)
+        if after_profiler:
+            from fxfuse.kernels import fastlaunch
+
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]):
+                for _ in range(3):
+                    variants["fxfuse"](ids)
+                torch.cuda.synchronize()
+            print(f"after a torch.profiler session: lean launches enabled = {fastlaunch.lean_launch_enabled()}")
+            _llama_rounds(variants, ids, wall_us)
+        print(profile_top(lambda: variants["fxfuse (example_inputs)"](ids), calls=50, lines=25, sort="tottime"))
+
+
+def _llama_rounds(variants: dict, ids, wall_us) -> None:
+    rounds: dict[str, list] = {name: [] for name in variants}
+    for _ in range(3):  # interleaved: the host's speed drifts
+        for name, m in variants.items():
+            rounds[name].append((host_us(lambda m=m: m(ids), calls=20, loops=10),
+                                 wall_us(lambda m=m: m(ids), calls=50, loops=5)))
+    for name, vals in rounds.items():
+        print(f"LlamaModel {name}: host " + " ".join(f"{h:.0f}" for h, _ in vals) + " us, wall "
+              + " ".join(f"{w:.0f}" for _, w in vals) + " us per forward (3 rounds)")
 
 
 if __name__ == "__main__":
