@@ -176,3 +176,34 @@ def test_running_out_of_memory_while_tuning_is_not_hidden(monkeypatch):
     monkeypatch.setattr(Autotuner, "_bench", oom)
     with pytest.raises(torch.OutOfMemoryError):
         _add_one._bench(config=_add_one.configs[0])
+
+
+class TensorDescriptor:  # named as Triton's: precompile gives each config its own copy of such arguments
+    def __init__(self):
+        self.block_shape = None
+
+
+def test_precompile_warms_every_config_with_its_own_descriptor_copies(monkeypatch, caplog):
+    import contextlib
+
+    warmed = []
+
+    class FakeJit:
+        def warmup(self, *, grid, **launch):
+            warmed.append(launch)
+
+    def set_block(nargs):  # a pre-hook writing into a descriptor argument, as the TMA configs' does
+        nargs["desc"].block_shape = [nargs["BLOCK"]]
+
+    configs = [triton.Config({"BLOCK": 16}, pre_hook=set_block), triton.Config({"BLOCK": 32}, pre_hook=set_block)]
+    shared = TensorDescriptor()
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_ASYNC_COMPILE", lambda pool, **kw: contextlib.nullcontext())
+    monkeypatch.setattr(_add_one, "fn", FakeJit())
+    monkeypatch.setattr(_add_one, "_call", ((), {"desc": shared, "N": 40, "grid": (1,), "warmup": False}))
+    with caplog.at_level(logging.INFO, logger="fxfuse.kernels.tuning"):
+        _add_one.precompile(configs)
+    assert [w["BLOCK"] for w in warmed] == [16, 32] and all(w["N"] == 40 for w in warmed)
+    assert [w["desc"].block_shape for w in warmed] == [[16], [32]]  # each config compiled for its own tile
+    assert shared.block_shape is None and all(w["desc"] is not shared for w in warmed)
+    assert "compiled 2 configs" in caplog.text

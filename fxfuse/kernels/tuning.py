@@ -13,6 +13,9 @@ The generated kernels use ``@autotune(configs=..., key=..., prune_configs_by=...
   the others still compete.
 * Progress at INFO: ``tuning <kernel> for M_BUCKET=16, N=4096, K=1024 (4 configs)`` before the
   benchmark, ``tuned <kernel>: best <config> in 3.2 s`` after (or ``... from Triton's disk cache``).
+* Before the benchmark, the configs are compiled in parallel threads (``triton.AsyncCompileMode`` where
+  Triton has it): a first call at a new shape otherwise compiles them one at a time, seconds each on the
+  GPU machine, while the compiler's work (MLIR passes, ptxas) runs largely outside the GIL.
 
 The object returned is the ``Autotuner`` Triton built, with its class switched to a subclass that wraps
 ``run``, ``prune_configs`` and ``check_disk_cache`` (methods of every Triton 3.x ``Autotuner``): the
@@ -27,20 +30,27 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import inspect
 import json
 import logging
+import os
 import time
 
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
+from .template import interpreting
+
 __all__ = ["CACHES_RESULTS", "ProgressAutotuner", "autotune"]
 
 log = logging.getLogger(__name__)
 
 CACHES_RESULTS = "cache_results" in inspect.signature(triton.autotune).parameters
+_ASYNC_COMPILE = getattr(triton, "AsyncCompileMode", None)
+_MAX_COMPILE_THREADS = 16
 
 
 def autotune(**kwargs):
@@ -63,6 +73,7 @@ class ProgressAutotuner(Autotuner):
 
     _tuning_since = None  # perf_counter() when a benchmark of several configs began in this run
     _disk_hit = False
+    _call = None  # (args, kwargs) of the run() in progress
 
     def prune_configs(self, kwargs):
         # Triton calls this on a key it has not tuned yet, right before benchmarking what it returns.
@@ -76,8 +87,12 @@ class ProgressAutotuner(Autotuner):
         return configs
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
+        def compile_then_bench():
+            self.precompile(configs)
+            bench_fn()
+
         try:
-            self._disk_hit = super().check_disk_cache(tuning_key, configs, bench_fn)
+            self._disk_hit = super().check_disk_cache(tuning_key, configs, compile_then_bench)
         except (OSError, ValueError, KeyError, TypeError) as err:  # json.JSONDecodeError is a ValueError
             log.warning("fxfuse: Triton's autotune cache entry for %s is unreadable (%s: %s); tuning again "
                         "(clear $TRITON_CACHE_DIR to rewrite it)", self._name(), type(err).__name__, err)
@@ -96,9 +111,44 @@ class ProgressAutotuner(Autotuner):
                         type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
             return [float("inf")] * 3
 
+    def precompile(self, configs) -> None:
+        """Compile ``configs`` for the current call's arguments in parallel threads, so that the benchmark that
+        follows only loads them. Best effort: a config that fails here is compiled (and fails) again there."""
+        call = self._call
+        if _ASYNC_COMPILE is None or call is None or len(configs) < 2 or interpreting():
+            return  # (the interpreter compiles nothing)
+        args, kwargs = call
+        base = {**dict(zip(self.arg_names, args)), **kwargs}
+        for launch_only in ("grid", "warmup"):  # ``kernel[grid](...)`` passes these to the autotuner's run
+            base.pop(launch_only, None)
+        launches = []
+        for config in configs:
+            # A config's pre-hook writes into its arguments (a TMA descriptor's block shape): give each its copies.
+            launch = {name: copy.copy(v) if type(v).__name__ == "TensorDescriptor" else v for name, v in base.items()}
+            launch.update(config.all_kwargs())
+            if config.pre_hook is not None:
+                config.pre_hook(launch)
+            launches.append(launch)
+        threads = min(len(launches), os.cpu_count() or 1, _MAX_COMPILE_THREADS)
+        t0 = time.perf_counter()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool, _async_compile(pool):
+                for launch in launches:
+                    self.fn.warmup(grid=(1,), **launch)
+        except Exception as err:  # the benchmark compiles whatever is missing, one by one
+            log.info("fxfuse: parallel compile of %s stopped (%s: %s); the benchmark compiles the rest",
+                     self._name(), type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            return
+        log.info("fxfuse: compiled %d configs of %s in %.1f s (%d threads)", len(launches), self._name(),
+                 time.perf_counter() - t0, threads)
+
     def run(self, *args, **kwargs):
         self._tuning_since = None
-        out = super().run(*args, **kwargs)
+        self._call = (args, kwargs)  # what precompile() compiles for, should this call tune
+        try:
+            out = super().run(*args, **kwargs)
+        finally:
+            self._call = None
         if self._tuning_since is not None:
             how = "from Triton's disk cache" if self._disk_hit else \
                 f"in {time.perf_counter() - self._tuning_since:.1f} s"
@@ -110,3 +160,10 @@ class ProgressAutotuner(Autotuner):
         fn = getattr(self, "base_fn", None) or self.fn
         what = getattr(fn, "__globals__", {}).get("EPILOGUE") or getattr(fn, "__globals__", {}).get("EPILOGUES")
         return f"{fn.__name__} {json.dumps(what)}" if what else fn.__name__
+
+
+def _async_compile(pool):
+    """``triton.AsyncCompileMode(pool)``, failures left to the benchmark (``ignore_errors`` where Triton has it)."""
+    if "ignore_errors" in inspect.signature(_ASYNC_COMPILE).parameters:
+        return _ASYNC_COMPILE(pool, ignore_errors=True)
+    return _ASYNC_COMPILE(pool)
