@@ -924,7 +924,7 @@ def parse_args(argv=None):
                         "11-43 s; the longest of this run is used when larger)")
     p.add_argument("--eager-slack", type=float, default=EAGER_SLACK,
                    help=f"fxfuse may be this fraction slower than eager and still pass (default {EAGER_SLACK:g}: "
-                        "the noise of two eager medians)")
+                        "about the spread of eager's own rounds)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep, ms")
     p.add_argument("--rounds", type=int, default=ROUNDS,
