@@ -9,6 +9,7 @@
 #                                                #   -> results.md, results.json, log.txt (+ profile demo if time left)
 #   bash benchmarks/gpu_session.sh bench-quick   # benchmark without max-autotune + profile report/PNG
 #                                                #   -> results.*, log.txt, profile_demo.log, docs/* (8 files)
+#   bash benchmarks/gpu_session.sh training      # training steps vs eager / torch.compile -> training.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
@@ -142,6 +143,10 @@ case "$mode" in
     bench --skip-max-autotune ${BENCH_ARGS:-}
     profile_demo
     ;;
+  training)
+    step training "${TRAINING_TIMEOUT:-300}" training_console.log python3 benchmarks/bench_training.py --out "$OUT"
+    tail -12 "$OUT/training_console.log"
+    ;;
   probe)
     PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probe_decode.py --quick
     PROBE_TIMEOUT=${PROBE_TMA_TIMEOUT:-150} probe probe_tma benchmarks/probe_tma.py --quick
@@ -150,7 +155,7 @@ case "$mode" in
     cp /tmp/fxfuse-probe/probe.txt "$OUT/" 2>/dev/null  # (also a partial one, after a timeout)
     ;;
   *)
-    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | probe"; exit 2
+    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | training | probe"; exit 2
     ;;
 esac
 n_files=$(find "$OUT" -type f | wc -l)

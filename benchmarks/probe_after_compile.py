@@ -25,7 +25,7 @@ def state(tag: str, x) -> None:
     from triton import knobs
 
     print(f"[{tag}] lean={fastlaunch.lean_launch_enabled()} enter={knobs.runtime.launch_enter_hook!r} "
-          f"exit={knobs.runtime.launch_exit_hook!r} needs_dispatcher={ops._needs_dispatcher(x, [], [], [])} "
+          f"exit={knobs.runtime.launch_exit_hook!r} traced_or_watched={ops._traced_or_watched(x)} "
           f"fn_mode={torch._C._is_torch_function_mode_enabled()} grad={torch.is_grad_enabled()}")
 
 

@@ -4,7 +4,8 @@ Found by name through the ``torch_dynamo_backends`` entry point (no ``import fxf
 Dynamo hands over the graph with parameters as placeholders and ``nn.Linear`` inlined as
 ``torch._C._nn.linear``; the pass normalizes both. By default the rewritten graph goes on to
 Inductor, which compiles the rest and keeps the fused regions as calls to the fxfuse op. With
-``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait.
+``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait. A graph
+compiled for training (grad mode on, weights that require grad) keeps its chains for Inductor.
 
 Example:
     >>> fast = torch.compile(model, backend="fxfuse")                                # doctest: +SKIP
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 
 from .api import record_backend_report
@@ -38,12 +40,16 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     unknown = set(options) - _OPTIONS
     if unknown:
         raise ValueError(f"fxfuse backend: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
-    report = fuse_graph(gm)  # Dynamo's nodes carry their example values: no shape propagation needed
-    record_backend_report(report)
-    if not options.get("inductor", True):
+    inductor = options.get("inductor", True)
+    # A graph compiled with grad mode on is differentiated by AOTAutograd: there the chains that train stay
+    # Inductor's, whose backward keeps the intermediates (the op's would recompute the forward). Without
+    # Inductor the graph runs eagerly and the op itself switches to the original ops once trained.
+    report = fuse_graph(gm, fuse_differentiable=not (inductor and torch.is_grad_enabled()))
+    record_backend_report(report)  # Dynamo's nodes carry their example values: no shape propagation needed
+    if not inductor:
         return gm.forward
-    import torch._inductor
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = torch._inductor.list_mode_options(mode) if mode else None
+    patches = list_mode_options(mode) if mode else None
     return compile_fx(gm, example_inputs, config_patches=patches)

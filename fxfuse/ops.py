@@ -10,6 +10,7 @@ Registered with ``torch.library.triton_op`` so torch.compile and torch.export un
   reference composite too, logged once per reason, so the result (or the error) is eager's.
 * Fake: the output's shape and dtype, without running anything.
 * Autograd: the vjp of the reference composite, so gradients are always those of the original ops.
+  A region that has been trained runs its gradient-recording calls as the original ops (``fused_mlp``).
 
 Example:
     >>> import torch, fxfuse.ops
@@ -253,20 +254,28 @@ def mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[T
     return _dispatch(x, weights, biases, operands, spec)
 
 
-def _needs_dispatcher(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
-                      operands: Sequence[Tensor]) -> bool:
-    """Whether this call needs what the op's dispatcher adds: autograd, tracing, or a mode to see it."""
+def _traced_or_watched(x: Tensor) -> bool:
+    """Whether something must see this call as the op: tracing, export, or a mode watching torch.ops."""
     if type(x) is not Tensor or torch.compiler.is_compiling():
         return True  # FakeTensor, FunctionalTensor, Proxy, a subclass; Dynamo / export tracing
-    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
-        return True  # make_fx, FakeTensorMode, a profiler or counter watching torch.ops calls
-    if torch.is_grad_enabled():
-        for group in (weights, biases, operands):
-            for t in group:
-                if t.requires_grad:
-                    return True
-        return x.requires_grad
-    return False
+    # make_fx, FakeTensorMode, a profiler or counter watching torch.ops calls
+    return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
+
+
+def _records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                  operands: Sequence[Tensor]) -> bool:
+    """Whether autograd records this call (grad mode on and some input requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    for group in (weights, biases, operands):
+        for t in group:
+            if t.requires_grad:
+                return True
+    return x.requires_grad
+
+
+# Specs whose op backward has run: their regions are being trained (see ``fused_mlp``).
+_trained: set[str] = set()
 
 
 def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
@@ -277,6 +286,12 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     op's implementation directly; anything that needs the op (gradients, torch.compile / export, a
     dispatch or function mode) calls it.
 
+    Training: the op saves only its inputs, so its backward recomputes the forward with the original
+    ops. That is cheap for a forward whose gradients are never asked for (inference without
+    ``torch.no_grad()``), but a training step would pay a second forward. So once a region of this
+    ``spec`` has run a backward, calls that record gradients run the original ops instead: autograd
+    keeps their intermediates, and the step costs what eager's does. Calls without gradients stay fused.
+
     Example:
         >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
         >>> with torch.no_grad():
@@ -284,7 +299,11 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         >>> torch.allclose(y, torch.relu(x @ w1.T) @ w2.T, atol=1e-5)
         True
     """
-    if _needs_dispatcher(x, weights, biases, operands):
+    if _traced_or_watched(x):
+        return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
+    if _records_grad(x, weights, biases, operands):
+        if spec in _trained:
+            return reference_mlp(x, weights, biases, operands, spec)
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     return _dispatch(x, weights, biases, operands, spec)
 
@@ -330,6 +349,11 @@ def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
 
 def _backward(ctx, grad):
     """Gradients of the reference composite (the original ops), via ``torch.func.vjp``."""
+    if ctx.spec not in _trained and not torch.compiler.is_compiling():
+        _trained.add(ctx.spec)
+        log.info("fxfuse: a region %s is being trained; from now on its calls that record gradients run the "
+                 "original ops, which keep the intermediates the backward needs (calls without gradients stay "
+                 "fused)", ctx.spec)
     flat = list(ctx.saved_tensors)
     wanted = ctx.wanted  # differentiate only what needs it; the rest is closed over as constants
 

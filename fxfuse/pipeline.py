@@ -17,6 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from .meta import tensor_info
 from .normalize import normalize
 from .plan import find_regions
+from .records import Rejection
 from .report import FusionReport, RegionReport
 from .rewrite import fused_call_args, replace_regions
 from .strategy import FUSED_CHAIN, choose_strategy
@@ -25,25 +26,39 @@ __all__ = ["fuse_graph"]
 
 log = logging.getLogger(__name__)
 
+_TRAINING_NOTE = ("training: calls without gradients run fused; once a backward has run, calls that record "
+                  "gradients run the original ops (the fused backward is not built yet)")
+_TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
+                   "intermediates (fxfuse's op would recompute the forward)")
 
-def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *, prefix: str = "") -> FusionReport:
+
+def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *, prefix: str = "",
+               fuse_differentiable: bool = True) -> FusionReport:
     """Fuse every supported chain of ``gm`` in place and say what was done.
 
     ``example_inputs`` (real tensors) give every node its shape and dtype, so the planner can check
     more before fusing; without them it decides from the parameters, and the op checks the rest when
     it runs. ``prefix`` is where ``gm`` stands in the user's model (for the report).
+    ``fuse_differentiable=False`` leaves chains whose weights require grad as they are (a training
+    graph that a compiler differentiates: its own backward keeps the intermediates; the op's would
+    recompute the forward).
     """
     start = time.perf_counter()
     if example_inputs is not None and not _has_value_meta(gm):
         _propagate_shapes(gm, example_inputs)
     normalize(gm)
     regions, rejections = find_regions(gm)
+    if not fuse_differentiable:
+        trained = [r for r in regions if any(_requires_grad(gm, w) for w in r.weights)]
+        regions = [r for r in regions if r not in trained]
+        rejections += [Rejection(r.pattern, r.module_path, _TRAINED_REASON, [n.name for n in r.nodes])
+                       for r in trained]
     for region in regions:
         _refine_strategy(gm, region)
     if gm.training:
         for region in regions:
             if any(_requires_grad(gm, w) for w in region.weights):
-                region.notes.append("training: forward fused, backward is the vjp of the original ops")
+                region.notes.append(_TRAINING_NOTE)
     reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix, _kernel_files(r)) for r in regions]
     replace_regions(gm, regions)
     for rej in rejections:

@@ -199,6 +199,104 @@ def test_training_gradients_match_eager():
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.fixture
+def untrained_specs():
+    """A fresh record of which region specs have run a backward (fxfuse.ops keeps it per process)."""
+    saved = set(fxfuse.ops._trained)
+    fxfuse.ops._trained.clear()
+    yield
+    fxfuse.ops._trained.clear()
+    fxfuse.ops._trained.update(saved)
+
+
+def _runs_fused_op(out: torch.Tensor, depth: int = 3) -> bool:
+    """Whether the fused op is among the last ``depth`` autograd nodes that made ``out`` (dropout may follow)."""
+    nodes = [out.grad_fn]
+    for _ in range(depth):
+        if any(n is not None and "fxfuse_mlp" in n.name() for n in nodes):
+            return True
+        nodes = [f for n in nodes if n is not None for f, _ in n.next_functions]
+    return False
+
+
+def test_trained_region_records_gradients_through_the_original_ops(untrained_specs):
+    # The op's backward recomputes the forward; a training step must not pay it twice. After the first
+    # backward, gradient-recording calls run the original ops (eager's autograd keeps the intermediates),
+    # gradients stay eager's at every step, and a no_grad call still runs the fused op.
+    model = GatedMLP().train()
+    fast = fxfuse.optimize(model)
+    ref_model = copy.deepcopy(model)
+    runs_op = []
+    for _ in range(3):
+        x = torch.randn(4, 32, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        out = fast(x)
+        runs_op.append(_runs_fused_op(out))
+        out.square().sum().backward()
+        ref_model(x_ref).square().sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+        for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert runs_op == [True, False, False]
+    with torch.no_grad(), FusedOpCalls() as calls:
+        fast(torch.randn(4, 32))
+    assert calls.n == 1
+
+
+def test_gradient_recording_inference_stays_fused(untrained_specs):
+    # Inference without torch.no_grad() records gradients nobody asks for: the fused op keeps running.
+    model = GatedMLP().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 32)
+    for _ in range(2):
+        out = fast(x)
+        assert out.requires_grad and _runs_fused_op(out)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_on_gpu(dtype, untrained_specs):
+    # The fused kernels run in the first step's forward and in no_grad calls; gradients are eager's throughout.
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for model in (GPT2MLP(256, 1024), GatedMLP(256, 768), nerf_mlp((32, 64, 64, 64, 16))):
+        model = model.cuda().to(dtype).train()
+        fast = fxfuse.optimize(model)
+        ref_model = copy.deepcopy(model)
+        for step in range(3):
+            x = torch.randn(64, model_in(model), device="cuda", dtype=dtype, requires_grad=True)
+            x_ref = x.detach().clone().requires_grad_(True)
+            torch.manual_seed(step)  # the same dropout mask (GPT2MLP) in both
+            out = fast(x)
+            torch.manual_seed(step)
+            ref = ref_model(x_ref)
+            assert _runs_fused_op(out) == (step == 0)
+            grad = torch.randn_like(ref)
+            out.backward(grad)
+            ref.backward(grad)
+            assert rel_err(x.grad, x_ref.grad) < tol
+            for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+                assert rel_err(p.grad, p_ref.grad) < tol, name
+            model.zero_grad()
+            ref_model.zero_grad()
+        with torch.no_grad(), FusedOpCalls() as calls:
+            fast(x)
+        assert calls.n >= 1
+
+
+class FusedOpCalls(torch.overrides.TorchFunctionMode):
+    """Counts ``torch.ops.fxfuse.mlp`` calls made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func is FUSED_OP
+        return func(*args, **(kwargs or {}))
+
+
 def test_optimize_is_fast_on_a_12_block_model():
     model = Stack(blocks=12).eval()
     fxfuse.optimize(model)  # warm: pattern graphs traced once per process

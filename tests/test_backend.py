@@ -50,6 +50,30 @@ def test_backend_with_inductor_default():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_backend_leaves_training_graphs_to_inductor():
+    # Compiled with grad mode on, AOTAutograd differentiates the graph: Inductor's backward keeps the
+    # intermediates, where the op's would recompute the forward. The no_grad graph (its own Dynamo graph,
+    # guarded on grad mode) is fused.
+    model = GatedMLP().train()
+    compiled = torch.compile(model, backend="fxfuse")
+    before = fxfuse.report().num_fused
+    x = torch.randn(4, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    compiled(x).square().sum().backward()
+    report = fxfuse.report(compiled)
+    assert report.num_fused == before
+    assert any("gradients are recorded" in r.reason for r in report.rejections)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert fxfuse.report(compiled).num_fused == before + 1
+
+
 def test_unknown_backend_option_is_a_clear_error():
     compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductr": False})
     with pytest.raises(Exception, match="inductr"):

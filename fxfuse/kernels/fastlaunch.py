@@ -281,21 +281,15 @@ class LeanLauncher:
         raw = getattr(run, "raw", None)
         if raw is not None:  # Triton 3.6's C launcher, directly (see _direct_launch)
             c_launch, coop, pdl = raw
-
-            def launch_bound(*values):
-                a = ordered.copy()  # a copy per call: two threads may launch the same binding
-                for i, v in zip(positions, values):
-                    a[i] = v
-                c_launch(g0, g1, g2, _raw_stream(device_index), function, coop, pdl, None, None, packed, None, None,
-                         None, *a)
-
-            return launch_bound
+            fn, head = c_launch, (function, coop, pdl, None, None, packed, None, None, None)
+        else:  # the compiled kernel's launcher (``CudaLauncher.__call__``)
+            fn, head = run, (function, packed, None, None, None)
 
         def launch_bound(*values):
-            a = ordered.copy()
+            a = ordered.copy()  # a copy per call: two threads may launch the same binding
             for i, v in zip(positions, values):
                 a[i] = v
-            run(g0, g1, g2, _raw_stream(device_index), function, packed, None, None, None, *a)
+            fn(g0, g1, g2, _raw_stream(device_index), *head, *a)
 
         return launch_bound
 
