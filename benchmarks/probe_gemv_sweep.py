@@ -1,6 +1,6 @@
 """Every small-M stage-kernel config at the decode workloads' stages, and the two-launch MLP they make.
 
-    python3 benchmarks/probe_gemv_sweep.py [--budget SECONDS] [--workers N]
+    python3 benchmarks/probe_gemv_sweep.py [--budget SECONDS] [--workers N] [--wide | --one-row] [--only NAME]
 
 For llama_swiglu m1/m16 and gpt2m_mlp m1/m8 (bf16), each stage (gate+up, down; fc1+GELU, fc2) is run with every
 config of a grid (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) that suits it (``run_stage_gemv(config=...)``, no
@@ -54,7 +54,29 @@ WIDE_TILES = ((16, 512), (32, 256), (32, 512), (64, 128), (64, 256), (128, 64), 
 WIDE_DEPTHS = ((4, 3), (4, 4), (4, 6), (8, 3), (8, 4), (8, 6))
 
 
-def configs_for(k: int, n: int, n_w: int, wide: bool = False) -> list[triton.Config]:
+# ONE_ROW (M == 1, multiply-and-sum): a few rows of W per program, long K runs.
+ONE_ROW_TILES = ((1, 4096), (2, 2048), (4, 1024), (4, 2048), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256))
+ONE_ROW_DEPTHS = ((4, 1), (8, 1), (16, 1), (4, 3), (8, 2))
+
+
+def one_row_configs(k: int, n: int) -> list[triton.Config]:
+    out = []
+    for bn, bk in ONE_ROW_TILES:
+        if bn > n or bk > max(64, k):
+            continue
+        for split in (1, 4) if bn >= 16 else (1,):
+            if split > 1 and triton.cdiv(n, bn) >= SMS:
+                continue
+            for warps, stages in ONE_ROW_DEPTHS:
+                out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": True},
+                                         num_warps=warps, num_stages=stages))
+    return out
+
+
+def configs_for(k: int, n: int, n_w: int, wide: bool = False, m: int = 16,
+                one_row: bool = False) -> list[triton.Config]:
+    if one_row:
+        return one_row_configs(k, n) if m == 1 else []
     out = []
     for bn, bk in WIDE_TILES if wide else TILES:
         if bn > max(16, n) or bk > max(64, k):
@@ -64,8 +86,8 @@ def configs_for(k: int, n: int, n_w: int, wide: bool = False) -> list[triton.Con
             if split > triton.cdiv(k, bk) or (split > 1 and tiles >= 2 * SMS) or tiles * split > 8 * SMS:
                 continue
             for warps, stages in WIDE_DEPTHS if wide else DEPTHS:
-                c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps,
-                                  num_stages=stages)
+                c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": False},
+                                  num_warps=warps, num_stages=stages)
                 fitted = fit_stages(c, (n_w * bn * bk + GEMV_BLOCK_M * bk) * 2)
                 if fitted is not None and fitted.num_stages == stages:
                     out.append(fitted)
@@ -104,10 +126,10 @@ def eager_stage(stage, x, ws, bs):
 
 def _warm(job) -> str:
     """Compile every config of ``stage`` once (a worker process): Triton's disk cache keeps the binaries."""
-    stage, wide, part, parts = job
+    stage, wide, one_row, part, parts = job
     x, ws, bs = tensors(stage)
     failed = 0
-    for c in configs_for(stage[2], stage[3], stage[4], wide)[part::parts]:
+    for c in configs_for(stage[2], stage[3], stage[4], wide, stage[1], one_row)[part::parts]:
         try:
             run_stage_gemv(x, ws, bs, [], stage[-1], check=False, config=c)
         except Exception:
@@ -116,7 +138,7 @@ def _warm(job) -> str:
     return f"{stage[0]}: compiled ({failed} failed)"
 
 
-def sweep(stage, deadline: float, wide: bool = False):
+def sweep(stage, deadline: float, wide: bool = False, one_row: bool = False):
     x, ws, bs = tensors(stage)
     ref = reference(stage, x, ws, bs)
     wbytes = sum(w.numel() for w in ws) * 2
@@ -124,12 +146,13 @@ def sweep(stage, deadline: float, wide: bool = False):
     print(f"== {stage[0]}: M={stage[1]} K={stage[2]} N={stage[3]}; floor {wbytes / COPY_TBPS / 1e6:.1f} us; "
           f"eager kernels {eager_us:.1f} us ({wbytes / eager_us / 1e6:.2f} TB/s)", flush=True)
     rows = []
-    for c in configs_for(stage[2], stage[3], stage[4], wide):
+    for c in configs_for(stage[2], stage[3], stage[4], wide, stage[1], one_row):
         if time.time() > deadline:
             print("   (budget reached)")
             break
         kw = c.kwargs
-        desc = f"N{kw['BLOCK_N']} K{kw['BLOCK_K']} split{kw['SPLIT_K']} w{c.num_warps} s{c.num_stages}"
+        desc = (f"N{kw['BLOCK_N']} K{kw['BLOCK_K']} split{kw['SPLIT_K']} w{c.num_warps} s{c.num_stages}"
+                f"{' one-row' if kw['ONE_ROW'] else ''}")
         try:
             run = lambda c=c: run_stage_gemv(x, ws, bs, [], stage[-1], check=False, config=c)  # noqa: E731
             out = run()
@@ -182,20 +205,21 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--only", default="", help="only the MLPs whose name contains this")
     ap.add_argument("--wide", action="store_true", help="a wider grid of tiles and pipeline depths")
+    ap.add_argument("--one-row", action="store_true", help="ONE_ROW configs only (M=1 stages)")
     args = ap.parse_args()
     t0 = time.time()
-    mlps = [mlp for mlp in MLPS if args.only in mlp[0]]
+    mlps = [mlp for mlp in MLPS if args.only in mlp[0] and (mlp[1] == 1 or not args.one_row)]
     all_stages = [s for mlp in mlps for s in stages_of(mlp)]
     if args.workers > 1:
         with mp.get_context("spawn").Pool(args.workers) as pool:
             parts = max(1, 3 * args.workers // len(all_stages))
-            jobs = [(s, args.wide, i, parts) for s in all_stages for i in range(parts)]
+            jobs = [(s, args.wide, args.one_row, i, parts) for s in all_stages for i in range(parts)]
             for line in pool.imap_unordered(_warm, jobs):
                 print(f"   {line} at {time.time() - t0:.0f} s", flush=True)
     per = (args.budget - (time.time() - t0)) / len(all_stages)
     best = {}
     for s in all_stages:
-        best[s[0]] = sweep(s, time.time() + per, args.wide)
+        best[s[0]] = sweep(s, time.time() + per, args.wide, args.one_row)
     for mlp in mlps:
         s0, s1 = stages_of(mlp)
         if best[s0[0]] is not None and best[s1[0]] is not None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from test_ops import TOL, rel_err
 
 from fxfuse import stages
 from fxfuse.kernels import GEMV_MAX_M, run_stage_gemv
-from fxfuse.kernels.gemv_template import fit_gemv_config, gpu_gemv_configs
+from fxfuse.kernels.gemv_template import _prune, fit_gemv_config, gpu_gemv_configs
 from fxfuse.kernels.workspace import _workspaces
 
 # (epilogue, number of linears, bias?, operands?, K, N): odd widths, not multiples of the test tiles.
@@ -52,6 +53,32 @@ def test_gemv_matches_float64_reference(stage, dtype):
         assert out.shape == (m, stage[-1]) and out.dtype == dtype
         assert rel_err(out, reference(*args)) < TOL[dtype]
     assert workspaces_are_clean()
+
+
+# ONE_ROW configs (M == 1, multiply-and-sum instead of tl.dot), small enough for the interpreter: a tile narrower
+# than 16 columns, and a split-K one.
+ONE_ROW_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1, "ONE_ROW": True}, num_warps=4),
+                   triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "ONE_ROW": True}, num_warps=4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
+def test_one_row_configs_match_float64_reference(stage, dtype):
+    for config in ONE_ROW_CONFIGS:
+        args = make_stage(*stage, 1, dtype)
+        assert rel_err(run_stage_gemv(*args, config=config), reference(*args)) < TOL[dtype], config
+    assert workspaces_are_clean()
+    with pytest.raises(ValueError, match="one row"):
+        run_stage_gemv(*make_stage(*stage, 2, dtype), config=ONE_ROW_CONFIGS[0])
+
+
+def test_one_row_configs_are_only_tuned_for_one_row():
+    x = torch.empty(1, 4096, dtype=torch.bfloat16)
+    for bucket in (1, 2, 16):
+        kept = _prune(gpu_gemv_configs(), {"x_ptr": x, "N": 14336, "K": 4096, "M_BUCKET": bucket})
+        one_row = [c for c in kept if c.kwargs["ONE_ROW"]]
+        assert bool(one_row) == (bucket == 1)
+        assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in one_row)
 
 
 def test_strided_inputs_and_single_element_operand():
@@ -109,7 +136,7 @@ def test_every_gpu_config(stage):
     """Each config the autotuner may pick (fitted to shared memory as it would be), split-K ones included, run
     directly (bf16)."""
     for config in (fit_gemv_config(c, stage[1], 2) for c in gpu_gemv_configs()):
-        for m in (1, GEMV_MAX_M):
+        for m in (1,) if config.kwargs["ONE_ROW"] else (1, GEMV_MAX_M):
             args = make_stage(*stage, m, torch.bfloat16, "cuda")
             out = run_stage_gemv(*args, config=config)
             assert rel_err(out, reference(*args)) < 1e-2, (config, m)

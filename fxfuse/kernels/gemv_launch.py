@@ -135,6 +135,8 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     if config is not None:  # one variant, bypassing the autotuner
+        if config.kwargs.get("ONE_ROW") and M != 1:
+            raise ValueError(f"a ONE_ROW config computes one row; got {M}")
         kernel.fn[grid](**args, **config.all_kwargs())
         return out
     launch_kernel(kernel, grid, args, x)

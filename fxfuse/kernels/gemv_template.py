@@ -13,6 +13,9 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
   relaxed atomics and count themselves on a per-column-tile counter; the last split of a tile takes the
   sums out with ``atomic_xchg(ws, 0)`` (leaving the workspace zero for the next launch), resets the
   counter, and runs the epilogue. With ``SPLIT_K = 1`` none of that is compiled in.
+* **One row** (``ONE_ROW``, M = 1 only): no ``tl.dot`` and no padding. Each program multiplies a few
+  rows of ``W`` by ``x`` on the CUDA cores and sums along K, loading straight into registers; this
+  streams better than the staged ``tl.dot`` tiles when the row count is one (llama down 32.5 vs 40 µs).
 * The epilogue runs on the fp32 accumulators (bias, operands, pointwise math) and casts once.
 * On Hopper the launch is a programmatic dependent launch (``USE_PDL``): it is scheduled while the previous
   kernel (the region's first stage) finishes and waits for it on the GPU, which hides one launch latency of
@@ -43,7 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs", "gpu_gemv_configs",
            "prune_gemv_configs", "render_gemv"]
 
-GEMV_TEMPLATE_VERSION = 2
+GEMV_TEMPLATE_VERSION = 3
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
 
@@ -89,6 +92,7 @@ _DOC = '''\
     INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs ("ieee" or "tf32").
     BLOCK_M:     rows per launch (M padded to it); BLOCK_N: output columns per program; BLOCK_K: K step;
     SPLIT_K:     programs sharing one column tile's K steps (grid axis 1).
+    ONE_ROW:     M is 1: multiply-and-sum on CUDA cores (BLOCK_N may be below 16) instead of ``tl.dot``.
     USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
                  previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
     """
@@ -114,7 +118,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     params += [f"stride_b{i}" for i in lin] + [f"stride_v{j}" for j in range(n_ops)]
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
                "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "USE_PDL: tl.constexpr"]
+               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr"]
 
     body = [
         "if USE_PDL:",
@@ -143,16 +147,40 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
                  f"acc{i} = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)"]
     body += [
         "# Weights are read once: evict_first keeps x (read by every program) in L2.",
-        "for k in range(k_first, k_end):",
-        "    k_mask = offs_k < K - k * BLOCK_K",
-        "    xt = tl.load(xt_ptrs, mask=k_mask[:, None], other=0.0)",
+        "if ONE_ROW:",
+        "    # M == 1 (configs pruned to it): multiply and sum on the CUDA cores. The weight loads go straight",
+        "    # to registers, with no shared-memory staging for tl.dot, and stream faster after a dirty L2.",
+        "    # Addresses from int32 offsets made in each step (not loop-carried pointer tiles, which hold two",
+        "    # registers per element and cut the programs an SM keeps in flight). x is a [1, BLOCK_K] tile in the",
+        "    # weight tile's layout (a 1-D load would be re-laid out through shared memory in every step).",
+    ]
+    body += [f"    w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
+    body += [f"    part{i} = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)" for i in lin]
+    body += [
+        "    for k in range(k_first, k_end):",
+        "        ks = k * BLOCK_K + offs_k[None, :]",
+        "        k_mask = ks < K",
+        "        xr = tl.load(x_ptr + ks * stride_xk, mask=k_mask, other=0.0, eviction_policy=\"evict_last\")",
     ]
     for i in lin:
-        body += [f"    w{i} = tl.load(w{i}_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=\"evict_first\")",
-                 f"    acc{i} = tl.dot(w{i}, xt, acc{i}, input_precision=INPUT_PRECISION)",
-                 f"    w{i}_ptrs += BLOCK_K * stride_w{i}k"]
+        body += [f"        w{i} = tl.load(w{i}_ptr + w{i}_rows + ks * stride_w{i}k, mask=k_mask, other=0.0, "
+                 "eviction_policy=\"evict_first\")",
+                 f"        part{i} += w{i}.to(tl.float32) * xr.to(tl.float32)"]
+    # Every padded column holds row 0's sums; the store keeps column 0 only.
+    body += [f"    acc{i} = tl.broadcast_to(tl.sum(part{i}, 1)[:, None], (BLOCK_N, BLOCK_M))" for i in lin]
     body += [
-        "    xt_ptrs += BLOCK_K * stride_xk",
+        "else:",
+        "    for k in range(k_first, k_end):",
+        "        k_mask = offs_k < K - k * BLOCK_K",
+        "        xt = tl.load(xt_ptrs, mask=k_mask[:, None], other=0.0)",
+    ]
+    for i in lin:
+        body += [f"        w{i} = tl.load(w{i}_ptrs, mask=k_mask[None, :], other=0.0, "
+                 "eviction_policy=\"evict_first\")",
+                 f"        acc{i} = tl.dot(w{i}, xt, acc{i}, input_precision=INPUT_PRECISION)",
+                 f"        w{i}_ptrs += BLOCK_K * stride_w{i}k"]
+    body += [
+        "        xt_ptrs += BLOCK_K * stride_xk",
         "out_mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]",
         "if SPLIT_K > 1:",
         "    # Partial sums meet in the workspace; the tile's last split owns the totals. The barrier puts",
@@ -194,15 +222,16 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     return src
 
 
-def _cfg(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
+def _cfg(bn: int, bk: int, split: int, warps: int, stages: int, one_row: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": one_row},
+                         num_warps=warps, num_stages=stages)
 
 
 def gpu_gemv_configs() -> list[triton.Config]:
     """The GPU candidates, before :func:`prune_gemv_configs` keeps those that suit one launch.
 
     Example:
-        >>> all(c.kwargs["BLOCK_N"] in (16, 32, 64, 128) for c in gpu_gemv_configs())
+        >>> all(c.kwargs["BLOCK_N"] in (16, 32, 64, 128) for c in gpu_gemv_configs() if not c.kwargs["ONE_ROW"])
         True
     """
     # H200 sweep (benchmarks/probe_gemv_sweep.py, device µs after an L2 flush): llama gate+up 63.9 (M=1, N128 K64 w8
@@ -222,6 +251,17 @@ def gpu_gemv_configs() -> list[triton.Config]:
         _cfg(128, 64, 4, 4, 6),
         _cfg(32, 256, 4, 8, 4),
         _cfg(64, 128, 8, 4, 6),
+        # M == 1 only (ONE_ROW): a few weight rows per program, long K runs, like Inductor's reduction kernels.
+        # H200 sweep (probe_gemv_sweep.py --one-row, device µs after do_bench's flush): llama gate+up 63.7
+        # (N32 K256 w4) / 63.8 (N4 K1024 w8), llama down 32.5 (N4 K2048 w4; tl.dot: 40.0), gpt2m fc1 5.5
+        # (N8 K512 w8 s2), gpt2m fc2 5.2 (N2 K2048 w8; tl.dot split-K: 8.9).
+        _cfg(32, 256, 1, 4, 1, True),
+        _cfg(4, 1024, 1, 8, 1, True),
+        _cfg(4, 2048, 1, 4, 1, True),
+        _cfg(8, 512, 1, 8, 2, True),
+        _cfg(8, 512, 1, 4, 1, True),
+        _cfg(16, 512, 1, 16, 1, True),
+        _cfg(2, 2048, 1, 8, 1, True),
     ]
 
 
@@ -235,7 +275,8 @@ def gemv_configs() -> list[triton.Config]:
     if _interpreting():
         # Small tiles and two K splits, so the tests' odd widths exercise the K mask, wrapped columns and the
         # workspace hand-off.
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2, "ONE_ROW": False}, num_warps=4,
+                              num_stages=1)]
     return gpu_gemv_configs()
 
 
@@ -251,8 +292,13 @@ def _programs(c: triton.Config, N: int) -> int:
 
 
 def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> triton.Config | None:
-    """``c`` with as many pipeline stages as fit shared memory (each holds the weight tiles and an x tile)."""
+    """``c`` with as many pipeline stages as fit shared memory (each holds the weight tiles and an x tile).
+
+    A ONE_ROW config with one stage keeps its loads in registers: it needs no shared memory.
+    """
     kw = c.kwargs
+    if kw.get("ONE_ROW") and c.num_stages == 1:
+        return c
     return fit_stages(c, (num_linears * kw["BLOCK_N"] * kw["BLOCK_K"] + GEMV_BLOCK_M * kw["BLOCK_K"]) * elem_size)
 
 
@@ -264,12 +310,17 @@ def _prune(configs, named_args, **kwargs):
     N, K = args["N"], args["K"]
     device = getattr(x, "device", None)
     sms = _sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
+    # ONE_ROW configs compute row 0 only: never for more rows. Below 16 columns a tile has no split counter.
+    one_row = args.get("M_BUCKET") == 1
+    configs = [c for c in configs if not c.kwargs.get("ONE_ROW") or (one_row and (
+        c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16))]
     kept = []
     for c in configs:
         bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
         # A tile much wider than its dimension only streams padding; a split needs K steps to share, and is
         # only worth its workspace traffic when the columns alone leave SMs idle.
-        if bn > max(16, next_pow2(N)) or bk > max(64, next_pow2(K)) or split > triton.cdiv(K, bk):
+        if bn > max(16, next_pow2(N)) or bk > max(64, next_pow2(K)) or split > triton.cdiv(K, bk) \
+                or (c.kwargs.get("ONE_ROW") and bk > next_pow2(K)):
             continue
         if split > 1 and triton.cdiv(N, bn) >= 2 * sms:
             continue
