@@ -225,6 +225,24 @@ def generated_gemv_kernel(num_linears: int, epilogue: str) -> ModuleType:
     return _cached(("gemv", num_linears, epilogue), source, "fxfuse_gemv")
 
 
+def generated_grid_sync_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -> ModuleType:
+    """Import (generating if needed) the grid-sync decode kernel module (:mod:`fxfuse.kernels.grid_sync_template`).
+
+    The module has ``fused_grid_sync_kernel``, ``NUM_LINEARS0`` and ``EPILOGUES``. Raises ``ValueError`` for
+    invalid epilogues.
+
+    Example:
+        >>> generated_grid_sync_kernel(1, "gelu_tanh(a0)", "a0").EPILOGUES  # doctest: +SKIP
+        ['gelu_tanh(a0)', 'a0']
+    """
+    def source() -> str:
+        from .kernels.grid_sync_template import render_grid_sync
+
+        return render_grid_sync(num_linears0, epilogue0, epilogue1)
+
+    return _cached(("grid_sync", num_linears0, epilogue0, epilogue1), source, "fxfuse_grid_sync")
+
+
 def generated_tma_kernel(num_linears: int, epilogue: str) -> ModuleType:
     """Import (generating if needed) the Hopper TMA stage kernel module (:mod:`fxfuse.kernels.tma_template`).
 

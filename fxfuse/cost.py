@@ -12,8 +12,8 @@ The kernels (and the bytes each moves) of every strategy:
   intermediate is written by one kernel and read back by the next (what ``torch`` eager does).
 * ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM kernel per stage with bias and epilogue fused;
   the intermediate between two stages is written once and read once.
-* ``fused_chain`` and ``decode_split_hidden``: ONE kernel: input read once, every weight once, output
-  written once (the intermediates stay on chip).
+* ``fused_chain``, ``decode_split_hidden`` and ``decode_grid_sync``: ONE kernel: input read once, every weight
+  once, output written once (the intermediates stay on chip).
 
 Ceilings come from :mod:`fxfuse.roofline` (the named GPU's table entry, or measured ones passed as
 ``ceilings=``). The regime says where most of the predicted time goes: the matmul rate (``compute``),
@@ -39,7 +39,7 @@ from . import epilogue as ep
 from .kernels.chain_template import MAX_CHAIN_WIDTH
 from .roofline import DEVICES, Ceilings, named_ceilings
 from .spec import MLPSpec
-from .strategy import DECODE, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
+from .strategy import DECODE, DECODE_GRID_SYNC, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
 
 __all__ = ["BANDWIDTH_EFFICIENCY", "CUBLAS_EFFICIENCY", "DECODE_MAX_ROWS", "STRATEGIES", "TRITON_GEMM_EFFICIENCY",
            "Kernel", "Prediction", "ceilings_for", "predict", "rank"]
@@ -57,7 +57,7 @@ BANDWIDTH_EFFICIENCY = 0.9
 # is no candidate.
 DECODE_MAX_ROWS = 16
 
-STRATEGIES = (ORIGINAL_OPS, GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, FUSED_CHAIN, DECODE)
+STRATEGIES = (ORIGINAL_OPS, GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, FUSED_CHAIN, DECODE, DECODE_GRID_SYNC)
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def rank(spec: Union[MLPSpec, str], widths: Sequence[int], m: int, dtype: Union[
     Example:
         >>> [p.strategy for p in rank("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 1, "bfloat16",
         ...                           device_name="H200")]
-        ['decode_split_hidden', 'gemm_epilogue', 'original_ops']
+        ['decode_grid_sync', 'gemm_epilogue', 'original_ops']
     """
     spec = MLPSpec.loads(spec) if isinstance(spec, str) else spec
     ceil = ceilings or ceilings_for(device_name)
@@ -182,11 +182,15 @@ def _cannot_run(spec: MLPSpec, widths: tuple[int, ...], m: int, strategy: str) -
             return "the chain kernel has no gated stage"
         if max(widths) > MAX_CHAIN_WIDTH:
             return f"a width above {MAX_CHAIN_WIDTH}"
-    if strategy == DECODE:
+    if strategy in (DECODE, DECODE_GRID_SYNC):
         if len(spec.stages) != 2 or spec.stages[1].num_linears != 1:
-            return "the decode kernel takes two stages, the second one linear"
-        if m > DECODE_MAX_ROWS:
+            return "the decode kernels take two stages, the second one linear"
+        if strategy == DECODE and m > DECODE_MAX_ROWS:
             return f"more than {DECODE_MAX_ROWS} rows"
+        if strategy == DECODE and m == 1:
+            return f"one row runs {DECODE_GRID_SYNC}"
+        if strategy == DECODE_GRID_SYNC and m != 1:
+            return "the grid-sync kernel takes one row"
     return None
 
 

@@ -40,6 +40,7 @@ from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import (
     DECODE,
+    DECODE_GRID_SYNC,
     DECODE_MAX_M,
     FUSED_CHAIN,
     GATED_GEMM_EPILOGUE,
@@ -163,7 +164,7 @@ def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], elem_s
 def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
                  spec: str, strategy: str) -> Tensor:
     """The region with the kernels of ``strategy`` (one of :func:`fxfuse.strategy.kernel_candidates`)."""
-    from .kernels import run_chain, run_decode
+    from .kernels import run_chain, run_decode, run_grid_sync
     from .stages import run_best_stage
 
     lead = x.shape[:-1]
@@ -174,9 +175,10 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
     if strategy == FUSED_CHAIN:
         h = run_chain(h, weights, [bs[0] for bs in per_stage_biases], per_stage_ops,
                       tuple(s.epilogue for s in stages))
-    elif strategy == DECODE:
-        h = run_decode(h, weights, [b for bs in per_stage_biases for b in bs], per_stage_ops,
-                       tuple(s.epilogue for s in stages), check=False)
+    elif strategy in (DECODE, DECODE_GRID_SYNC):
+        run = run_decode if strategy == DECODE else run_grid_sync
+        h = run(h, weights, [b for bs in per_stage_biases for b in bs], per_stage_ops,
+                tuple(s.epilogue for s in stages), check=False)
     else:  # one GEMM + epilogue per stage, each by its fastest implementation
         timed = h.device.type == "cuda" and type(h) is Tensor and measured_choice_enabled()
         for stage, stage_biases, ops in zip(stages, per_stage_biases, per_stage_ops):
@@ -186,6 +188,12 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
 
 
 _failed: set[tuple[str, str, str]] = set()
+# Strategies whose launches leave replay steps (fxfuse.replay): one per stage, or one for the whole region.
+_REPLAYED = (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, DECODE_GRID_SYNC)
+
+
+def _replay_steps(spec: str, strategy: str) -> int:
+    return 1 if strategy == DECODE_GRID_SYNC else len(_plan(spec)[0])
 
 
 def _dispatch(x, weights, biases, operands, spec):
@@ -219,18 +227,18 @@ def _dispatch(x, weights, biases, operands, spec):
         if timed:
             runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
             if replay_key is not None:  # timed as they will run: replayed after the first calls
-                for s in {GEMM_EPILOGUE, GATED_GEMM_EPILOGUE} & runners.keys():
-                    runners[s] = replay.replaying(x, runners[s], len(_plan(spec)[0]))
+                for s in runners.keys() & set(_REPLAYED):
+                    runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s))
             strategy = fastest(args, runners, functools.partial(reference_mlp, *args))
         else:
             strategy = candidates[0]
-    if replay_key is not None and settled and strategy not in (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE):
-        replay.will_not_replay(spec, x)  # only per-stage strategies leave steps
+    if replay_key is not None and settled and strategy not in _REPLAYED:
+        replay.will_not_replay(spec, x)  # only these strategies leave steps
     if strategy == ORIGINAL_OPS:
         return reference_mlp(*args)
     try:
-        if replay_key is not None and settled and strategy in (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE):
-            return replay.build(replay_key, x, lambda: _run_kernels(*args, strategy), len(_plan(spec)[0]))
+        if replay_key is not None and settled and strategy in _REPLAYED:
+            return replay.build(replay_key, x, lambda: _run_kernels(*args, strategy), _replay_steps(spec, strategy))
         return _run_kernels(*args, strategy)
     except torch.OutOfMemoryError:
         raise

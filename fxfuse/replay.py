@@ -9,9 +9,9 @@ everything but its input and output (:func:`fxfuse.kernels.fastlaunch.bind`) or 
 stream, and every weight's, bias's and operand's address, shape, strides and dtype, so a moved, replaced or
 re-typed parameter, a new batch shape or another stream is recorded again.
 
-Only regions whose every stage left a step are replayed (the small-M and TMA kernels and the library stages
-do; the pointer GEMM kernel, the chain and decode kernels do not); nothing is replayed while tracing or
-capturing a CUDA graph.
+Only regions whose every launch left a step are replayed (the small-M and TMA kernels and the library stages
+leave one per stage, the one-row grid-sync kernel one for the whole region; the pointer GEMM kernel, the chain
+and split-hidden decode kernels leave none); nothing is replayed while tracing or capturing a CUDA graph.
 
 Example:
     >>> key = replay_key(x, weights, biases, operands, spec)          # doctest: +SKIP
@@ -81,32 +81,42 @@ def replay_key(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], o
     return fastlaunch.bound_key(spec, x, weights, biases, operands)
 
 
-def build(key: tuple, x: Tensor, run: Callable[[], Tensor], num_stages: int) -> Tensor:
-    """Run the region once (``run()``) while recording its stages; keep a replay under ``key`` if each of its
-    ``num_stages`` stages left a step (:func:`fxfuse.kernels.fastlaunch.record`). Returns ``run()``'s output."""
+def _chained(steps: tuple[Callable[[Tensor], Tensor], ...], x: Tensor, out: Tensor) -> Callable[[Tensor], Tensor]:
+    """The replay: ``steps`` one after the other on x viewed as rows (each step returns ``[rows, N]``)."""
+    if x.dim() == 2:  # the key fixed x's shape: no views to make (each costs ~1 µs of host time)
+        if len(steps) == 1:
+            return steps[0]
+        if len(steps) == 2:
+            first, second = steps
+            return lambda x: second(first(x))
+    rows, k, out_shape = x.numel() // x.shape[-1], x.shape[-1], out.shape
+
+    def replay(x: Tensor) -> Tensor:
+        h = x.reshape(rows, k)  # a view: the key fixed x's shape and strides
+        for step in steps:
+            h = step(h)
+        return h.reshape(out_shape)
+
+    return replay
+
+
+def build(key: tuple, x: Tensor, run: Callable[[], Tensor], num_steps: int) -> Tensor:
+    """Run the region once (``run()``) while recording its launches; keep a replay under ``key`` if it left
+    ``num_steps`` steps, none None (:func:`fxfuse.kernels.fastlaunch.record`). Returns ``run()``'s output."""
     with fastlaunch.recording() as steps:
         out = run()
-    if len(steps) == num_stages and all(step is not None for step in steps):
-        rows, k, out_shape = x.numel() // x.shape[-1], x.shape[-1], out.shape
-        frozen = tuple(steps)
-
-        def replay(x: Tensor) -> Tensor:
-            h = x.reshape(rows, k)  # a view: the key fixed x's shape and strides
-            for step in frozen:
-                h = step(h)
-            return h.reshape(out_shape)
-
+    if len(steps) == num_steps and all(step is not None for step in steps):
         if len(replays) >= _MAX_REPLAYS:
             replays.clear()
-        replays[key] = replay
-        log.debug("fxfuse: replaying %s at %s from now on (%d stages)", key[0], tuple(x.shape), num_stages)
-    elif len(steps) <= num_stages:  # a stage without a step (more steps: a timing run, which proves nothing)
+        replays[key] = _chained(tuple(steps), x, out)
+        log.debug("fxfuse: replaying %s at %s from now on (%d steps)", key[0], tuple(x.shape), num_steps)
+    elif len(steps) <= num_steps:  # a launch without a step (more steps: a timing run, which proves nothing)
         site = (key[0], x.shape)
         _failed_builds[site] = _failed_builds.get(site, 0) + 1
     return out
 
 
-def replaying(x: Tensor, run: Callable[[], Tensor], num_stages: int) -> Callable[[], Tensor]:
+def replaying(x: Tensor, run: Callable[[], Tensor], num_steps: int) -> Callable[[], Tensor]:
     """``run`` as the planner should time it: the full path until a call records a replay, then the replay.
 
     The planner times candidates by their host time too; a candidate that will be replayed must be timed as
@@ -119,7 +129,7 @@ def replaying(x: Tensor, run: Callable[[], Tensor], num_stages: int) -> Callable
         fn = state.get("replay")
         if fn is not None:
             return fn(x)
-        out = build(key, x, run, num_stages)
+        out = build(key, x, run, num_steps)
         fn = replays.pop(key, None)
         if fn is not None:
             state["replay"] = fn

@@ -4,7 +4,10 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
 
 * ``fused_chain``: the whole chain in one kernel (every stage one linear, each layer's weight tile small enough to
   stay on chip: :func:`fxfuse.kernels.chain_template.chain_fits`);
-* ``decode_split_hidden``: a two-stage MLP on M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden dim;
+* ``decode_split_hidden``: a two-stage MLP on 2 ≤ M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden
+  dim;
+* ``decode_grid_sync``: a two-stage MLP on one row in one persistent launch, a grid barrier between the stages and
+  the second stage's weights prefetched during the first (:mod:`fxfuse.kernels.grid_sync_template`);
 * ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue per stage (always possible), each stage by the
   fastest of the small-M kernel (M ≤ 16), the TMA kernel, the pointer kernel, cuBLASLt's epilogue and its
   original ops (:mod:`fxfuse.stages`).
@@ -39,9 +42,9 @@ from .kernels.decode_template import DECODE_BLOCK_M as DECODE_MAX_M
 from .kernels.template import autotune_enabled
 from .spec import MLPSpec
 
-__all__ = ["DECODE", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ORIGINAL_OPS", "Measurement",
-           "choose_strategy", "fastest", "kernel_candidates", "kernels_are_faster", "launches",
-           "measured_choice_enabled", "measurements", "time_candidates"]
+__all__ = ["DECODE", "DECODE_GRID_SYNC", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ONE_LAUNCH",
+           "ORIGINAL_OPS", "Measurement", "choose_strategy", "fastest", "kernel_candidates", "kernels_are_faster",
+           "launches", "measured_choice_enabled", "measurements", "time_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,9 @@ FUSED_CHAIN = "fused_chain"  # the whole chain in one kernel, intermediates on c
 GEMM_EPILOGUE = "gemm_epilogue"  # one GEMM kernel per stage, bias + epilogue fused
 GATED_GEMM_EPILOGUE = "gated_gemm_epilogue"  # the same, gate and up in one kernel
 DECODE = "decode_split_hidden"  # a two-stage MLP on a few rows in one launch, split over the hidden dim
+DECODE_GRID_SYNC = "decode_grid_sync"  # a two-stage MLP on ONE row in one launch, a grid barrier between stages
 ORIGINAL_OPS = "original_ops"  # the ops the region replaced (cuBLAS GEMMs + eager pointwise): always a candidate
+ONE_LAUNCH = (FUSED_CHAIN, DECODE, DECODE_GRID_SYNC)  # strategies that run the whole region as one kernel
 
 
 def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
@@ -66,9 +71,11 @@ def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = N
     # small-M split-K kernel, which streamed the weights faster than the decode kernel at every decode row
     # measured on the H200 (benchmarks/probe_gemv_sweep.py; the decode kernel's fp32 atomics grow with M).
     out.append(GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE)
+    # One row: the grid-synchronized kernel (both stages in one persistent launch, the second stage's weights
+    # prefetched during the first) instead of the split-hidden kernel, whose atomics only pay off for more rows.
     small = m is not None and m <= DECODE_MAX_M
     if small and len(spec.stages) == 2 and spec.stages[1].num_linears == 1:
-        out.append(DECODE)
+        out.append(DECODE_GRID_SYNC if m == 1 else DECODE)
     return out
 
 
@@ -78,7 +85,7 @@ def choose_strategy(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = Non
 
 
 def launches(spec: MLPSpec, strategy: str) -> int:
-    return 1 if strategy in (FUSED_CHAIN, DECODE) else len(spec.stages)
+    return 1 if strategy in ONE_LAUNCH else len(spec.stages)
 
 
 # The original ops (cuBLAS GEMMs + eager pointwise) stay a candidate: the first time a region runs on

@@ -41,7 +41,8 @@ def test_nerf64_one_kernel_far_below_the_original_ops():
 def test_llama_m1_is_memory_bound_at_the_weight_streaming_floor():
     floor_us = 3 * 4096 * 14336 * 2 / 4.23e12 * 1e6  # 83.3
     ranked = rank(SWIGLU, LLAMA, 1, "bfloat16", device_name="NVIDIA H200")
-    assert [p.strategy for p in ranked] == [strategy.DECODE, strategy.GATED_GEMM_EPILOGUE, strategy.ORIGINAL_OPS]
+    assert [p.strategy for p in ranked] == [strategy.DECODE_GRID_SYNC, strategy.GATED_GEMM_EPILOGUE,
+                                            strategy.ORIGINAL_OPS]
     for p in ranked:
         assert p.regime == "memory"
         assert p.memory_us == pytest.approx(floor_us / BANDWIDTH_EFFICIENCY, rel=0.01)
@@ -52,7 +53,7 @@ def test_large_m_is_compute_bound_and_small_m_launch_bound():
     gpt2 = predict(GPT2, (768, 3072, 768), 8192, "bfloat16", strategy.GEMM_EPILOGUE, "H200")
     assert gpt2.regime == "compute" and gpt2.flops == 2 * 8192 * 768 * 3072 * 2
     tiny = rank(GPT2, (1024, 4096, 1024), 1, "bfloat16", device_name="H200")
-    assert tiny[0].strategy == strategy.DECODE and all(p.regime == "launch" for p in tiny)
+    assert tiny[0].strategy == strategy.DECODE_GRID_SYNC and all(p.regime == "launch" for p in tiny)
 
 
 @pytest.mark.parametrize("spec, widths, operands", [
@@ -93,10 +94,10 @@ def test_strategies_that_cannot_run_are_refused_or_left_out():
 
 def test_ceilings_unknown_gpu_and_measured_override():
     assert cost.ceilings_for("Some Future GPU").name == "H200"
-    base = predict(SWIGLU, LLAMA, 1, "bfloat16", strategy.DECODE, "H200")
+    base = predict(SWIGLU, LLAMA, 1, "bfloat16", strategy.DECODE_GRID_SYNC, "H200")
     h200 = named_ceilings("H200")
     slow = Ceilings("measured", h200.copy_bytes_per_s / 2, dict(h200.matmul_flops_per_s), "test")
-    halved = predict(SWIGLU, LLAMA, 1, "bfloat16", strategy.DECODE, ceilings=slow)
+    halved = predict(SWIGLU, LLAMA, 1, "bfloat16", strategy.DECODE_GRID_SYNC, ceilings=slow)
     assert halved.device == "measured" and halved.memory_us == pytest.approx(2 * base.memory_us)
     assert "memory-bound" in str(halved)
 

@@ -18,7 +18,7 @@ from test_ops import TOL, f64, make_args, rel_err
 from fxfuse import ops, stages, strategy, tuning_cache
 from fxfuse.ops import reference_mlp
 from fxfuse.spec import MLPSpec
-from fxfuse.strategy import DECODE, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
+from fxfuse.strategy import DECODE, DECODE_GRID_SYNC, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +66,7 @@ def test_a_host_bound_candidate_is_timed_by_its_host_path(monkeypatch):
 @pytest.mark.parametrize("spec,widths,m,expected", [
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 1 << 20, [FUSED_CHAIN, GEMM_EPILOGUE]),
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 4, [FUSED_CHAIN, GEMM_EPILOGUE]),  # 3 stages: no decode
-    ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 1, [GEMM_EPILOGUE, DECODE]),
+    ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 1, [GEMM_EPILOGUE, DECODE_GRID_SYNC]),  # one row
     ("1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024), 17, [GEMM_EPILOGUE]),
     ("1b:gelu_tanh(a0);1b:a0", (64, 128, 64), 8, [FUSED_CHAIN, GEMM_EPILOGUE, DECODE]),
     ("2--:mul(a0,silu(a1));1-:a0", (4096, 14336, 4096), 16, [GATED_GEMM_EPILOGUE, DECODE]),

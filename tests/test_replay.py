@@ -39,6 +39,25 @@ def test_build_keeps_a_replay_only_when_every_stage_was_bound():
     replay.forget_all()
 
 
+def test_a_one_launch_region_replays_its_step_without_views():
+    w1, w2 = torch.randn(16, 8), torch.randn(4, 16)
+    step = fake_stage(w2 @ w1)  # the whole region as one launch
+
+    def run(x):
+        fastlaunch.record(step)
+        return step(x.reshape(-1, 8)).reshape(*x.shape[:-1], 4)
+
+    replay.forget_all()
+    x = torch.randn(1, 8)
+    replay.build(("2d",), x, lambda: run(x), 1)
+    assert replay.replays[("2d",)] is step  # a 2-D input: nothing to reshape around the launch
+    x3 = torch.randn(2, 3, 8)
+    replay.build(("3d",), x3, lambda: run(x3), 1)
+    fresh = torch.randn(2, 3, 8)
+    torch.testing.assert_close(replay.replays[("3d",)](fresh), fresh @ (w2 @ w1).T)
+    replay.forget_all()
+
+
 class GPT2MLP(torch.nn.Module):
     def __init__(self, d=256, h=1024):
         super().__init__()
