@@ -39,6 +39,25 @@ def _bench(fn) -> float:
     return sorted(do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3 for _ in range(3))[1]
 
 
+def event_us(fn, flush: str, reps: int = 100) -> float:
+    """Median µs between CUDA events around ``fn()``, each call after ``flush``: "dirty" (do_bench's 256 MB zero
+    fill), "clean" (reading 256 MB) or "none" (weights may stay in L2)."""
+    cache = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
+    times = []
+    for _ in range(reps):
+        if flush == "dirty":
+            cache.zero_()
+        elif flush == "clean":
+            cache.sum()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] * 1e3
+
+
 def _rel(out, ref) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -130,6 +149,10 @@ def _probe_row(name: str, r: dict) -> None:
     variants["small-M replay steps"] = two_steps
     print(f"  {'small-M replay steps':34s} GPU {_bench(two_steps):7.1f} µs  wall {wall_us(two_steps):6.1f} µs/call",
           flush=True)
+    for label in ("replay step coop=True pdl=True", "small-M replay steps", "eager"):
+        fn = variants[label]
+        print(f"  events {label:34s} " + "  ".join(f"{flush} {event_us(fn, flush):6.1f}"
+                                                     for flush in ("dirty", "clean", "none")) + " µs", flush=True)
     # Device time after do_bench's flush (profiler: after the host-bound timings, it slows later launches).
     for label, fn in [*configs.items(), *variants.items()]:
         kernels = kernels_after_flush(fn)

@@ -44,6 +44,7 @@ from torch import nn
 
 from .capture import ArgSpec, CaptureFailure, Discovery, Scope, trace_scope
 from .inline import InlineChain, chain_modules, install_parts, prove
+from .lift import lift_params
 from .meta import param_getter
 from .normalize import normalize
 from .ops import is_fused_call
@@ -494,10 +495,13 @@ def _autocast_on() -> bool:
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str]):
+def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
+                 lifted_paths: Sequence[str] = ()):
     """The host method: the fused graph when the guards hold, else the original method.
 
-    ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both."""
+    ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
+    ``lifted_paths``: the parameters the fused graph takes as trailing arguments (:mod:`fxfuse.lift`), read
+    here through the modules' dicts on every call."""
     sig = _signature_of(specs)
     # A positional call of exactly the leading required parameters needs no binding.
     n_fast = 0
@@ -508,12 +512,17 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             break
     if any(s.mode == "proxy" for s in specs[n_fast:]):
         n_fast = -1
+    get_lifted = param_getter(list(lifted_paths)) if lifted_paths else None
     get_weights = param_getter(weight_paths) if len(weight_paths) > 1 else None
+    # The dtype guard's weights among the lifted tensors (read once per call), when all of them are.
+    in_lifted = [lifted_paths.index(p) for p in weight_paths] if get_weights is not None and \
+        all(p in lifted_paths for p in weight_paths) else None
 
     def method(self, *args, **kwargs):
         if (training is None or self.training is training) and not _autocast_on():
+            extra = get_lifted(self) if get_lifted is not None else ()
             if get_weights is not None:
-                ws = get_weights(self)
+                ws = [extra[i] for i in in_lifted] if in_lifted is not None else get_weights(self)
                 dtype = ws[0].dtype
                 for w in ws:
                     if w.dtype is not dtype:
@@ -522,10 +531,10 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
                 for a in args:
                     if a is None:
                         return orig(self, *args, **kwargs)
-                return fused(self, *args)
+                return fused(self, *args, *extra)
             values = _bind(specs, args, kwargs, sig)
             if values is not None:
-                return fused(self, *values)
+                return fused(self, *values, *extra)
         return orig(self, *args, **kwargs)
 
     functools.update_wrapper(method, orig)
@@ -635,8 +644,10 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     getattr(h.scope.gm, "real_recompile", lambda: None)()  # a lazy GraphModule: generate its code now
     orig = getattr(type(module), h.method)
     training = module.training if h.scope.mode_dependent else None
-    key = (_code_key(h.scope.gm), tuple(h.scope.args), training, tuple(h.weight_targets))
-    fn = _make_method(orig, h.scope.args, type(h.scope.gm).forward, training, h.weight_targets)
+    # Parameters as arguments (fxfuse.lift): the module's own __getattr__ per read costs more than the dicts.
+    gm, lifted = lift_params(h.scope.gm)
+    key = (_code_key(gm), tuple(h.scope.args), training, tuple(h.weight_targets), tuple(lifted))
+    fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted)
     return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, dict(h.scope.constants))
 
 
