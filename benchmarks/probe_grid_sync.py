@@ -149,6 +149,29 @@ def _probe_row(name: str, r: dict) -> None:
     variants["small-M replay steps"] = two_steps
     print(f"  {'small-M replay steps':34s} GPU {_bench(two_steps):7.1f} µs  wall {wall_us(two_steps):6.1f} µs/call",
           flush=True)
+    # Each config alone as the region's replay step (the autotuner given that one config).
+    from fxfuse import codegen
+
+    kernel = codegen.generated_grid_sync_kernel(len(w0s), e0, e1).fused_grid_sync_kernel
+    all_configs = kernel.configs
+    for c in all_configs:
+        cfg = fit_grid_sync_config(c, K, H, N, sms)
+        if cfg is None:
+            continue
+        kernel.configs, kernel.cache = [c], {}
+        getattr(kernel, "_fxfuse_lean", None) and kernel._fxfuse_lean.entries.clear()
+        grid_sync_launch._bound.clear()
+        run = functools.partial(run_grid_sync, x, weights, biases, [[], []], (e0, e1), check=False)
+        run()
+        with fastlaunch.recording() as steps:
+            run()
+        fn = functools.partial(steps[0], x)
+        kw = cfg.kwargs
+        label = f"H{kw['BLOCK_H']} K{kw['BLOCK_K']} N{kw['BLOCK_N']} HH{kw['BLOCK_HH']} w{c.num_warps}" + \
+            (" prefetch" if kw["PREFETCH"] else "")
+        print(f"  step {label:36s} GPU {_bench(fn):6.1f}  events dirty {event_us(fn, 'dirty'):6.1f}  clean "
+              f"{event_us(fn, 'clean'):6.1f} µs  rel err {_rel(fn(), ref):.1e}", flush=True)
+    kernel.configs, kernel.cache = all_configs, {}
     for label in ("replay step coop=True pdl=True", "small-M replay steps", "eager"):
         fn = variants[label]
         print(f"  events {label:34s} " + "  ".join(f"{flush} {event_us(fn, flush):6.1f}"
