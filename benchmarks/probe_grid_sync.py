@@ -25,7 +25,8 @@ from probe_inductor_decode import kernels_after_flush  # noqa: E402
 from timing import wall_us  # noqa: E402
 
 from fxfuse.kernels import fastlaunch, grid_sync_launch, run_grid_sync, run_stage_gemv  # noqa: E402
-from fxfuse.kernels.grid_sync_template import fit_grid_sync_config, gpu_grid_sync_configs, sm_count  # noqa: E402
+from fxfuse.kernels.grid_sync_template import fit_grid_sync_config, gpu_grid_sync_configs  # noqa: E402
+from fxfuse.kernels.template import sm_count  # noqa: E402
 
 ROWS = {
     "gpt2m": dict(K=1024, H=4096, N=1024, gated=False, bias=True, epilogues=("gelu_tanh(a0)", "a0")),

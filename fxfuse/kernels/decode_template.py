@@ -24,13 +24,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import triton
 
 from .. import epilogue as ep
-from .template import autotune_enabled, fit_stages
+from .template import autotune_enabled, fit_stages, sm_count
 from .template import interpreting as _interpreting
 
 logger = logging.getLogger(__name__)
@@ -266,13 +265,6 @@ def decode_configs() -> list[triton.Config]:
     return gpu_decode_configs()
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _smem_per_stage(c: triton.Config, gated: bool, elem: int) -> int:
     bh, bk, bn = c.kwargs["BLOCK_H"], c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"]
     # The larger loop's pipelined tiles: x + W0 (+ W1) per K step, or one W2 tile per N step (Triton 3.9 for
@@ -301,7 +293,7 @@ def _prune(configs, named_args, **kwargs):
     # First (the pick without autotuning): the widest hidden slice that still gives every SM a program.
     # Wider slices mean fewer programs, so fewer atomic adds into the workspace (programs * M * N).
     device = getattr(x, "device", None)
-    sms = _sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
+    sms = sm_count(device)
     fitting = [c.kwargs["BLOCK_H"] for c in kept if triton.cdiv(H, c.kwargs["BLOCK_H"]) >= sms]
     preferred = max(fitting) if fitting else min(c.kwargs["BLOCK_H"] for c in kept)
     kept.sort(key=lambda c: c.kwargs["BLOCK_H"] != preferred)  # stable: list order within each group

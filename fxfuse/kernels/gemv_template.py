@@ -32,13 +32,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import triton
 
 from .. import epilogue as ep
-from .template import autotune_enabled, fit_stages, next_pow2
+from .template import autotune_enabled, fit_stages, next_pow2, sm_count
 from .template import interpreting as _interpreting
 
 logger = logging.getLogger(__name__)
@@ -280,13 +279,6 @@ def gemv_configs() -> list[triton.Config]:
     return gpu_gemv_configs()
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _programs(c: triton.Config, N: int) -> int:
     return triton.cdiv(N, c.kwargs["BLOCK_N"]) * c.kwargs["SPLIT_K"]
 
@@ -309,7 +301,7 @@ def _prune(configs, named_args, **kwargs):
     elem = x.element_size() if hasattr(x, "element_size") else 2
     N, K = args["N"], args["K"]
     device = getattr(x, "device", None)
-    sms = _sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
+    sms = sm_count(device)
     # ONE_ROW configs compute row 0 only: never for more rows. Below 16 columns a tile has no split counter.
     one_row = args.get("M_BUCKET") == 1
     configs = [c for c in configs if not c.kwargs.get("ONE_ROW") or (one_row and (

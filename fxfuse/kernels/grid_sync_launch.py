@@ -29,9 +29,10 @@ from . import fastlaunch
 from .decode_launch import _torch_decode
 from .decode_launch import _validate as _validate_decode
 from .gemv_launch import _pdl_supported
-from .grid_sync_template import grid_sync_programs, sm_count
+from .grid_sync_template import grid_sync_programs
 from .launch import _parse, _traced_in_interpreter, launch_kernel
 from .template import interpreting as _interpreting
+from .template import sm_count
 from .workspace import zeroed_workspace
 
 logger = logging.getLogger(__name__)

@@ -28,19 +28,18 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import triton
 
 from .. import epilogue as ep
-from .template import autotune_enabled, next_pow2
+from .template import autotune_enabled, next_pow2, sm_count
 from .template import interpreting as _interpreting
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GRID_SYNC_TEMPLATE_VERSION", "fit_grid_sync_config", "gpu_grid_sync_configs", "grid_sync_configs",
-           "grid_sync_programs", "prefetch_fits", "prune_grid_sync_configs", "render_grid_sync", "sm_count"]
+           "grid_sync_programs", "prefetch_fits", "prune_grid_sync_configs", "render_grid_sync"]
 
 GRID_SYNC_TEMPLATE_VERSION = 1
 # Register budget of a program's prefetched W2 rows: BLOCK_N * next_pow2(H) elements per program.
@@ -257,20 +256,6 @@ def grid_sync_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_H": 16, "BLOCK_K": 32, "BLOCK_N": 16, "BLOCK_HH": 32, "PREFETCH": False},
                               num_warps=4, num_stages=1)]
     return gpu_grid_sync_configs()
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of ``device`` (132 off the GPU, the H200's count, for planning)."""
-    if device is None or device.type != "cuda":
-        return 132
-    return _sm_count(device.index or 0)
 
 
 def grid_sync_programs(meta: dict, H: int, N: int, sms: int) -> int:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -216,6 +217,20 @@ def _hint(v) -> int:
         return int(hint(v, fallback=4096))
     except Exception:  # no hint available (unbacked size): assume a large problem
         return 4096
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (132, the H200's count, off the GPU: configs are planned for it)."""
+    if device is None or device.type != "cuda":
+        return 132
+    return _sm_count(device.index or 0)
 
 
 def next_pow2(n: int) -> int:
