@@ -41,7 +41,9 @@ def reference(x, ws, bs, ops, epilogue):
 
 
 def workspaces_are_clean():
-    return all(ws.count_nonzero().item() == 0 and c.count_nonzero().item() == 0 for ws, c in _workspaces.values())
+    # Only this kernel's pairs: the grid-sync kernel's scratch and barrier generation are not left zero.
+    return all(ws.count_nonzero().item() == 0 and c.count_nonzero().item() == 0
+               for key, (ws, c) in _workspaces.items() if key[0] == "gemv")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -7,6 +7,9 @@ stream run in order, so two never share a pair at the same time. A tracer (FakeT
 or a CUDA graph capture gets a fresh zeroed pair instead, so the traced or captured program owns its
 buffers.
 
+The grid-sync decode kernel keeps its pair here too (kind ``"grid_sync"``): the fp32 part holds its
+intermediate and the counters are its barrier's arrivals, left zero, and generation, left as it is.
+
 A captured ``torch.zeros`` is a fill kernel that runs on every replay (3.5 µs of a 21 µs GPT-2-medium decode
 replay on the H200), although the kernels leave the pair zero. A capturer that can zero the pair once, after
 the capture and before the first replay, and keep it alive as long as the graph (``fxfuse.cuda_graphed``)
