@@ -59,6 +59,42 @@ def event_us(fn, flush: str, reps: int = 100) -> float:
     return sorted(s.elapsed_time(e) for s, e in times)[reps // 2] * 1e3
 
 
+def timeline_after_flush(fn, calls: int = 30) -> str:
+    """From the profiler's device timeline, each call after do_bench's 256 MB zero fill: the median gap from the
+    fill's end to the first kernel's start, the span from there to the last kernel's end, and the kernels' busy
+    time (sum of durations). A span longer than the busy time is time between or inside launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            cache.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    gaps, spans, busy = [], [], []
+    fill_end, mine = None, []
+
+    def close():
+        if fill_end is not None and mine:
+            gaps.append(mine[0].time_range.start - fill_end)
+            spans.append(mine[-1].time_range.end - mine[0].time_range.start)
+            busy.append(sum(e.time_range.end - e.time_range.start for e in mine))
+
+    for e in kernels:
+        if "fill" in e.name.lower():
+            close()
+            fill_end, mine = e.time_range.end, []
+        else:
+            mine.append(e)
+    close()
+    med = lambda v: sorted(v)[len(v) // 2] if v else float("nan")  # noqa: E731
+    return f"gap {med(gaps):5.1f}  span {med(spans):5.1f}  busy {med(busy):5.1f} µs"
+
+
 def _rel(out, ref) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -159,7 +195,7 @@ def _probe_row(name: str, r: dict) -> None:
         cfg = fit_grid_sync_config(c, K, H, N, sms)
         if cfg is None:
             continue
-        kernel.configs, kernel.cache = [c], {}
+        kernel.configs, kernel.cache = [cfg], {}  # fitted: a lone config skips the pruner
         getattr(kernel, "_fxfuse_lean", None) and kernel._fxfuse_lean.entries.clear()
         grid_sync_launch._bound.clear()
         run = functools.partial(run_grid_sync, x, weights, biases, [[], []], (e0, e1), check=False)
@@ -171,8 +207,12 @@ def _probe_row(name: str, r: dict) -> None:
         label = f"H{kw['BLOCK_H']} K{kw['BLOCK_K']} N{kw['BLOCK_N']} HH{kw['BLOCK_HH']} w{c.num_warps}" + \
             (" prefetch" if kw["PREFETCH"] else "")
         print(f"  step {label:36s} GPU {_bench(fn):6.1f}  events dirty {event_us(fn, 'dirty'):6.1f}  clean "
-              f"{event_us(fn, 'clean'):6.1f} µs  rel err {_rel(fn(), ref):.1e}", flush=True)
+              f"{event_us(fn, 'clean'):6.1f} µs  rel err {_rel(fn(), ref):.1e}  timeline {timeline_after_flush(fn)}",
+              flush=True)
     kernel.configs, kernel.cache = all_configs, {}
+    for label in ("replay step coop=True pdl=True", "replay step coop=False pdl=False", "small-M replay steps",
+                  "eager"):
+        print(f"  timeline {label:34s} {timeline_after_flush(variants[label])}", flush=True)
     for label in ("replay step coop=True pdl=True", "small-M replay steps", "eager"):
         fn = variants[label]
         print(f"  events {label:34s} " + "  ".join(f"{flush} {event_us(fn, flush):6.1f}"

@@ -488,10 +488,6 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
     (lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
 
 
-def _autocast_on() -> bool:
-    return _any_autocast()
-
-
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -517,15 +513,16 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
     # The dtype guard's weights among the lifted tensors (read once per call), when all of them are.
     in_lifted = [lifted_paths.index(p) for p in weight_paths] if get_weights is not None and \
         all(p in lifted_paths for p in weight_paths) else None
+    weight_at = in_lifted if in_lifted is not None else range(len(weight_paths))  # the weights' places in ws
 
     def method(self, *args, **kwargs):
-        if (training is None or self.training is training) and not _autocast_on():
+        if (training is None or self.training is training) and not _any_autocast():
             extra = get_lifted(self) if get_lifted is not None else ()
             if get_weights is not None:
-                ws = [extra[i] for i in in_lifted] if in_lifted is not None else get_weights(self)
-                dtype = ws[0].dtype
-                for w in ws:
-                    if w.dtype is not dtype:
+                ws = extra if in_lifted is not None else get_weights(self)
+                dtype = ws[weight_at[0]].dtype
+                for i in weight_at:
+                    if ws[i].dtype is not dtype:
                         return orig(self, *args, **kwargs)
             if not kwargs and len(args) == n_fast:
                 for a in args:

@@ -120,18 +120,19 @@ def constant_value(node: Any) -> Optional[float]:
 
 def param_getter(paths: list[str]) -> Callable[[torch.nn.Module], Sequence[torch.Tensor]]:
     """``self -> [tensors at paths]`` through the modules' own dicts (``getattr`` on modules is slow)."""
-    split = [p.split(".") for p in paths]
+    # (owner module path, tensor name) per path, split once: this runs on every call of a fused method.
+    split = [(tuple(p.split(".")[:-1]), p.split(".")[-1]) for p in paths]
     getters = [operator.attrgetter(p) for p in paths]
 
     def get(module: torch.nn.Module) -> Sequence[torch.Tensor]:
         out = []
         try:
-            for parts in split:
+            for owner, name in split:
                 m = module
-                for part in parts[:-1]:
+                for part in owner:
                     m = m._modules[part]
-                t = m._parameters.get(parts[-1])
-                out.append(t if t is not None else m._buffers[parts[-1]])
+                t = m._parameters.get(name)
+                out.append(t if t is not None else m._buffers[name])
         except (KeyError, AttributeError):  # not a plain parameter/buffer path: the slow way
             return [g(module) for g in getters]
         return out

@@ -196,20 +196,28 @@ def _replay_steps(spec: str, strategy: str) -> int:
     return 1 if strategy == DECODE_GRID_SYNC else len(_plan(spec)[0])
 
 
+def _try_replay(x, weights, biases, operands, spec) -> tuple[Optional[tuple], Optional[Tensor]]:
+    """A call like one already run replays its stages (:mod:`fxfuse.replay`): (its replay key, or None when this
+    call cannot be replayed; the replay's output, or None when there is none yet)."""
+    if not (type(x) is Tensor and x.is_cuda and x.dim() > 0 and x.numel() > 0 and replay.may_replay(spec, x)):
+        return None, None
+    replay_key = replay.replay_key(x, weights, biases, operands, spec)
+    run = replay.lookup(replay_key)
+    if run is not None:
+        try:
+            return replay_key, run(x)
+        except ReferenceError:  # a parameter it held weakly is gone: record it again
+            replay.replays.pop(replay_key, None)
+        except Exception as err:  # never expected; the full path decides again
+            log.warning("fxfuse: replaying %s failed (%s: %s); dropped", spec, type(err).__name__, err)
+            replay.replays.pop(replay_key, None)
+    return replay_key, None
+
+
 def _dispatch(x, weights, biases, operands, spec):
-    replay_key = None
-    if type(x) is Tensor and x.is_cuda and x.dim() > 0 and x.numel() > 0 and replay.may_replay(spec, x):
-        # A call like one already run: replay its stages (fxfuse.replay).
-        replay_key = replay.replay_key(x, weights, biases, operands, spec)
-        run = replay.lookup(replay_key)
-        if run is not None:
-            try:
-                return run(x)
-            except ReferenceError:  # a parameter it held weakly is gone: record it again
-                replay.replays.pop(replay_key, None)
-            except Exception as err:  # never expected; the full path below decides again
-                log.warning("fxfuse: replaying %s failed (%s: %s); dropped", spec, type(err).__name__, err)
-                replay.replays.pop(replay_key, None)
+    replay_key, out = _try_replay(x, weights, biases, operands, spec)
+    if out is not None:
+        return out
     reason = kernel_fallback_reason(x, weights, biases, operands, spec)
     if reason is not None:
         if reason not in _logged_fallbacks:
@@ -226,10 +234,13 @@ def _dispatch(x, weights, biases, operands, spec):
         candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, x.element_size())
         if timed:
             runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
+            path = 0.0
             if replay_key is not None:  # timed as they will run: replayed after the first calls
                 for s in runners.keys() & set(_REPLAYED):
                     runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s))
-            strategy = fastest(args, runners, functools.partial(reference_mlp, *args))
+                if not torch.cuda.is_current_stream_capturing():  # the path a replayed call pays around them
+                    path = replay.path_us(replay_key, functools.partial(_try_replay, *args))
+            strategy = fastest(args, runners, functools.partial(reference_mlp, *args), path_us=path)
         else:
             strategy = candidates[0]
     if replay_key is not None and settled and strategy not in _REPLAYED:

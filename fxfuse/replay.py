@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .kernels import fastlaunch
 
-__all__ = ["build", "may_replay", "replay_key", "replaying", "replays", "weak_tensor", "will_not_replay"]
+__all__ = ["build", "may_replay", "path_us", "replay_key", "replaying", "replays", "weak_tensor", "will_not_replay"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,23 @@ def replaying(x: Tensor, run: Callable[[], Tensor], num_steps: int) -> Callable[
         return out
 
     return runner
+
+
+def _unchanged(x: Tensor) -> Tensor:
+    return x
+
+
+def path_us(key: tuple, call: Callable[[], object]) -> float:
+    """Host µs a replayed call spends besides its steps: ``call()`` (the op's dispatch for this call) timed while
+    a replay that does nothing is kept under ``key``. The planner adds it to every candidate's host time."""
+    from .strategy import host_us
+
+    replays[key] = _unchanged
+    try:
+        call()  # warm
+        return min(host_us(call, calls=20) for _ in range(3))
+    finally:
+        replays.pop(key, None)
 
 
 def forget_all() -> None:

@@ -109,10 +109,16 @@ class RegionReport:
         self.predicted_on = fused.device
 
     def predicted_cell(self) -> str:
-        """The table's text, e.g. ``97.6 / 117.6 at M=1, memory-bound``, or ``M unknown``."""
-        if self.predicted_us is None:
-            return "M unknown" if self.widths and self.m is None else "—"
-        return f"{self.predicted_us} at M={self.m}, {self.predicted_regime}-bound"
+        """The table's text, e.g. ``97.6 / 117.6 at M=1, memory-bound``; when M was unknown at optimize time, the
+        prediction at each M the region has run at since (``... at M=8192, compute-bound``), or ``M unknown``."""
+        if self.predicted_us is not None:
+            return f"{self.predicted_us} at M={self.m}, {self.predicted_regime}-bound"
+        if not self.widths:
+            return "—"
+        cells = [f"{FusedVsOriginal(r.predicted_us, r.predicted_original_us)} at M={r.m}"
+                 + (f", {r.predicted_regime}-bound" if r.predicted_regime else "")
+                 for r in self.measurements if r.predicted_us is not None and r.predicted_original_us is not None]
+        return "; ".join(cells) or ("M unknown" if self.m is None else "—")
 
     def measured_cell(self) -> str:
         """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``."""

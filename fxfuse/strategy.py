@@ -113,6 +113,7 @@ class Measurement:
     source: str  # "timed" or "tuning cache"
     predicted_us: Optional[float] = None  # the cost model's time of ``strategy`` at ``m``
     predicted_original_us: Optional[float] = None  # ... and of the original ops
+    predicted_regime: str = ""  # what bounds ``strategy`` in the cost model: "compute", "memory" or "launch"
     times: tuple[tuple[str, float], ...] = ()  # every candidate's time, fastest first
 
     @property
@@ -152,12 +153,13 @@ def forget(args: tuple, strategy: str) -> None:
 
 
 def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
-            run_reference: Callable[[], torch.Tensor]) -> str:
+            run_reference: Callable[[], torch.Tensor], path_us: float = 0.0) -> str:
     """The fastest of ``runners`` (strategy -> call) and the original ops, on inputs like ``args``.
 
     Timed once per key with ``triton.testing.do_bench`` (median) and remembered in memory and on disk.
     A candidate that raises is dropped (logged); inside a CUDA graph capture nothing can be timed, so the
-    first candidate is returned and the choice is made on a later eager call.
+    first candidate is returned and the choice is made on a later eager call. ``path_us``: host µs every call
+    pays besides the candidate (see :func:`time_candidates`).
     """
     key = choice_key(args)
     choice = _choices.get(key)
@@ -177,17 +179,19 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     elif x.is_cuda and torch.cuda.is_current_stream_capturing():
         return next(iter(runners))
     else:
-        times, source = time_candidates(spec, key[1], {**runners, ORIGINAL_OPS: run_reference}), "timed"
+        times = time_candidates(spec, key[1], {**runners, ORIGINAL_OPS: run_reference}, path_us=path_us)
+        source = "timed"
     best = min(times, key=times.get)
     if stored is None or source == "timed":
         tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times))
     kernels = {s: t for s, t in times.items() if s != ORIGINAL_OPS}
     fused_strategy = min(kernels, key=kernels.get) if kernels else next(iter(runners))
-    predicted = _predict(spec, widths, m, dtype, device, (fused_strategy, ORIGINAL_OPS))
+    (fused_pred, original_pred) = _predict(spec, widths, m, dtype, device, (fused_strategy, ORIGINAL_OPS))
     ranked = tuple(sorted(times.items(), key=lambda kv: kv[1]))
     _measured[key] = Measurement(spec, key[1], m, widths, dtype, device, fused_strategy,
-                                 kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source, *predicted,
-                                 times=ranked)
+                                 kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source,
+                                 getattr(fused_pred, "predicted_us", None), getattr(original_pred, "predicted_us", None),
+                                 getattr(fused_pred, "regime", ""), times=ranked)
     _choices[key] = best
     log.info("fxfuse: %s at M~%d (%s): %s -> %s", spec, key[1], source,
              ", ".join(f"{s} {t:.1f} us" for s, t in ranked), best)
@@ -209,9 +213,10 @@ def host_us(run: Callable[[], object], calls: int = 10) -> float:
 TIMING_ROUNDS = 2  # interleaved rounds over the candidates; each keeps its best
 
 
-def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
-    """µs per call of each runner: the larger of its GPU median (``do_bench``) and its host time per call,
-    the best of ``TIMING_ROUNDS`` rounds.
+def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]],
+                    path_us: float = 0.0) -> dict[str, float]:
+    """µs per call of each runner: the larger of its GPU median (``do_bench``) and its host time per call plus
+    ``path_us``, the best of ``TIMING_ROUNDS`` rounds.
 
     Every runner is called once first (compiling and autotuning), then all are timed in interleaved rounds:
     timing one candidate right after its own autotuning burst, or only once, let the GPU's clock and power
@@ -219,6 +224,9 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
     H200 run). ``do_bench`` flushes L2 between calls, which hides up to the flush's duration of host time;
     calls in a loop do not, so a candidate whose launches cost more host time than its kernels take is as slow
     as its host path (at decode sizes a TMA launch's descriptors cost more than the kernel).
+    ``path_us`` is the host time a call spends around the candidate (the op's checks and replay lookup): two
+    candidates whose own host times both hide under their GPU times alone may not once it is added (at
+    gpt2m_mlp_m1 a launch fewer is ~5 µs of host time, and the call is host-bound end to end).
     A runner that raises is left out (logged): a kernel that does not compile or launch here is not a candidate.
     """
     from triton.testing import do_bench
@@ -240,7 +248,7 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
     for _ in range(TIMING_ROUNDS):
         for name, run in ready.items():
             gpu = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
-            times[name] = min(times.get(name, float("inf")), max(gpu, host_us(run)))
+            times[name] = min(times.get(name, float("inf")), max(gpu, host_us(run) + path_us))
     return times
 
 
@@ -254,14 +262,15 @@ def kernels_are_faster(args: tuple, run_kernels: Callable[[], torch.Tensor],
 
 
 def _predict(spec: str, widths: tuple[int, ...], m: int, dtype: str, device: str,
-             strategies: Sequence[str]) -> list[Optional[float]]:
-    """The cost model's µs for each strategy (None where it has none: this runs on the forward path)."""
+             strategies: Sequence[str]) -> list:
+    """The cost model's prediction (:class:`fxfuse.cost.Prediction`) for each strategy (None where it has none:
+    this runs on the forward path)."""
     from .cost import predict
 
-    out: list[Optional[float]] = []
+    out: list = []
     for s in strategies:
         try:
-            out.append(predict(spec, widths, m, dtype, s, device).predicted_us)
+            out.append(predict(spec, widths, m, dtype, s, device))
         except Exception as err:  # a model that cannot say must not stop the forward
             log.debug("fxfuse: no prediction for %s with %s: %s", spec, s, err)
             out.append(None)

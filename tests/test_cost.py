@@ -126,7 +126,17 @@ def test_report_shows_predicted_and_measured_columns(monkeypatch):
     assert "7.5 / 12.2 at M~32" in str(fxfuse.report(fast))
 
 
-def test_report_says_when_m_is_unknown():
-    region = fxfuse.report(fxfuse.optimize(_mlp())).regions[0]
+def test_report_says_when_m_is_unknown(monkeypatch):
+    monkeypatch.setattr(strategy, "_measured", {})
+    fast = fxfuse.optimize(_mlp())
+    region = fxfuse.report(fast).regions[0]
     assert region.m is None and region.predicted_us is None
-    assert "M unknown" in str(fxfuse.report(fxfuse.optimize(_mlp())))
+    assert "M unknown" in str(fxfuse.report(fast))
+    # Once the region has run (M known then), the prediction at that M stands beside the measured times.
+    expected = predict(region.spec, region.widths, 32, "float32", "fused_chain")
+    strategy._measured["k"] = strategy.Measurement(region.spec, 32, 32, (64, 256, 64), "float32", "cpu",
+                                                   "fused_chain", 7.5, 12.25, "timed", expected.predicted_us, 20.0,
+                                                   expected.regime)
+    text = str(fxfuse.report(fast))
+    assert "M unknown" not in text
+    assert f"{expected.predicted_us:.1f} / 20.0 at M=32, {expected.regime}-bound" in text and "7.5 / 12.2 at M~32" in text

@@ -63,6 +63,18 @@ def test_a_host_bound_candidate_is_timed_by_its_host_path(monkeypatch):
     assert times == {DECODE: 50.0, GEMM_EPILOGUE: 12.0, ORIGINAL_OPS: 30.0}
 
 
+def test_the_call_path_around_the_candidates_counts_toward_their_host_time(monkeypatch):
+    """Two launches whose host time hides under their GPU time alone stop hiding once the call's own path is
+    added; then the one-launch kernel, slower on the GPU, is the faster call (gpt2m_mlp_m1 on the H200)."""
+    runners = {GEMM_EPILOGUE: lambda: None, DECODE_GRID_SYNC: lambda: None, ORIGINAL_OPS: lambda: None}
+    fixed_times(monkeypatch, [0.0134, 0.0150, 0.020], host_us=[12.3, 7.2, 30.0])  # two launches, one, eager
+    times = strategy.time_candidates("test", 1, runners)
+    assert min(times, key=times.get) == GEMM_EPILOGUE  # by the GPU: 13.4 vs 15.0
+    times = strategy.time_candidates("test", 1, runners, path_us=4.3)
+    assert times == {GEMM_EPILOGUE: pytest.approx(16.6), DECODE_GRID_SYNC: pytest.approx(15.0),
+                     ORIGINAL_OPS: pytest.approx(34.3)}
+
+
 @pytest.mark.parametrize("spec,widths,m,expected", [
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 1 << 20, [FUSED_CHAIN, GEMM_EPILOGUE]),
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 4, [FUSED_CHAIN, GEMM_EPILOGUE]),  # 3 stages: no decode

@@ -106,6 +106,20 @@ def test_replaying_runner_times_the_replay_once_recorded():
         torch.testing.assert_close(out, x @ w.T)
 
 
+def test_path_us_times_the_call_around_a_replay_that_does_nothing():
+    """The planner's estimate of a replayed call's own path: the call runs with a no-op replay under the key,
+    which is gone afterwards (a real replay recorded later is not shadowed)."""
+    key, x = ("path-test", 1), torch.randn(2, 3)
+    outs = []
+
+    def call():
+        outs.append(replay.replays[key](x))
+
+    us = replay.path_us(key, call)
+    assert us >= 0 and key not in replay.replays
+    assert len(outs) == 61 and all(out is x for out in outs)  # one warm call, then 3 rounds of 20
+
+
 def test_library_step_holds_its_tensors_weakly():
     from fxfuse import stages
 

@@ -33,8 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeanLauncher", "bind", "bound_key", "launch", "lean_launch_enabled", "record", "recording",
-           "recording_open"]
+__all__ = ["LeanLauncher", "bind", "bound_key", "launch", "lean_launch_enabled", "new_output", "output_step",
+           "record", "recording", "recording_open"]
 
 try:  # triton >= 3.4 keeps the launch hooks here
     from triton import knobs as _knobs
@@ -116,14 +116,33 @@ def bound_key(tag: Any, x: torch.Tensor, *groups: Sequence[Optional[torch.Tensor
         >>> bound_key("a0", torch.randn(2, 3), [w]) == bound_key("a0", torch.randn(2, 3), [w])
         True
     """
-    key = [tag, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
-           _raw_stream(x.device.index) if x.is_cuda else 0]
-    if x.dtype == torch.float32:
+    device = x.get_device()  # an int: cheaper than ``x.device`` (-1 off CUDA, where no stream is read)
+    key = [tag, x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0,
+           _raw_stream(device) if device >= 0 and x.is_cuda else 0]
+    if x.dtype is torch.float32:
         key.append(torch.backends.cuda.matmul.allow_tf32)
     for group in groups:
         for t in group:
             key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
     return tuple(key)
+
+
+def new_output(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh ``[rows, cols]`` output for a bound launch. The sizes go to ``torch.empty`` unpacked: its argument
+    parser takes that form ~0.7 µs faster than a size tuple (1.55 vs 2.25 µs on the H200 machine's host)."""
+    return torch.empty(rows, cols, dtype=dtype, device=device)
+
+
+def output_step(bound: Callable[..., None], rows: int, cols: int, dtype: torch.dtype,
+                device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A replay step (:func:`record`) of a launch bound to all but its input and output: ``h -> out``, a fresh
+    ``[rows, cols]`` output each call."""
+    def step(h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows, cols, dtype=dtype, device=device)
+        bound(h, out)
+        return out
+
+    return step
 
 
 def bind(kernel: Any, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str],

@@ -46,16 +46,6 @@ _MAX_BOUND = 1024  # bound launches kept; past it, all are dropped (rebuilt on t
 _bound: dict[tuple, object] = {}
 
 
-def _step(bound, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-    """The stage as a replay step: a fresh output, the bound launch."""
-    def step(h: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=device)
-        bound(h, out)
-        return out
-
-    return step
-
-
 def _pdl_supported(x: torch.Tensor) -> bool:
     """Programmatic dependent launch: Hopper or newer, not in the interpreter, not inside a CUDA graph capture."""
     if not x.is_cuda or _interpreting() or torch.cuda.is_current_stream_capturing():
@@ -103,10 +93,10 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         call_key = fastlaunch.bound_key(epilogue, x, weights, biases, operands)
         bound = _bound.get(call_key)
         if bound is not None:
-            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+            out = fastlaunch.new_output(M, N, x.dtype, x.device)
             bound(x, out)
             if fastlaunch.recording_open():
-                fastlaunch.record(_step(bound, (M, N), x.dtype, x.device))
+                fastlaunch.record(fastlaunch.output_step(bound, M, N, x.dtype, x.device))
             return out
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -148,5 +138,5 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
                 _bound.clear()
             _bound[call_key] = bound
     if fastlaunch.recording_open():
-        fastlaunch.record(None if bound is None else _step(bound, (M, N), x.dtype, x.device))
+        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, N, x.dtype, x.device))
     return out

@@ -45,16 +45,6 @@ _MAX_BOUND = 1024  # bound launches kept; past it, all are dropped (rebuilt on t
 _bound: dict[tuple, object] = {}
 
 
-def _step(bound, n: int, dtype: torch.dtype, device: torch.device):
-    """The region as a replay step: a fresh output, the bound launch."""
-    def step(h: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((1, n), dtype=dtype, device=device)
-        bound(h, out)
-        return out
-
-    return step
-
-
 def _kernel_args(x, weights, biases, operands, out, scratch, sync, K, H, N) -> dict:
     n_lin0 = len(weights) - 1
     stage_w = {**{i: weights[i] for i in range(n_lin0)}, 2: weights[-1]}
@@ -120,10 +110,10 @@ def run_grid_sync(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
         call_key = fastlaunch.bound_key(epilogues, x, weights, biases, [v for ops in operands for v in ops])
         bound = _bound.get(call_key)
         if bound is not None:
-            out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+            out = fastlaunch.new_output(1, N, x.dtype, x.device)
             bound(x, out)
             if fastlaunch.recording_open():
-                fastlaunch.record(_step(bound, N, x.dtype, x.device))
+                fastlaunch.record(fastlaunch.output_step(bound, 1, N, x.dtype, x.device))
             return out
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     if N == 0:
@@ -162,5 +152,5 @@ def run_grid_sync(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
                 _bound.clear()
             _bound[call_key] = bound
     if fastlaunch.recording_open():
-        fastlaunch.record(None if bound is None else _step(bound, N, x.dtype, x.device))
+        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, 1, N, x.dtype, x.device))
     return out

@@ -248,7 +248,7 @@ def _bound_step(lean: _TmaLeanLauncher, grid, args: dict, out: torch.Tensor):
     n, dtype, device = out.shape[1], out.dtype, out.device
 
     def step(h: torch.Tensor) -> torch.Tensor:
-        o = torch.empty((h.shape[0], n), dtype=dtype, device=device)
+        o = torch.empty(h.shape[0], n, dtype=dtype, device=device)  # unpacked: see fastlaunch.new_output
         bound(_unchecked(TensorDescriptor, h, x_block), _unchecked(TensorDescriptor, o, out_block))
         return o
 
