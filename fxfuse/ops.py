@@ -45,6 +45,7 @@ from .strategy import (
     FUSED_CHAIN,
     GATED_GEMM_EPILOGUE,
     GEMM_EPILOGUE,
+    ONE_LAUNCH,
     ORIGINAL_OPS,
     cached_choice,
     fastest,
@@ -189,11 +190,11 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
 
 _failed: set[tuple[str, str, str]] = set()
 # Strategies whose launches leave replay steps (fxfuse.replay): one per stage, or one for the whole region.
-_REPLAYED = (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, DECODE_GRID_SYNC)
+_REPLAYED = (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, DECODE_GRID_SYNC, FUSED_CHAIN)
 
 
 def _replay_steps(spec: str, strategy: str) -> int:
-    return 1 if strategy == DECODE_GRID_SYNC else len(_plan(spec)[0])
+    return 1 if strategy in ONE_LAUNCH else len(_plan(spec)[0])
 
 
 def _try_replay(x, weights, biases, operands, spec) -> tuple[Optional[tuple], Optional[Tensor]]:

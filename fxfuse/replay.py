@@ -10,8 +10,8 @@ stream, and every weight's, bias's and operand's address, shape, strides and dty
 re-typed parameter, a new batch shape or another stream is recorded again.
 
 Only regions whose every launch left a step are replayed (the small-M and TMA kernels and the library stages
-leave one per stage, the one-row grid-sync kernel one for the whole region; the pointer GEMM kernel, the chain
-and split-hidden decode kernels leave none); nothing is replayed while tracing or capturing a CUDA graph.
+leave one per stage, the one-row grid-sync kernel and the fused chain one for the whole region; the pointer GEMM
+kernel and the split-hidden decode kernel leave none); nothing is replayed while tracing or capturing a CUDA graph.
 
 Example:
     >>> key = replay_key(x, weights, biases, operands, spec)          # doctest: +SKIP

@@ -190,7 +190,8 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     ranked = tuple(sorted(times.items(), key=lambda kv: kv[1]))
     _measured[key] = Measurement(spec, key[1], m, widths, dtype, device, fused_strategy,
                                  kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source,
-                                 getattr(fused_pred, "predicted_us", None), getattr(original_pred, "predicted_us", None),
+                                 getattr(fused_pred, "predicted_us", None),
+                                 getattr(original_pred, "predicted_us", None),
                                  getattr(fused_pred, "regime", ""), times=ranked)
     _choices[key] = best
     log.info("fxfuse: %s at M~%d (%s): %s -> %s", spec, key[1], source,

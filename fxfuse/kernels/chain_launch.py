@@ -1,4 +1,9 @@
-"""Python wrapper of the fused-chain kernel (:mod:`fxfuse.kernels.chain_template`)."""
+"""Python wrapper of the fused-chain kernel (:mod:`fxfuse.kernels.chain_template`).
+
+Inside a region recording (:mod:`fxfuse.replay`), a GPU launch also leaves its replay step: the launch bound
+to everything but x and out (:func:`.fastlaunch.bind`), so a call like it skips the argument dict, the
+signature and the autotuner's lookup (tens of µs of host time, more than the kernel at NeRF sizes).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import torch
 import triton
 
 from .. import codegen
+from . import fastlaunch
 from .chain_template import pad_width
 from .launch import _input_precision, launch_kernel, operand_args
 from .template import m_bucket
@@ -61,8 +67,13 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
 
     if config is not None:  # one variant, bypassing the autotuner (tests and probes)
         kernel.fn[grid](**args, **config.all_kwargs())
-    else:
-        launch_kernel(kernel, grid, args, x)
+        return out
+    launch_kernel(kernel, grid, args, x)
+    if fastlaunch.recording_open() and x.is_cuda and type(x) is torch.Tensor:
+        # A region replay (fxfuse.replay) keeps this launch bound to all but x and out: its key fixes x's
+        # shape and strides, so M, the grid and the fresh output's strides stay those bound here.
+        bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
+        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, dims[-1], x.dtype, x.device))
     return out
 
 
