@@ -48,7 +48,7 @@ def probe(name: str, profile: bool = False) -> None:
         if run is not None:  # the replay and each of its steps alone
             row["replay"] = host_us(lambda: run(x))
             h = x.reshape(-1, x.shape[-1])
-            for i, step in enumerate(inspect.getclosurevars(run).nonlocals["frozen"]):
+            for i, step in enumerate(replay_steps(run)):
                 row[f"step{i}"] = host_us(lambda step=step, h=h: step(h))
                 out = step(h)
                 row.update(launch_pieces(f"step{i}", step, h, out))
@@ -59,6 +59,17 @@ def probe(name: str, profile: bool = False) -> None:
         if profile:
             print("  stage choices:", stages.stage_choices())
             print(profile_top(lambda: opt(x), lines=25))
+
+
+def replay_steps(run) -> list:
+    """The steps of a replay (:func:`fxfuse.replay._chained`): its ``steps``, its ``first`` and ``second``, or the
+    replay itself when it is its one step."""
+    names = inspect.getclosurevars(run).nonlocals
+    if "steps" in names:
+        return list(names["steps"])
+    if "first" in names and "second" in names:
+        return [names["first"], names["second"]]
+    return [run]
 
 
 def launch_pieces(label: str, step, h, out) -> dict:
