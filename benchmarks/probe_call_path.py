@@ -20,10 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from probe_host import optimized_row  # noqa: E402
 from timing import host_us, profile_top, wall_us  # noqa: E402
-from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
-import fxfuse  # noqa: E402
 from fxfuse import hosts, ops, replay, strategy  # noqa: E402
 from fxfuse.kernels import fastlaunch  # noqa: E402
 
@@ -50,15 +49,8 @@ def pieces(x: torch.Tensor) -> dict:
 
 
 def probe(name: str) -> None:
-    w = next(w for w in WORKLOADS if w.name == name)
-    mod, x = build_module(w), make_input(w)
+    mod, x, opt, args, m = optimized_row(name)
     torch.set_grad_enabled(False)
-    opt = fxfuse.optimize(mod)
-    opt(x)
-    m = strategy.measurements()[-1]
-    weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
-    args = (x, weights, biases, [], m.spec)
     print(f"== {name}: planner chose {strategy.cached_choice(args)}; timed {m.times}", flush=True)
     print("pieces: " + ", ".join(f"{k} {v:.2f}" for k, v in pieces(x).items()) + " us", flush=True)
     method = type(opt).forward

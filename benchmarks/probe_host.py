@@ -27,16 +27,23 @@ import fxfuse  # noqa: E402
 from fxfuse import ops, replay, stages, strategy  # noqa: E402
 
 
-def probe(name: str, profile: bool = False) -> None:
+def optimized_row(name: str) -> tuple:
+    """``(module, input, fxfuse.optimize(module) after its first call, the op's arguments for its one region,
+    the planner's measurement)`` for a benchmark row, built without autograd."""
     w = next(w for w in WORKLOADS if w.name == name)
     mod, x = build_module(w), make_input(w)
     with torch.no_grad():
         opt = fxfuse.optimize(mod)
         opt(x)
-        m = strategy.measurements()[-1]
-        weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
-        biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
-        args = (x, weights, biases, [], m.spec)
+    m = strategy.measurements()[-1]
+    weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
+    return mod, x, opt, (x, weights, biases, [], m.spec), m
+
+
+def probe(name: str, profile: bool = False) -> None:
+    mod, x, opt, args, m = optimized_row(name)
+    with torch.no_grad():
         chosen = strategy.cached_choice(args)
         row = {"module": host_us(lambda: opt(x)), "fused_mlp": host_us(lambda: ops.fused_mlp(*args)),
                "_dispatch": host_us(lambda: ops._dispatch(*args))}
