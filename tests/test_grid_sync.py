@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from test_decode import SPECS, decode_call
 from test_ops import TOL, f64, make_args, rel_err
+from test_replay import GPT2MLP
 
 import fxfuse
 from fxfuse import codegen, ops, replay
@@ -166,20 +167,11 @@ def test_grid_sync_in_a_cuda_graph():
         assert rel_err(out, reference_mlp(*f64(args))) < 1e-2
 
 
-class GPT2MLP(torch.nn.Module):
-    def __init__(self, d=1024, h=4096):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
 @pytest.mark.gpu
 def test_a_one_row_region_replays_its_one_launch(monkeypatch):
     monkeypatch.setattr(ops, "_candidates", lambda *a: (DECODE_GRID_SYNC,))
     replay.forget_all()
-    model = GPT2MLP().cuda().to(torch.bfloat16).eval()
+    model = GPT2MLP(1024, 4096).cuda().to(torch.bfloat16).eval()
     opt = fxfuse.optimize(model)
     with torch.no_grad():
         for _ in range(3):  # from the second call on, the recorded launch alone
