@@ -16,10 +16,15 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
 * **One row** (``ONE_ROW``, M = 1 only): no ``tl.dot`` and no padding. Each program multiplies a few
   rows of ``W`` by ``x`` on the CUDA cores and sums along K, loading straight into registers; this
   streams better than the staged ``tl.dot`` tiles when the row count is one (llama down 32.5 vs 40 µs).
+* ``N`` and ``K`` are compile-time constants (each stage shape compiles its own kernel): with them the
+  loop's trip count and K mask are constants, which the one-row stream needs to keep up with a reduction
+  written the same way (llama gate+up at M=1: 62.6 µs runtime-sized against 59.2 for constant sizes,
+  ``benchmarks/probe_stream.py``).
 * The epilogue runs on the fp32 accumulators (bias, operands, pointwise math) and casts once.
 * On Hopper the launch is a programmatic dependent launch (``USE_PDL``): it is scheduled while the previous
   kernel (the region's first stage) finishes and waits for it on the GPU, which hides one launch latency of
-  a decode MLP's two launches.
+  a decode MLP's two launches. A region's second stage (``WEIGHTS_READY``: the first stage writes none of its
+  weights) loads its first weight step before that wait, while the first stage finishes.
 
 Rows and columns past the edge are read wrapped around (in bounds, so the weight loads need no row mask)
 and dropped at the store; only K is masked.
@@ -45,7 +50,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs", "gpu_gemv_configs",
            "prune_gemv_configs", "render_gemv"]
 
-GEMV_TEMPLATE_VERSION = 3
+GEMV_TEMPLATE_VERSION = 4
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
 
@@ -86,7 +91,9 @@ _DOC = '''\
                  read only if ``SPLIT_K > 1``.
     counter_ptr: int32 per column tile (at least ``cdiv(N, BLOCK_N)``), ZERO on entry, left zero; read only
                  if ``SPLIT_K > 1``.
-    M, N, K:     rows, output width, input width.
+    M:           rows (at run time).
+    N, K:        output width, input width: constants of the compiled kernel (its loop bounds and masks fold;
+                 each stage shape compiles once, as the autotuner keys on them anyway).
     M_BUCKET:    power-of-2 bucket of M (autotuning key only).
     INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs ("ieee" or "tf32").
     BLOCK_M:     rows per launch (M padded to it); BLOCK_N: output columns per program; BLOCK_K: K step;
@@ -94,8 +101,15 @@ _DOC = '''\
     ONE_ROW:     M is 1: multiply-and-sum on CUDA cores (BLOCK_N may be below 16) instead of ``tl.dot``.
     USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
                  previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
+    WEIGHTS_READY: the previous kernel writes no weight of this stage (the stage follows another of its region):
+                 a ONE_ROW program loads its first weight step before the PDL wait.
     """
 '''
+
+
+def _first_weight_load(i: int) -> str:
+    return (f"tl.load(w{i}_ptr + w{i}_rows + ks_first * stride_w{i}k, mask=first_mask, other=0.0, "
+            "eviction_policy=\"evict_first\")")
 
 
 def render_gemv(num_linears: int, epilogue: str) -> str:
@@ -111,39 +125,62 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     lin = range(num_linears)
     n_ops = ep.num_operands(expr)
     params = ["x_ptr", *(f"w{i}_ptr" for i in lin), *(f"b{i}_ptr" for i in lin), *(f"v{j}_ptr" for j in range(n_ops)),
-              "out_ptr", "ws_ptr", "counter_ptr", "M", "N", "K", "M_BUCKET", "stride_xm", "stride_xk"]
+              "out_ptr", "ws_ptr", "counter_ptr", "M", "N: tl.constexpr", "K: tl.constexpr", "M_BUCKET",
+              "stride_xm", "stride_xk"]
     for i in lin:
         params += [f"stride_w{i}n", f"stride_w{i}k"]
     params += [f"stride_b{i}" for i in lin] + [f"stride_v{j}" for j in range(n_ops)]
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
                "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr"]
+               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr",
+               "WEIGHTS_READY: tl.constexpr"]
 
     body = [
-        "if USE_PDL:",
-        "    # Launched early (programmatic dependent launch): wait until the previous kernel, which may write",
-        "    # x, has finished, and let the next one be scheduled as this one's programs retire.",
-        "    tl.extra.cuda.gdc_wait()",
-        "    tl.extra.cuda.gdc_launch_dependents()",
         "pid_n = tl.program_id(0)",
         "pid_k = tl.program_id(1)",
-        "offs_m = tl.arange(0, BLOCK_M)",
+        "if ONE_ROW:",
+        "    offs_m = tl.arange(0, 1)  # one row: the tiles and the epilogue are [BLOCK_N, 1]",
+        "else:",
+        "    offs_m = tl.arange(0, BLOCK_M)",
         "offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
         "offs_k = tl.arange(0, BLOCK_K)",
         "# Padded rows / columns read real data (indices wrap around) and are dropped at the store.",
         "rows = offs_m % M",
         "cols = offs_n % N",
-        "# This program's share of the K steps.",
+        "# This program's share of the K steps. N and K are constants of the compiled kernel: without a split",
+        "# the loop's trip count is one too, and the K mask folds away when BLOCK_K divides K.",
         "k_steps = tl.cdiv(K, BLOCK_K)",
-        "per_split = tl.cdiv(k_steps, SPLIT_K)",
-        "k_first = pid_k * per_split",
-        "k_end = tl.minimum(k_first + per_split, k_steps)",
+        "if SPLIT_K == 1:",
+        "    k_first = 0",
+        "    k_end = k_steps",
+        "else:",
+        "    per_split = tl.cdiv(k_steps, SPLIT_K)",
+        "    k_first = pid_k * per_split",
+        "    k_end = tl.minimum(k_first + per_split, k_steps)",
         "xt_ptrs = x_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_xk + rows[None, :] * stride_xm",
+        "if ONE_ROW:",
+        "    # The first K step of this program's weight rows. In a region's later stage (WEIGHTS_READY) nothing",
+        "    # the previous kernel does writes them, so they are loaded before the PDL wait, during its tail.",
+        "    ks_first = k_first * BLOCK_K + offs_k[None, :]",
+        "    if SPLIT_K == 1:",
+        "        first_mask = ks_first < K",
+        "    else:  # (a split past the last K step, k_first >= k_end, has nothing to read)",
+        "        first_mask = ks_first < tl.minimum(k_end * BLOCK_K, K)",
+    ]
+    body += [f"    w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
+    body += ["    if WEIGHTS_READY:"]
+    body += [f"        w{i}_first = {_first_weight_load(i)}" for i in lin]
+    body += [
+        "if USE_PDL:",
+        "    # Launched early (programmatic dependent launch): wait until the previous kernel, which may write",
+        "    # x, has finished, and let the next one be scheduled as this one's programs retire.",
+        "    tl.extra.cuda.gdc_wait()",
+        "    tl.extra.cuda.gdc_launch_dependents()",
     ]
     for i in lin:
         body += [f"w{i}_ptrs = w{i}_ptr + cols[:, None] * stride_w{i}n + (k_first * BLOCK_K + offs_k)[None, :] "
                  f"* stride_w{i}k",
-                 f"acc{i} = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)"]
+                 f"acc{i} = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)"]  # (ONE_ROW sets its own)
     body += [
         "# Weights are read once: evict_first keeps x (read by every program) in L2.",
         "if ONE_ROW:",
@@ -153,10 +190,13 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    # registers per element and cut the programs an SM keeps in flight). x is a [1, BLOCK_K] tile in the",
         "    # weight tile's layout (a 1-D load would be re-laid out through shared memory in every step).",
     ]
-    body += [f"    w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
-    body += [f"    part{i} = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)" for i in lin]
+    body += ["    if not WEIGHTS_READY:"]
+    body += [f"        w{i}_first = {_first_weight_load(i)}" for i in lin]
+    body += ["    x_first = tl.load(x_ptr + ks_first * stride_xk, mask=first_mask, other=0.0, "
+             "eviction_policy=\"evict_last\").to(tl.float32)"]
+    body += [f"    part{i} = w{i}_first.to(tl.float32) * x_first" for i in lin]
     body += [
-        "    for k in range(k_first, k_end):",
+        "    for k in range(k_first + 1, k_end):",
         "        ks = k * BLOCK_K + offs_k[None, :]",
         "        k_mask = ks < K",
         "        xr = tl.load(x_ptr + ks * stride_xk, mask=k_mask, other=0.0, eviction_policy=\"evict_last\")",
@@ -165,8 +205,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         body += [f"        w{i} = tl.load(w{i}_ptr + w{i}_rows + ks * stride_w{i}k, mask=k_mask, other=0.0, "
                  "eviction_policy=\"evict_first\")",
                  f"        part{i} += w{i}.to(tl.float32) * xr.to(tl.float32)"]
-    # Every padded column holds row 0's sums; the store keeps column 0 only.
-    body += [f"    acc{i} = tl.broadcast_to(tl.sum(part{i}, 1)[:, None], (BLOCK_N, BLOCK_M))" for i in lin]
+    body += [f"    acc{i} = tl.sum(part{i}, 1)[:, None]" for i in lin]
     body += [
         "else:",
         "    for k in range(k_first, k_end):",
@@ -197,7 +236,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    if SPLIT_K > 1:",
         "        # Take the sums and leave 0 behind (int32 bits: the interpreter's atomic_xchg takes no floats).",
         "        ws_bits = ws_ptr.to(tl.pointer_type(tl.int32))",
-        "        zero_bits = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)",
+        "        zero_bits = tl.zeros_like(ws_offs)",
     ]
     for i in lin:
         body += [f"        acc{i} = tl.atomic_xchg(ws_bits + {i} * BLOCK_M * N + ws_offs, zero_bits, mask=out_mask)",
@@ -251,16 +290,21 @@ def gpu_gemv_configs() -> list[triton.Config]:
         _cfg(32, 256, 4, 8, 4),
         _cfg(64, 128, 8, 4, 6),
         # M == 1 only (ONE_ROW): a few weight rows per program, long K runs, like Inductor's reduction kernels.
-        # H200 sweep (probe_gemv_sweep.py --one-row, device µs after do_bench's flush): llama gate+up 63.7
-        # (N32 K256 w4) / 63.8 (N4 K1024 w8), llama down 32.5 (N4 K2048 w4; tl.dot: 40.0), gpt2m fc1 5.5
-        # (N8 K512 w8 s2), gpt2m fc2 5.2 (N2 K2048 w8; tl.dot split-K: 8.9).
+        # H200 sweep with N and K constant (probe_gemv_sweep.py --one-row, device µs after do_bench's flush):
+        # llama gate+up 59.4 (N1 K2048 w16) / 60.1 (N1 K4096 w8), llama down 31.7 (N1 K1024 w16, N1 K8192 w16),
+        # gpt2m fc1 4.9 (N2 K1024 w4 s3, N4 K1024 w8 s2), gpt2m fc2 4.8 (N1 K4096 w8 s2) / 4.9 (N1 K1024 w8).
+        # (Runtime N and K: 63.7, 32.5, 5.5, 5.2.)
+        _cfg(1, 2048, 1, 16, 1, True),
+        _cfg(1, 4096, 1, 8, 1, True),
+        _cfg(1, 1024, 1, 16, 1, True),
+        _cfg(1, 8192, 1, 16, 1, True),
+        _cfg(1, 2048, 1, 8, 2, True),
+        _cfg(1, 4096, 1, 8, 2, True),
+        _cfg(1, 1024, 1, 8, 1, True),
+        _cfg(2, 1024, 1, 4, 3, True),
+        _cfg(4, 1024, 1, 8, 2, True),
+        _cfg(8, 512, 1, 8, 1, True),
         _cfg(32, 256, 1, 4, 1, True),
-        _cfg(4, 1024, 1, 8, 1, True),
-        _cfg(4, 2048, 1, 4, 1, True),
-        _cfg(8, 512, 1, 8, 2, True),
-        _cfg(8, 512, 1, 4, 1, True),
-        _cfg(16, 512, 1, 16, 1, True),
-        _cfg(2, 2048, 1, 8, 1, True),
     ]
 
 

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GRID_SYNC_TEMPLATE_VERSION", "fit_grid_sync_config", "gpu_grid_sync_configs", "grid_sync_configs",
            "grid_sync_programs", "prefetch_fits", "prune_grid_sync_configs", "render_grid_sync"]
 
-GRID_SYNC_TEMPLATE_VERSION = 1
+GRID_SYNC_TEMPLATE_VERSION = 2
 # Register budget of a program's prefetched W2 rows: BLOCK_N * next_pow2(H) elements per program.
 _PREFETCH_MAX_ELEMENTS = 32 * 1024
 
@@ -82,7 +82,7 @@ _DOC = '''\
     out_ptr:     output ``[1, N]`` (``stride_on``).
     h_ptr:       fp32 scratch of H values: the intermediate, already rounded to x's dtype.
     sync_ptr:    two int32: arrivals (ZERO on entry, left zero) and the barrier's generation (any value).
-    K, H, N:     input width, hidden width, output width.
+    K, H, N:     input width, hidden width, output width: constants of the compiled kernel (one per MLP shape).
     PHASE:       0: both stages and the barrier (all programs must be resident: a cooperative launch);
                  1: stage 0 only; 2: stage 1 only (two launches, no barrier).
     PREFETCH:    load this program's W2 rows (one output tile, all of H) before stage 0; needs the grid to
@@ -110,7 +110,7 @@ def render_grid_sync(num_linears0: int, epilogue0: str, epilogue1: str) -> str:
     n0, n1 = ep.num_operands(e0), ep.num_operands(e1)
     params = ["x_ptr", *(f"w{i}_ptr" for i in lin0), "w2_ptr", *(f"b{i}_ptr" for i in lin0), "b2_ptr"]
     params += [f"v0_{j}_ptr" for j in range(n0)] + [f"v1_{j}_ptr" for j in range(n1)]
-    params += ["out_ptr", "h_ptr", "sync_ptr", "K", "H", "N", "stride_xk"]
+    params += ["out_ptr", "h_ptr", "sync_ptr", "K: tl.constexpr", "H: tl.constexpr", "N: tl.constexpr", "stride_xk"]
     for i in lin0:
         params += [f"stride_w{i}h", f"stride_w{i}k"]
     params += ["stride_w2n", "stride_w2h", *(f"stride_b{i}" for i in lin0), "stride_b2"]

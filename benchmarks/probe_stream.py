@@ -1,0 +1,151 @@
+"""Why Inductor's M=1 gate+up reduction streams faster than fxfuse's ONE_ROW kernel after do_bench's flush.
+
+Session 6 measured Inductor's ``triton_red_fused_mm_t_0`` (llama gate+up at M=1: one weight row of each per
+program, the whole K=4096 in one block, 16 warps) at 58 µs of device time after do_bench's 256 MB fill, and
+fxfuse's ONE_ROW kernel at 63.7 µs (best config) or 88 µs with Inductor's very tile. This probe runs a
+standalone kernel written like Inductor's beside fxfuse's, changing one thing at a time:
+
+* ``rows``: Inductor's shape of kernel (N, K constexpr, XBLOCK rows per program, RBLOCK-wide K steps,
+  silu(g)*u computed and stored once);
+* ``rows/runtime``: the same with N and K as runtime arguments (fxfuse's kernels take them at run time);
+* ``fxfuse``: ``run_stage_gemv`` with the same tile, and with its autotuned pick.
+
+Each: device µs after a 256 MB fill (profiler, mean of 10), do_bench median, registers, spills, rel err.
+The down projection (N=4096, K=14336, one linear) gets the same treatment.
+
+    python3 benchmarks/probe_stream.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from probe_inductor_decode import kernels_after_flush  # noqa: E402
+
+from fxfuse.kernels import run_stage_gemv  # noqa: E402
+
+
+@triton.jit
+def rows_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    """out[n] = silu(x·w0[n]) * (x·w1[n]) (GATED) or x·w0[n]; XBLOCK rows per program, K in RBLOCK steps."""
+    rows = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    rmask = rows < N
+    r = tl.arange(0, RBLOCK)[None, :]
+    acc0 = tl.zeros([XBLOCK, RBLOCK], tl.float32)
+    acc1 = tl.zeros([XBLOCK, RBLOCK], tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        ks = k0 + r
+        km = ks < K
+        xv = tl.load(x_ptr + ks, km, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w0 = tl.load(w0_ptr + ks + K * rows, km & rmask, other=0.0, eviction_policy="evict_first")
+        acc0 += w0.to(tl.float32) * xv
+        if GATED:
+            acc1 += tl.load(w1_ptr + ks + K * rows, km & rmask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32) * xv
+    a0 = tl.sum(acc0, 1)[:, None]
+    if GATED:
+        a1 = tl.sum(acc1, 1)[:, None]
+        a0 = a0 * tl.sigmoid(a0) * a1
+    tl.store(out_ptr + rows, a0.to(out_ptr.dtype.element_ty), rmask)
+
+
+@triton.jit
+def rows_runtime_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, N, K, GATED: tl.constexpr, XBLOCK: tl.constexpr,
+                        RBLOCK: tl.constexpr):
+    """rows_kernel with N and K as runtime arguments."""
+    rows = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
+    rmask = rows < N
+    r = tl.arange(0, RBLOCK)[None, :]
+    acc0 = tl.zeros([XBLOCK, RBLOCK], tl.float32)
+    acc1 = tl.zeros([XBLOCK, RBLOCK], tl.float32)
+    for k0 in range(0, K, RBLOCK):
+        ks = k0 + r
+        km = ks < K
+        xv = tl.load(x_ptr + ks, km, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w0 = tl.load(w0_ptr + ks + K * rows, km & rmask, other=0.0, eviction_policy="evict_first")
+        acc0 += w0.to(tl.float32) * xv
+        if GATED:
+            acc1 += tl.load(w1_ptr + ks + K * rows, km & rmask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32) * xv
+    a0 = tl.sum(acc0, 1)[:, None]
+    if GATED:
+        a1 = tl.sum(acc1, 1)[:, None]
+        a0 = a0 * tl.sigmoid(a0) * a1
+    tl.store(out_ptr + rows, a0.to(out_ptr.dtype.element_ty), rmask)
+
+
+def launch_rows(kernel, x, ws, out, xblock, rblock, warps, stages):
+    n, k = ws[0].shape
+    grid = (triton.cdiv(n, xblock),)
+    return kernel[grid](x, ws[0], ws[-1], out, n, k, GATED=len(ws) == 2, XBLOCK=xblock, RBLOCK=rblock,
+                        num_warps=warps, num_stages=stages)
+
+
+def measure(label, fn, ref, compiled=None) -> None:
+    from triton.testing import do_bench
+
+    out = fn()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    bench = sorted(do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3 for _ in range(3))[1]
+    dev = sum(t for _, t in kernels_after_flush(fn))
+    regs = f"regs {compiled.n_regs:3d} spills {compiled.n_spills}" if compiled is not None else " " * 19
+    print(f"  {label:44s} device {dev:6.1f} µs  do_bench {bench:6.1f} µs  {regs}  rel err {err:.1e}", flush=True)
+
+
+def case(name, x, ws, epilogue, tiles, fxfuse_tiles, quick) -> None:
+    print(f"== {name}: N={ws[0].shape[0]} K={ws[0].shape[1]} linears={len(ws)}", flush=True)
+    xd = x.double()
+    accs = [xd @ w.double().T for w in ws]
+    ref = torch.nn.functional.silu(accs[0]) * accs[1] if len(ws) == 2 else accs[0]
+    out = torch.empty(1, ws[0].shape[0], device=x.device, dtype=x.dtype)
+    for kernel, kind in ((rows_kernel, "rows"), (rows_runtime_kernel, "rows/runtime")):
+        for xblock, rblock, warps, stages in tiles:
+            if quick and kind != "rows" and (xblock, rblock) != tiles[0][:2]:
+                continue
+            try:
+                compiled = launch_rows(kernel, x, ws, out, xblock, rblock, warps, stages)
+                fn = functools.partial(launch_rows, kernel, x, ws, out, xblock, rblock, warps, stages)
+                measure(f"{kind} X{xblock} R{rblock} w{warps} s{stages}", lambda fn=fn: (fn(), out)[1], ref, compiled)
+            except Exception as err:  # a tile that does not compile: say so, go on
+                print(f"  {kind} X{xblock} R{rblock} w{warps}: failed: {type(err).__name__}: {str(err)[:120]}")
+    for bn, bk, warps, stages in fxfuse_tiles:
+        c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "ONE_ROW": True}, num_warps=warps,
+                          num_stages=stages)
+        fn = functools.partial(run_stage_gemv, x, ws, [None] * len(ws), [], epilogue, config=c)
+        measure(f"fxfuse ONE_ROW N{bn} K{bk} w{warps} s{stages}", fn, ref)
+    fn = functools.partial(run_stage_gemv, x, ws, [None] * len(ws), [], epilogue)
+    measure("fxfuse autotuned", fn, ref)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer runtime-shape variants")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    d = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, **d)
+    gate_up = [torch.randn(14336, 4096, **d) * 4096**-0.5 for _ in range(2)]
+    tiles = [(1, 4096, 16, 1), (1, 4096, 8, 1), (1, 2048, 8, 1), (2, 2048, 8, 1), (2, 4096, 16, 1),
+             (4, 1024, 8, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1), (1, 1024, 4, 1), (2, 1024, 4, 1)]
+    case("llama gate+up M=1", x, gate_up, "mul(silu(a0),a1)", tiles,
+         [(1, 4096, 16, 1), (32, 256, 4, 1), (4, 1024, 8, 1)], args.quick)
+    del gate_up
+    h = torch.randn(1, 14336, **d)
+    down = [torch.randn(4096, 14336, **d) * 14336**-0.5]
+    tiles = [(1, 8192, 16, 1), (1, 4096, 16, 1), (1, 2048, 8, 1), (2, 2048, 8, 1), (4, 2048, 4, 1), (4, 2048, 8, 1),
+             (4, 1024, 4, 1), (2, 4096, 8, 1), (8, 1024, 8, 1)]
+    case("llama down M=1", h, down, "a0", tiles, [(4, 2048, 4, 1), (1, 8192, 16, 1)], args.quick)
+
+
+if __name__ == "__main__":
+    main()
