@@ -71,20 +71,17 @@ def _cublaslt_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optio
 
 
 def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                   operands: Sequence[Tensor], epilogue: str, *, timed: bool, later_stage: bool = False) -> Tensor:
-    """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel.
-
-    ``later_stage``: the stage follows another stage of its region on this stream (which writes only ``x``),
-    so the small-M kernel may read its weights before that kernel ends."""
+                   operands: Sequence[Tensor], epilogue: str, *, timed: bool) -> Tensor:
+    """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel."""
     (M, K), N = x.shape, weights[0].shape[0]
     key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
            tuple(b is not None for b in biases))
     choice = _choices.get(key) if timed else None
     if choice is None:
-        runners = _runners(x, weights, biases, operands, epilogue, timed, later_stage)
+        runners = _runners(x, weights, biases, operands, epilogue, timed)
         choice = _measure(key, runners) if timed else next(iter(runners))
     if choice == "gemv":
-        return run_stage_gemv(x, weights, biases, operands, epilogue, check=False, weights_ready=later_stage)
+        return run_stage_gemv(x, weights, biases, operands, epilogue, check=False)
     if choice == "tma":
         out = run_stage_tma(x, weights, biases, operands, epilogue, check=False)
         if out is not None:  # None: this x does not suit TMA (alignment); the pointer kernel takes it
@@ -113,13 +110,11 @@ def _library_step(impl: Callable, weights: Sequence[Tensor], biases: Sequence[Op
     return step
 
 
-def _runners(x, weights, biases, operands, epilogue, timed: bool,
-             later_stage: bool = False) -> dict[str, Callable[[], Tensor]]:
+def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
     runners: dict[str, Callable[[], Tensor]] = {}
     if x.shape[0] <= GEMV_MAX_M:
         # A few rows: the weight-streaming kernel; the GEMM kernels' 64-128-row tiles would mostly multiply padding.
-        runners["gemv"] = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False,
-                                            weights_ready=later_stage)
+        runners["gemv"] = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False)
     else:
         if tma_applicable(x, weights):
             runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)

@@ -67,10 +67,8 @@ ONE_ROW_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1, "ON
 @pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
 def test_one_row_configs_match_float64_reference(stage, dtype):
     for config in ONE_ROW_CONFIGS:
-        for weights_ready in (False, True):  # the first weight step loaded before / after the PDL wait
-            args = make_stage(*stage, 1, dtype)
-            out = run_stage_gemv(*args, config=config, weights_ready=weights_ready)
-            assert rel_err(out, reference(*args)) < TOL[dtype], (config, weights_ready)
+        args = make_stage(*stage, 1, dtype)
+        assert rel_err(run_stage_gemv(*args, config=config), reference(*args)) < TOL[dtype], config
     assert workspaces_are_clean()
     with pytest.raises(ValueError, match="one row"):
         run_stage_gemv(*make_stage(*stage, 2, dtype), config=ONE_ROW_CONFIGS[0])
@@ -141,10 +139,9 @@ def test_every_gpu_config(stage):
     directly (bf16)."""
     for config in (fit_gemv_config(c, stage[1], 2) for c in gpu_gemv_configs()):
         for m in (1,) if config.kwargs["ONE_ROW"] else (1, GEMV_MAX_M):
-            for weights_ready in (False, True):
-                args = make_stage(*stage, m, torch.bfloat16, "cuda")
-                out = run_stage_gemv(*args, config=config, weights_ready=weights_ready)
-                assert rel_err(out, reference(*args)) < 1e-2, (config, m, weights_ready)
+            args = make_stage(*stage, m, torch.bfloat16, "cuda")
+            out = run_stage_gemv(*args, config=config)
+            assert rel_err(out, reference(*args)) < 1e-2, (config, m)
     torch.cuda.synchronize()
     assert workspaces_are_clean()
 

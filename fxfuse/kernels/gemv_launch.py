@@ -60,7 +60,7 @@ def _capability(index: int) -> int:
 
 def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                    operands: Sequence[torch.Tensor], epilogue: str, *, check: bool = True,
-                   config: Optional[triton.Config] = None, weights_ready: bool = False) -> torch.Tensor:
+                   config: Optional[triton.Config] = None) -> torch.Tensor:
     """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` for a few rows, streaming the weights once.
 
     The same contract as :func:`fxfuse.kernels.run_stage` (any strides, one or two ``[N, K]`` weights,
@@ -69,9 +69,6 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     Args:
         check: validate the arguments first (``torch.ops.fxfuse.mlp`` checks them itself and passes False).
         config: run this config (one of ``gpu_gemv_configs()``) instead of the autotuned one (probes).
-        weights_ready: the kernel launched just before this one on the stream writes none of ``weights``,
-            ``biases`` or ``operands`` (a region's later stage after its first): with programmatic dependent
-            launch, the one-row kernel loads its first weight step before it waits for that kernel.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, epilogue, or more than ``GEMV_MAX_M`` rows.
@@ -93,7 +90,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     # Not while tracing (the launch must become a graph node) nor capturing (the capture owns its workspace).
     if config is None and x.is_cuda and type(x) is torch.Tensor and _get_current_dispatch_mode() is None \
             and not torch.cuda.is_current_stream_capturing():
-        call_key = fastlaunch.bound_key((epilogue, weights_ready), x, weights, biases, operands)
+        call_key = fastlaunch.bound_key(epilogue, x, weights, biases, operands)
         bound = _bound.get(call_key)
         if bound is not None:
             out = fastlaunch.new_output(M, N, x.dtype, x.device)
@@ -120,8 +117,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     args["stride_om"], args["stride_on"] = out.stride(0), out.stride(1)
     args.update({f"HAS_BIAS{i}": b is not None for i, b in enumerate(biases)})
     pdl = _pdl_supported(x)
-    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl,
-                 "WEIGHTS_READY": weights_ready})
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl})
     if pdl:
         args["launch_pdl"] = True  # a launch option (compiled into the kernel's metadata), not a kernel argument
 

@@ -23,8 +23,7 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
 * The epilogue runs on the fp32 accumulators (bias, operands, pointwise math) and casts once.
 * On Hopper the launch is a programmatic dependent launch (``USE_PDL``): it is scheduled while the previous
   kernel (the region's first stage) finishes and waits for it on the GPU, which hides one launch latency of
-  a decode MLP's two launches. A region's second stage (``WEIGHTS_READY``: the first stage writes none of its
-  weights) loads its first weight step before that wait, while the first stage finishes.
+  a decode MLP's two launches.
 
 Rows and columns past the edge are read wrapped around (in bounds, so the weight loads need no row mask)
 and dropped at the store; only K is masked.
@@ -101,15 +100,8 @@ _DOC = '''\
     ONE_ROW:     M is 1: multiply-and-sum on CUDA cores (BLOCK_N may be below 16) instead of ``tl.dot``.
     USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
                  previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
-    WEIGHTS_READY: the previous kernel writes no weight of this stage (the stage follows another of its region):
-                 a ONE_ROW program loads its first weight step before the PDL wait.
     """
 '''
-
-
-def _first_weight_load(i: int) -> str:
-    return (f"tl.load(w{i}_ptr + w{i}_rows + ks_first * stride_w{i}k, mask=first_mask, other=0.0, "
-            "eviction_policy=\"evict_first\")")
 
 
 def render_gemv(num_linears: int, epilogue: str) -> str:
@@ -132,8 +124,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     params += [f"stride_b{i}" for i in lin] + [f"stride_v{j}" for j in range(n_ops)]
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
                "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr",
-               "WEIGHTS_READY: tl.constexpr"]
+               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr"]
 
     body = [
         "pid_n = tl.program_id(0)",
@@ -158,19 +149,6 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    k_first = pid_k * per_split",
         "    k_end = tl.minimum(k_first + per_split, k_steps)",
         "xt_ptrs = x_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_xk + rows[None, :] * stride_xm",
-        "if ONE_ROW:",
-        "    # The first K step of this program's weight rows. In a region's later stage (WEIGHTS_READY) nothing",
-        "    # the previous kernel does writes them, so they are loaded before the PDL wait, during its tail.",
-        "    ks_first = k_first * BLOCK_K + offs_k[None, :]",
-        "    if SPLIT_K == 1:",
-        "        first_mask = ks_first < K",
-        "    else:  # (a split past the last K step, k_first >= k_end, has nothing to read)",
-        "        first_mask = ks_first < tl.minimum(k_end * BLOCK_K, K)",
-    ]
-    body += [f"    w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
-    body += ["    if WEIGHTS_READY:"]
-    body += [f"        w{i}_first = {_first_weight_load(i)}" for i in lin]
-    body += [
         "if USE_PDL:",
         "    # Launched early (programmatic dependent launch): wait until the previous kernel, which may write",
         "    # x, has finished, and let the next one be scheduled as this one's programs retire.",
@@ -190,13 +168,10 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    # registers per element and cut the programs an SM keeps in flight). x is a [1, BLOCK_K] tile in the",
         "    # weight tile's layout (a 1-D load would be re-laid out through shared memory in every step).",
     ]
-    body += ["    if not WEIGHTS_READY:"]
-    body += [f"        w{i}_first = {_first_weight_load(i)}" for i in lin]
-    body += ["    x_first = tl.load(x_ptr + ks_first * stride_xk, mask=first_mask, other=0.0, "
-             "eviction_policy=\"evict_last\").to(tl.float32)"]
-    body += [f"    part{i} = w{i}_first.to(tl.float32) * x_first" for i in lin]
+    body += [f"    w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
+    body += [f"    part{i} = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)" for i in lin]
     body += [
-        "    for k in range(k_first + 1, k_end):",
+        "    for k in range(k_first, k_end):",
         "        ks = k * BLOCK_K + offs_k[None, :]",
         "        k_mask = ks < K",
         "        xr = tl.load(x_ptr + ks * stride_xk, mask=k_mask, other=0.0, eviction_policy=\"evict_last\")",
