@@ -22,10 +22,13 @@ A call is replayed only when all of these hold, otherwise the plain forward runs
 
 A miss runs the plain forward for the caller, then twice more on a side stream (so Triton autotuning,
 fxfuse's measured choice and lazy library set-up happen outside the capture), then captures one call into
-a graph; all graphs of a module share one memory pool. Parameters and buffers are read in place, by
-address: copying into them (``load_state_dict``, ``p.copy_``) is seen by the next replay; replacing them
-(``m.weight = nn.Parameter(...)``, ``.to(dtype)``, a new submodule) changes an address, which a check of
-every parameter's and buffer's ``data_ptr`` on each call notices: all graphs are dropped and recaptured.
+a graph; all graphs of a module share one memory pool. fxfuse's regions choose their kernels for such calls
+by GPU time alone (a replay skips the host path; :func:`fxfuse.strategy.scoring_for_cuda_graphs`).
+
+Parameters and buffers are read in place, by address: copying into them (``load_state_dict``, ``p.copy_``) is
+seen by the next replay; replacing them (``m.weight = nn.Parameter(...)``, ``.to(dtype)``, a new submodule)
+changes an address, which a check of every parameter's and buffer's ``data_ptr`` on each call notices: all
+graphs are dropped and recaptured.
 
 What a graph cannot see: Python side effects of the forward (counters, prints, hooks of submodules) run
 only while capturing, and a tensor the forward reads that is neither an argument nor a parameter or
@@ -53,6 +56,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .kernels.workspace import zero_after_capture
+from .strategy import scoring_for_cuda_graphs
 
 __all__ = ["GraphedForward", "call_key", "cuda_graphed"]
 
@@ -312,7 +316,8 @@ class GraphedForward:
             return self._plainly(module, args, kwargs, f"{self.max_graphs} graphs exist (max_graphs); new input "
                                  "signatures run plainly")
         versions = [None if t.is_inference() else t._version for t in tensors]
-        out = self._call(module, args, kwargs)  # this call's result, computed as always
+        with scoring_for_cuda_graphs():  # fxfuse's regions plan for replays: by GPU time, not host time
+            out = self._call(module, args, kwargs)  # this call's result, computed as always
         reason = _why_not(tensors, versions, out)
         after = call_key(args, kwargs, key[0])
         if reason is None and (after is None or after[0] != key):
@@ -320,7 +325,8 @@ class GraphedForward:
         entry = None
         if reason is None:
             try:
-                entry = self._capture(module, args, kwargs, tensors)
+                with scoring_for_cuda_graphs():  # (the same choices as the call above)
+                    entry = self._capture(module, args, kwargs, tensors)
             except Exception as err:  # never fail the user's call: this signature stays plain
                 cause = err.__context__ if err.__context__ is not None else err
                 reason = f"capture failed: {type(cause).__name__}: {str(cause).strip().splitlines()[0]}"

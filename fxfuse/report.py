@@ -70,8 +70,9 @@ class RegionReport:
 
     @property
     def measurements(self) -> list[Measurement]:
-        """This region's shape measured on a GPU so far in this process, one per M bucket (read now)."""
-        found = {r.m_bucket: r for r in measurements()
+        """This region's shape measured on a GPU so far in this process, one per M bucket (and one more per bucket
+        planned for a CUDA graph), read now."""
+        found = {(r.m_bucket, r.for_cuda_graph): r for r in measurements()
                  if (r.spec, r.widths, r.dtype) == (self.spec, self.widths, self.dtype)}
         return [found[b] for b in sorted(found)]
 
@@ -121,11 +122,13 @@ class RegionReport:
         return "; ".join(cells) or ("M unknown" if self.m is None else "—")
 
     def measured_cell(self) -> str:
-        """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``."""
+        """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``
+        (``at M~1 in a CUDA graph``: planned by GPU time for a graph's replays)."""
         if not self.widths:  # shapes unknown here: the measurements cannot be told apart
             return "—"
-        cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket} "
-                 f"({r.strategy if r.fused else 'original ops kept'})" for r in self.measurements]
+        cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket}"
+                 f"{' in a CUDA graph' if r.for_cuda_graph else ''} ({r.strategy if r.fused else 'original ops kept'})"
+                 for r in self.measurements]
         return "; ".join(cells) or "not yet"
 
 

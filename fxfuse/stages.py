@@ -35,6 +35,7 @@ from . import epilogue as ep
 from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stage_tma
 from .kernels.template import m_bucket
 from .kernels.tma_launch import tma_applicable
+from .strategy import for_cuda_graphs
 
 __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
@@ -75,7 +76,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel."""
     (M, K), N = x.shape, weights[0].shape[0]
     key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
-           tuple(b is not None for b in biases))
+           tuple(b is not None for b in biases), for_cuda_graphs())
     choice = _choices.get(key) if timed else None
     if choice is None:
         runners = _runners(x, weights, biases, operands, epilogue, timed)
@@ -136,7 +137,8 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]]) -> str:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return next(iter(runners))  # nothing can be timed inside a capture; a later eager call decides
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    disk_key = f"stage {key[0]}:{key[1]} | M~{key[2]} | K={key[3]} N={key[4]} | {str(x_dtype).replace('torch.', '')}"
+    disk_key = f"stage {key[0]}:{key[1]} | M~{key[2]} | K={key[3]} N={key[4]} | {str(x_dtype).replace('torch.', '')}" \
+        + (" | CUDA graph" if key[-1] else "")
     stored = tuning_cache.lookup(disk_key, device_name)
     if stored is not None and all(s in runners for s, _ in stored.times):
         times = dict(stored.times)
@@ -144,6 +146,7 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]]) -> str:
         times = time_candidates(f"stage {key[1]}", key[2], runners)
         tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
     choice = _choices[key] = min(times, key=times.get)
-    log.info("fxfuse: stage %s at M~%d, K=%d, N=%d: %s -> %s", key[1], key[2], key[3], key[4],
+    log.info("fxfuse: stage %s at M~%d, K=%d, N=%d%s: %s -> %s", key[1], key[2], key[3], key[4],
+             " (for a CUDA graph: GPU time only)" if key[-1] else "",
              ", ".join(f"{s} {t:.1f} us" for s, t in sorted(times.items(), key=lambda kv: kv[1])), choice)
     return choice

@@ -29,9 +29,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,8 +45,9 @@ from .kernels.template import autotune_enabled
 from .spec import MLPSpec
 
 __all__ = ["DECODE", "DECODE_GRID_SYNC", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ONE_LAUNCH",
-           "ORIGINAL_OPS", "Measurement", "choose_strategy", "fastest", "kernel_candidates", "kernels_are_faster",
-           "launches", "measured_choice_enabled", "measurements", "time_candidates"]
+           "ORIGINAL_OPS", "Measurement", "choose_strategy", "fastest", "for_cuda_graphs", "kernel_candidates",
+           "kernels_are_faster", "launches", "measured_choice_enabled", "measurements", "scoring_for_cuda_graphs",
+           "time_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,34 @@ DECODE = "decode_split_hidden"  # a two-stage MLP on a few rows in one launch, s
 DECODE_GRID_SYNC = "decode_grid_sync"  # a two-stage MLP on ONE row in one launch, a grid barrier between stages
 ORIGINAL_OPS = "original_ops"  # the ops the region replaced (cuBLAS GEMMs + eager pointwise): always a candidate
 ONE_LAUNCH = (FUSED_CHAIN, DECODE, DECODE_GRID_SYNC)  # strategies that run the whole region as one kernel
+
+_scoring = threading.local()
+
+
+@contextlib.contextmanager
+def scoring_for_cuda_graphs() -> Iterator[None]:
+    """Within it, the calls being planned will be captured into a CUDA graph: candidates are scored by their GPU
+    time alone (a replay pays no host time), under choice keys of their own (:func:`fxfuse.cuda_graphed` plans
+    and captures inside it). At gpt2m_mlp_m1 the two small-M launches (11.9 µs GPU, 16.6 host with the call path)
+    lose to the one-launch grid-sync kernel (15.0 GPU) in a plain call and win in a graph.
+
+    Example:
+        >>> with scoring_for_cuda_graphs():
+        ...     for_cuda_graphs()
+        True
+    """
+    before = for_cuda_graphs()
+    _scoring.graphs = True
+    try:
+        yield
+    finally:
+        _scoring.graphs = before
+
+
+def for_cuda_graphs() -> bool:
+    """Whether this thread is planning calls for a CUDA graph (see :func:`scoring_for_cuda_graphs`)."""
+    return getattr(_scoring, "graphs", False)
+
 
 
 def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
@@ -115,6 +146,7 @@ class Measurement:
     predicted_original_us: Optional[float] = None  # ... and of the original ops
     predicted_regime: str = ""  # what bounds ``strategy`` in the cost model: "compute", "memory" or "launch"
     times: tuple[tuple[str, float], ...] = ()  # every candidate's time, fastest first
+    for_cuda_graph: bool = False  # scored by GPU time alone, for a CUDA graph's replays
 
     @property
     def fused(self) -> bool:
@@ -139,7 +171,8 @@ def measured_choice_enabled() -> bool:
 def choice_key(args: tuple) -> tuple:
     x, weights, _, _, spec = args
     m = x.numel() // x.shape[-1]
-    return (spec, 1 << max(m - 1, 0).bit_length(), tuple(w.shape for w in weights), x.dtype, x.device)
+    return (spec, 1 << max(m - 1, 0).bit_length(), tuple(w.shape for w in weights), x.dtype, x.device,
+            for_cuda_graphs())
 
 
 def cached_choice(args: tuple) -> Optional[str]:
@@ -172,7 +205,8 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     dtype = str(x.dtype).replace("torch.", "")
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
-    disk_key = f"{spec} | M~{key[1]} | {','.join('x'.join(map(str, w.shape)) for w in weights)} | {dtype}"
+    disk_key = f"{spec} | M~{key[1]} | {','.join('x'.join(map(str, w.shape)) for w in weights)} | {dtype}" + \
+        (" | CUDA graph" if for_cuda_graphs() else "")
     stored = tuning_cache.lookup(disk_key, device)
     if stored is not None and (stored.strategy in runners or stored.strategy == ORIGINAL_OPS):
         times, source = dict(stored.times), "tuning cache"
@@ -192,9 +226,10 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
                                  kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source,
                                  getattr(fused_pred, "predicted_us", None),
                                  getattr(original_pred, "predicted_us", None),
-                                 getattr(fused_pred, "regime", ""), times=ranked)
+                                 getattr(fused_pred, "regime", ""), times=ranked, for_cuda_graph=key[-1])
     _choices[key] = best
-    log.info("fxfuse: %s at M~%d (%s): %s -> %s", spec, key[1], source,
+    log.info("fxfuse: %s at M~%d (%s%s): %s -> %s", spec, key[1], source,
+             ", for a CUDA graph: GPU time only" if for_cuda_graphs() else "",
              ", ".join(f"{s} {t:.1f} us" for s, t in ranked), best)
     return best
 
@@ -217,7 +252,7 @@ TIMING_ROUNDS = 2  # interleaved rounds over the candidates; each keeps its best
 def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]],
                     path_us: float = 0.0) -> dict[str, float]:
     """µs per call of each runner: the larger of its GPU median (``do_bench``) and its host time per call plus
-    ``path_us``, the best of ``TIMING_ROUNDS`` rounds.
+    ``path_us``, the best of ``TIMING_ROUNDS`` rounds; the GPU median alone within :func:`scoring_for_cuda_graphs`.
 
     Every runner is called once first (compiling and autotuning), then all are timed in interleaved rounds:
     timing one candidate right after its own autotuning burst, or only once, let the GPU's clock and power
@@ -246,10 +281,13 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
                 raise  # the original ops failing is the user's error, not ours
             log.warning("fxfuse: %s for %s failed (%s: %s); not using it", name, what, type(err).__name__, err)
     times: dict[str, float] = {}
+    graphed = for_cuda_graphs()
     for _ in range(TIMING_ROUNDS):
         for name, run in ready.items():
-            gpu = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
-            times[name] = min(times.get(name, float("inf")), max(gpu, host_us(run) + path_us))
+            us = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+            if not graphed:
+                us = max(us, host_us(run) + path_us)
+            times[name] = min(times.get(name, float("inf")), us)
     return times
 
 

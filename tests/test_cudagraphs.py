@@ -366,3 +366,28 @@ def test_tiny_transformers_match_eager_under_no_grad(family):
         for use_cache in (True, False):
             args = dict(max_new_tokens=3, do_sample=False, use_cache=use_cache, pad_token_id=0)
             torch.testing.assert_close(fast.generate(ids, **args), plain.generate(ids, **args), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_regions_of_a_graphed_module_are_planned_by_gpu_time(monkeypatch, tmp_path, caplog):
+    """With the measured choice on, a graphed module's first call times its region by GPU time alone (a replay
+    pays no host time), under choice keys of its own, and the graph replays the kernels chosen that way."""
+    from fxfuse import stages, strategy, tuning_cache
+
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
+    monkeypatch.setenv("FXFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(strategy, "_choices", {})
+    monkeypatch.setattr(stages, "_choices", {})
+    tuning_cache.clear_loaded()
+    model = GPT2MLP(256, 1024).cuda().to(torch.bfloat16).eval()
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fxfuse"):
+        fast(x)  # plain (planned for the graph), then captured
+        for _ in range(3):
+            x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+            assert rel_err(fast(x), model(x)) < tol(torch.bfloat16)
+    assert fast.forward.num_graphs == 1
+    assert strategy._choices and all(key[-1] for key in strategy._choices)  # only graph-scored choices
+    assert any("for a CUDA graph: GPU time only" in r.getMessage() for r in caplog.records)
+    tuning_cache.clear_loaded()

@@ -75,6 +75,33 @@ def test_the_call_path_around_the_candidates_counts_toward_their_host_time(monke
                      ORIGINAL_OPS: pytest.approx(34.3)}
 
 
+def test_calls_planned_for_a_cuda_graph_are_scored_by_gpu_time_under_keys_of_their_own(monkeypatch):
+    """A graph's replay pays no host time: the same two candidates, timed the same, go the other way there, and
+    both choices are kept (in memory and on disk) beside each other."""
+    args = make_args("1b:gelu_tanh(a0);1b:a0", [24, 50, 24])
+    fixed_times(monkeypatch, [0.0134, 0.0150, 0.020], host_us=[12.3, 7.2, 30.0])  # two launches, one, eager
+    runners = {GEMM_EPILOGUE: lambda: None, DECODE_GRID_SYNC: lambda: None}
+    assert strategy.fastest(args, runners, lambda: None, path_us=4.3) == DECODE_GRID_SYNC  # 16.6 vs 15.0
+    with strategy.scoring_for_cuda_graphs():
+        assert strategy.for_cuda_graphs()
+        assert strategy.time_candidates("test", 1, {**runners, ORIGINAL_OPS: lambda: None}, path_us=4.3) == {
+            GEMM_EPILOGUE: pytest.approx(13.4), DECODE_GRID_SYNC: pytest.approx(15.0),
+            ORIGINAL_OPS: pytest.approx(20.0)}
+        assert strategy.fastest(args, runners, lambda: None, path_us=4.3) == GEMM_EPILOGUE
+        assert strategy.cached_choice(args) == GEMM_EPILOGUE
+    assert not strategy.for_cuda_graphs()
+    assert strategy.cached_choice(args) == DECODE_GRID_SYNC
+    assert [(m.strategy, m.for_cuda_graph) for m in strategy.measurements()] == [
+        (DECODE_GRID_SYNC, False), (GEMM_EPILOGUE, True)]
+    # A new process reads both from the tuning cache, each under its own key.
+    monkeypatch.setattr(strategy, "_choices", {})
+    tuning_cache.clear_loaded()
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    assert strategy.fastest(args, runners, lambda: None) == DECODE_GRID_SYNC
+    with strategy.scoring_for_cuda_graphs():
+        assert strategy.fastest(args, runners, lambda: None) == GEMM_EPILOGUE
+
+
 @pytest.mark.parametrize("spec,widths,m,expected", [
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 1 << 20, [FUSED_CHAIN, GEMM_EPILOGUE]),
     ("1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 16), 4, [FUSED_CHAIN, GEMM_EPILOGUE]),  # 3 stages: no decode
