@@ -117,6 +117,7 @@ class RegionReport:
         if not self.widths:
             return "—"
         cells = [f"{FusedVsOriginal(r.predicted_us, r.predicted_original_us)} at M={r.m}"
+                 + (" in a CUDA graph" if r.for_cuda_graph else "")
                  + (f", {r.predicted_regime}-bound" if r.predicted_regime else "")
                  for r in self.measurements if r.predicted_us is not None and r.predicted_original_us is not None]
         return "; ".join(cells) or ("M unknown" if self.m is None else "—")
