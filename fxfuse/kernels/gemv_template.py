@@ -305,11 +305,20 @@ def _programs(c: triton.Config, N: int) -> int:
 def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> triton.Config | None:
     """``c`` with as many pipeline stages as fit shared memory (each holds the weight tiles and an x tile).
 
-    A ONE_ROW config with one stage keeps its loads in registers: it needs no shared memory.
+    A ONE_ROW config stages one row of x, and with one stage keeps its loads in registers (no shared memory):
+    one whose stages do not fit runs with one.
+
+    Example:
+        >>> one_row = triton.Config({"BLOCK_N": 1, "BLOCK_K": 4096, "SPLIT_K": 1, "ONE_ROW": True}, num_stages=2)
+        >>> fit_gemv_config(one_row, 2, 2).num_stages  # (2 weight rows + 1 x row) x 4096 x 2 B per stage
+        2
     """
     kw = c.kwargs
-    if kw.get("ONE_ROW") and c.num_stages == 1:
-        return c
+    if kw.get("ONE_ROW"):
+        if c.num_stages == 1:
+            return c
+        fitted = fit_stages(c, (num_linears * kw["BLOCK_N"] + 1) * kw["BLOCK_K"] * elem_size)
+        return fitted or triton.Config(dict(kw), num_warps=c.num_warps, num_stages=1)
     return fit_stages(c, (num_linears * kw["BLOCK_N"] * kw["BLOCK_K"] + GEMV_BLOCK_M * kw["BLOCK_K"]) * elem_size)
 
 
