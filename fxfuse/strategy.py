@@ -87,7 +87,6 @@ def for_cuda_graphs() -> bool:
     return getattr(_scoring, "graphs", False)
 
 
-
 def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
                       elem_size: int = 2) -> list[str]:
     """The kernel strategies that can run ``spec``, in the order tried when nothing is measured.
