@@ -7,7 +7,7 @@ standalone kernel written like Inductor's beside fxfuse's, changing one thing at
 
 * ``rows``: Inductor's shape of kernel (N, K constexpr, XBLOCK rows per program, RBLOCK-wide K steps,
   silu(g)*u computed and stored once);
-* ``rows/runtime``: the same with N and K as runtime arguments (fxfuse's kernels take them at run time);
+* ``rows/runtime``: the same with N and K as runtime arguments (as fxfuse's small-M kernel had them until session 9);
 * ``fxfuse``: ``run_stage_gemv`` with the same tile, and with its autotuned pick.
 
 Each: device µs after a 256 MB fill (profiler, mean of 10), do_bench median, registers, spills, rel err.
@@ -35,9 +35,16 @@ from fxfuse.kernels import run_stage_gemv  # noqa: E402
 
 
 @triton.jit
-def rows_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
-                XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
-    """out[n] = silu(x·w0[n]) * (x·w1[n]) (GATED) or x·w0[n]; XBLOCK rows per program, K in RBLOCK steps."""
+def rows_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, N, K, N_CONST: tl.constexpr, K_CONST: tl.constexpr,
+                GATED: tl.constexpr, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    """out[n] = silu(x·w0[n]) * (x·w1[n]) (GATED) or x·w0[n]; XBLOCK rows per program, K in RBLOCK steps.
+
+    N_CONST, K_CONST > 0: the sizes as compile-time constants (then N and K are not read), as Inductor has them.
+    """
+    if N_CONST > 0:
+        N = N_CONST
+    if K_CONST > 0:
+        K = K_CONST
     rows = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
     rmask = rows < N
     r = tl.arange(0, RBLOCK)[None, :]
@@ -59,36 +66,12 @@ def rows_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr
     tl.store(out_ptr + rows, a0.to(out_ptr.dtype.element_ty), rmask)
 
 
-@triton.jit
-def rows_runtime_kernel(x_ptr, w0_ptr, w1_ptr, out_ptr, N, K, GATED: tl.constexpr, XBLOCK: tl.constexpr,
-                        RBLOCK: tl.constexpr):
-    """rows_kernel with N and K as runtime arguments."""
-    rows = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]
-    rmask = rows < N
-    r = tl.arange(0, RBLOCK)[None, :]
-    acc0 = tl.zeros([XBLOCK, RBLOCK], tl.float32)
-    acc1 = tl.zeros([XBLOCK, RBLOCK], tl.float32)
-    for k0 in range(0, K, RBLOCK):
-        ks = k0 + r
-        km = ks < K
-        xv = tl.load(x_ptr + ks, km, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        w0 = tl.load(w0_ptr + ks + K * rows, km & rmask, other=0.0, eviction_policy="evict_first")
-        acc0 += w0.to(tl.float32) * xv
-        if GATED:
-            acc1 += tl.load(w1_ptr + ks + K * rows, km & rmask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32) * xv
-    a0 = tl.sum(acc0, 1)[:, None]
-    if GATED:
-        a1 = tl.sum(acc1, 1)[:, None]
-        a0 = a0 * tl.sigmoid(a0) * a1
-    tl.store(out_ptr + rows, a0.to(out_ptr.dtype.element_ty), rmask)
-
-
-def launch_rows(kernel, x, ws, out, xblock, rblock, warps, stages):
+def launch_rows(constant, x, ws, out, xblock, rblock, warps, stages):
+    """``rows_kernel`` with the sizes as constants (``constant``) or as runtime arguments."""
     n, k = ws[0].shape
     grid = (triton.cdiv(n, xblock),)
-    return kernel[grid](x, ws[0], ws[-1], out, n, k, GATED=len(ws) == 2, XBLOCK=xblock, RBLOCK=rblock,
-                        num_warps=warps, num_stages=stages)
+    return rows_kernel[grid](x, ws[0], ws[-1], out, n, k, N_CONST=n if constant else 0, K_CONST=k if constant else 0,
+                             GATED=len(ws) == 2, XBLOCK=xblock, RBLOCK=rblock, num_warps=warps, num_stages=stages)
 
 
 def measure(label, fn, ref, compiled=None) -> None:
@@ -108,13 +91,13 @@ def case(name, x, ws, epilogue, tiles, fxfuse_tiles, quick) -> None:
     accs = [xd @ w.double().T for w in ws]
     ref = torch.nn.functional.silu(accs[0]) * accs[1] if len(ws) == 2 else accs[0]
     out = torch.empty(1, ws[0].shape[0], device=x.device, dtype=x.dtype)
-    for kernel, kind in ((rows_kernel, "rows"), (rows_runtime_kernel, "rows/runtime")):
+    for constant, kind in ((True, "rows"), (False, "rows/runtime")):
         for xblock, rblock, warps, stages in tiles:
             if quick and kind != "rows" and (xblock, rblock) != tiles[0][:2]:
                 continue
             try:
-                compiled = launch_rows(kernel, x, ws, out, xblock, rblock, warps, stages)
-                fn = functools.partial(launch_rows, kernel, x, ws, out, xblock, rblock, warps, stages)
+                compiled = launch_rows(constant, x, ws, out, xblock, rblock, warps, stages)
+                fn = functools.partial(launch_rows, constant, x, ws, out, xblock, rblock, warps, stages)
                 measure(f"{kind} X{xblock} R{rblock} w{warps} s{stages}", lambda fn=fn: (fn(), out)[1], ref, compiled)
             except Exception as err:  # a tile that does not compile: say so, go on
                 print(f"  {kind} X{xblock} R{rblock} w{warps}: failed: {type(err).__name__}: {str(err)[:120]}")
