@@ -5,10 +5,11 @@ gradient, input gradient included, parameter gradients reset to None) is timed w
 ``triton.testing.do_bench`` (median, L2 flushed) for:
 
 * eager: the module as it is;
-* fxfuse: ``fxfuse.optimize(module)`` as shipped: the first backward marks the region as trained, and later
-  gradient-recording calls run the original ops (``fxfuse.ops.fused_mlp``);
-* fxfuse recompute: the op's own backward every step (fused forward, then the original ops' forward again
-  and their backward: what fxfuse did before the switch);
+* fxfuse: ``fxfuse.optimize(module)`` as shipped: a narrow chain (nerf rows) runs its fused forward and the
+  fused chain backward kernel every step (``fxfuse.backward``); any other region's first backward marks it
+  as trained, and later gradient-recording calls run the original ops (``fxfuse.ops.fused_mlp``);
+* fxfuse recompute: the op's generic backward every step (``FXFUSE_FUSED_BACKWARD=0``, trained marks
+  cleared: fused forward, then the original ops' forward again and their backward);
 * torch.compile default, and ``backend="fxfuse"`` (which leaves training graphs to Inductor).
 
 Also timed: the forward alone with gradients recorded but never used (inference without ``torch.no_grad()``),
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -41,14 +43,19 @@ import fxfuse.ops  # noqa: E402
 ROWS = ("seed_geglu", "gpt2_mlp", "llama_swiglu_4096", "nerf64", "nerf128")
 
 
-def _step(module, x, grad_out, params, *, before=None):
+def _step(module, x, grad_out, params, *, generic_backward=False):
     def run():
-        if before is not None:
-            before()
-        for p in params:
-            p.grad = None
-        x.grad = None
-        module(x).backward(grad_out)
+        if generic_backward:
+            fxfuse.ops._trained.clear()
+            os.environ["FXFUSE_FUSED_BACKWARD"] = "0"
+        try:
+            for p in params:
+                p.grad = None
+            x.grad = None
+            module(x).backward(grad_out)
+        finally:
+            if generic_backward:
+                del os.environ["FXFUSE_FUSED_BACKWARD"]
 
     return run
 
@@ -90,11 +97,10 @@ def bench_row(w, rounds: int, log) -> dict:
     fast = fxfuse.optimize(model)
     compiled = torch.compile(copy.copy(model))
     backend = torch.compile(copy.copy(model), backend="fxfuse")
-    untrain = fxfuse.ops._trained.clear
     steps = {
         "eager": _step(model, x, grad_out, params),
         "fxfuse": _step(fast, x, grad_out, params),
-        "fxfuse recompute": _step(fast, x, grad_out, params, before=untrain),
+        "fxfuse recompute": _step(fast, x, grad_out, params, generic_backward=True),
         "compile default": _step(compiled, x, grad_out, params),
         "compile fxfuse backend": _step(backend, x, grad_out, params),
     }
@@ -106,7 +112,7 @@ def bench_row(w, rounds: int, log) -> dict:
         steps[name]()  # first call: compile / tune / mark the region trained
         got = _grads(steps[name], x, params)
         row[f"{name} grad rel err"] = max(_rel(g, r) for g, r in zip(got, ref))
-    untrain()
+    fxfuse.ops._trained.clear()
     fast(x)  # an untrained region's gradient-recording forward: fused
     log(f"{w.name}: built and checked in {time.perf_counter() - t0:.1f}s")
     times: dict[str, list[float]] = {k: [] for k in steps}

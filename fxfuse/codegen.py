@@ -32,7 +32,8 @@ from .kernels.template import KERNEL_TEMPLATE, TEMPLATE_VERSION
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_dir", "clear_loaded", "generated_chain_kernel", "generated_decode_kernel", "generated_kernel",
+__all__ = ["cache_dir", "clear_loaded", "generated_chain_backward_kernel", "generated_chain_kernel",
+           "generated_decode_kernel", "generated_kernel",
            "generated_tma_kernel", "kernel_path", "render"]
 
 _modules: dict[tuple, ModuleType] = {}
@@ -187,6 +188,24 @@ def generated_chain_kernel(epilogues: tuple[str, ...]) -> ModuleType:
         return render_chain(epilogues)
 
     return _cached(("chain", epilogues), source, "fxfuse_chain")
+
+
+def generated_chain_backward_kernel(epilogues: tuple[str, ...]) -> ModuleType:
+    """Import (generating if needed) the fused-chain backward kernel module for these stage epilogues.
+
+    The module has ``fused_chain_backward_kernel`` and ``EPILOGUES`` (see
+    :mod:`fxfuse.kernels.chain_backward_template`). Raises ``ValueError`` for an epilogue without a derivative.
+
+    Example:
+        >>> generated_chain_backward_kernel(("relu(a0)", "a0")).EPILOGUES  # doctest: +SKIP
+        ['relu(a0)', 'a0']
+    """
+    def source() -> str:
+        from .kernels.chain_backward_template import render_chain_backward
+
+        return render_chain_backward(epilogues)
+
+    return _cached(("chain_backward", epilogues), source, "fxfuse_chain_backward")
 
 
 def generated_decode_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -> ModuleType:

@@ -9,8 +9,10 @@ Registered with ``torch.library.triton_op`` so torch.compile and torch.export un
 * Inputs the kernels do not take (float64, mixed dtypes or devices, a shape eager would reject): the
   reference composite too, logged once per reason, so the result (or the error) is eager's.
 * Fake: the output's shape and dtype, without running anything.
-* Autograd: the vjp of the reference composite, so gradients are always those of the original ops.
-  A region that has been trained runs its gradient-recording calls as the original ops (``fused_mlp``).
+* Autograd: a narrow chain's gradients come from one fused backward kernel that recomputes the forward on
+  chip (:mod:`fxfuse.backward`); any other region's are the vjp of the reference composite, so gradients
+  are always those of the original ops. A region of the second kind that has been trained runs its
+  gradient-recording calls as the original ops (``fused_mlp``).
 
 Example:
     >>> import torch, fxfuse.ops
@@ -36,6 +38,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from . import replay
+from .backward import fused_chain_gradients
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import (
@@ -367,8 +370,30 @@ def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
     return out
 
 
+def _fused_backward(ctx, grad) -> Optional[tuple]:
+    """The op's gradients from the fused chain backward kernel (:mod:`fxfuse.backward`), or None."""
+    flat = list(ctx.saved_tensors)
+    (x,), weights, biases, operands = _split(flat, ctx.sizes)
+    if operands:
+        return None
+    result = fused_chain_gradients(ctx.spec, x, weights, expand_biases(biases, MLPSpec.loads(ctx.spec)), grad,
+                                   need_dx=0 in ctx.wanted)
+    if result is None:
+        return None
+    dx, grad_w, grad_b = result
+    wanted = set(ctx.wanted)
+    gw = [g if 1 + i in wanted else None for i, g in enumerate(grad_w)]
+    present = [g for g in grad_b if g is not None]  # the op's biases are the ones that exist
+    gb = [g if 1 + len(weights) + i in wanted else None for i, g in enumerate(present)]
+    return dx, gw, gb, [], None
+
+
 def _backward(ctx, grad):
-    """Gradients of the reference composite (the original ops), via ``torch.func.vjp``."""
+    """Gradients: the fused chain backward kernel where it takes the region (:mod:`fxfuse.backward`), else
+    those of the reference composite (the original ops), via ``torch.func.vjp``."""
+    fused = _fused_backward(ctx, grad)
+    if fused is not None:
+        return fused
     if ctx.spec not in _trained and not torch.compiler.is_compiling():
         _trained.add(ctx.spec)
         log.info("fxfuse: a region %s is being trained; from now on its calls that record gradients run the "

@@ -1,0 +1,75 @@
+"""Every config of the fused chain backward kernel at nerf64, beside eager's backward.
+
+For the nerf64 chain (fp16, M = 2^20, 32 → 64 → 64 → 64 → 16, ReLU), times with ``triton.testing.do_bench``
+(median, L2 flushed): each config of ``run_chain_backward`` (input gradient included), the autotuned launch,
+and eager's backward alone (autograd from the saved activations of one forward, ``retain_graph``). Prints
+the kernel's FLOPs (forward recomputed + dW + dh) as TFLOP/s, and its gradients' error against eager's.
+
+    python3 benchmarks/probe_chain_backward.py [--m 1048576]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fxfuse.kernels.chain_backward_launch import run_chain_backward  # noqa: E402
+from fxfuse.kernels.chain_backward_template import chain_backward_configs  # noqa: E402
+
+WIDTHS = (32, 64, 64, 64, 16)
+EPILOGUES = ("relu(a0)", "relu(a0)", "relu(a0)", "a0")
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, default=1 << 20)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(WIDTHS) - 2:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).cuda().half()
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    ws, bs = [m.weight.detach() for m in linears], [m.bias.detach() for m in linears]
+    x = torch.randn(args.m, WIDTHS[0], device="cuda", dtype=torch.float16, requires_grad=True)
+    dy = torch.randn(args.m, WIDTHS[-1], device="cuda", dtype=torch.float16)
+    out = model(x)
+    out.backward(dy, retain_graph=True)
+    ref = [x.grad.clone()] + [p.grad.clone() for m in linears for p in (m.weight, m.bias)]
+
+    def eager_backward():
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        out.backward(dy, retain_graph=True)
+
+    macs = sum(a * b for a, b in zip(WIDTHS, WIDTHS[1:]))
+    flops = 2 * args.m * (3 * macs - WIDTHS[-2] * WIDTHS[-1])  # the last (identity) layer is not recomputed
+    print(f"nerf64 backward, M={args.m}: {flops / 1e9:.1f} GFLOP in the fused kernel", flush=True)
+    eager_us = do_bench(eager_backward, warmup=25, rep=100, return_mode="median") * 1e3
+    print(f"  eager backward (autograd, saved activations): {eager_us:8.1f} µs", flush=True)
+    variants = [(f"BLOCK_M {c.kwargs['BLOCK_M']} w{c.num_warps} {c.kwargs['PER_SM']}/SM", c)
+                for c in chain_backward_configs()] + [("autotuned", None)]
+    for label, config in variants:
+        try:
+            fn = lambda config=config: run_chain_backward(x.detach(), ws, bs, dy, EPILOGUES, config=config)  # noqa: E731
+            dx, gw, gb = fn()
+            got = [dx] + [g for pair in zip(gw, gb) for g in pair]
+            err = max(((g.double() - r.double()).norm() / r.double().norm()).item() for g, r in zip(got, ref))
+            us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            print(f"  fused {label:26s} {us:8.1f} µs  {flops / us / 1e6:6.1f} TFLOP/s  {eager_us / us:5.2f}x eager  "
+                  f"max grad rel err vs eager {err:.1e}", flush=True)
+        except Exception as e:
+            print(f"  fused {label:26s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Python wrapper of the fused-chain backward kernel (:mod:`fxfuse.kernels.chain_backward_template`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import triton
+
+from .. import codegen
+from .chain_backward_template import gradient_layout
+from .chain_launch import _num_sms
+from .chain_template import pad_width
+from .launch import _input_precision, launch_kernel
+from .template import m_bucket
+
+__all__ = ["ChainGradients", "run_chain_backward"]
+
+ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]
+
+
+def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                       dy: torch.Tensor, epilogues: tuple[str, ...], need_dx: bool = True,
+                       config: Optional[triton.Config] = None) -> ChainGradients:
+    """Gradients of a narrow chain (``fused_chain``'s math) in one launch: ``(dx, [dW_i], [db_i])``.
+
+    The forward is recomputed on chip from ``x``, so nothing but the op's inputs needs saving. The weight and
+    bias gradients are summed in fp32 (per program, then over programs: deterministic) and returned in their
+    parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s.
+
+    Args:
+        x: ``[M, D0]``, any strides; dy: ``[M, D_last]``, any strides, x's dtype.
+        weights: one ``[D_{i+1}, D_i]`` weight per stage; biases: ``[D_{i+1}]`` or None per stage.
+        epilogues: one canonical epilogue per stage, each a key of ``DERIVATIVES`` (see ``backward_fits``).
+        config: run this variant (one of ``chain_backward_configs()``) instead of the autotuned choice.
+
+    Example:
+        >>> epilogues = ("relu(a0)", "a0")
+        >>> dx, (dw1, dw2), (db1, db2) = run_chain_backward(x, [w1, w2], [b1, b2], dy, epilogues)  # doctest: +SKIP
+    """
+    M = x.shape[0]
+    dims = [x.shape[1]] + [w.shape[0] for w in weights]
+    off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
+    kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
+    max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 2))  # the grid's bound over all configs
+    partials = torch.empty((max_programs, total), dtype=torch.float32, device=x.device)
+    dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
+    args: dict = {"x_ptr": x, "dy_ptr": dy, "dx_ptr": dx if need_dx else x, "part_ptr": partials, "M": M,
+                  "M_BUCKET": m_bucket(M), "stride_xm": x.stride(0), "stride_xk": x.stride(1),
+                  "stride_dym": dy.stride(0), "stride_dyn": dy.stride(1),
+                  "stride_dxm": dx.stride(0) if need_dx else 0, "stride_dxk": dx.stride(1) if need_dx else 0,
+                  "TOTAL": total, "NEED_DX": need_dx, "INPUT_PRECISION": _input_precision(x.dtype)}
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        args[f"w{i}_ptr"] = w
+        args[f"stride_w{i}n"], args[f"stride_w{i}k"] = w.stride(0), w.stride(1)
+        args[f"b{i}_ptr"] = b if b is not None else w  # any valid pointer; unread without bias
+        args[f"stride_b{i}"] = b.stride(0) if b is not None else 0
+        args[f"HAS_BIAS{i}"] = b is not None
+        args[f"OFF_W{i}"], args[f"OFF_B{i}"] = off_w[i], off_b[i]
+    for i, d in enumerate(dims):
+        args[f"D{i}"], args[f"P{i}"] = d, pad_width(d)
+
+    programs = [max_programs]
+
+    def grid(meta):
+        # Persistent: PER_SM programs per SM, at most one per block of rows. Each writes its row of partials,
+        # so only the rows of the launch that ran (the autotuner's last) are summed.
+        programs[0] = max(1, min(triton.cdiv(M, meta["BLOCK_M"]), _num_sms(x.device) * meta["PER_SM"],
+                                 max_programs))
+        return (programs[0],)
+
+    if config is not None:  # one variant, bypassing the autotuner (tests and probes)
+        kernel.fn[grid](**args, **config.all_kwargs())
+    else:
+        launch_kernel(kernel, grid, args, x)
+    sums = partials[:programs[0]].sum(0)
+    grad_w = [sums[o:o + w.numel()].view(w.shape).to(w.dtype) for o, w in zip(off_w, weights)]
+    grad_b = [None if b is None else sums[o:o + b.numel()].to(b.dtype) for o, b in zip(off_b, biases)]
+    return dx, grad_w, grad_b

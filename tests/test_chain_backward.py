@@ -1,0 +1,171 @@
+"""The fused chain backward: a narrow chain's gradients in one kernel, against float64 autograd and eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import nerf_mlp
+from test_api import _runs_fused_op, untrained_specs  # noqa: F401 (a fixture)
+from test_ops import TOL, rel_err
+
+import fxfuse
+from fxfuse import epilogue as ep
+from fxfuse.backward import fused_backward_reason
+from fxfuse.kernels.chain_backward_launch import run_chain_backward
+from fxfuse.kernels.chain_backward_template import chain_backward_configs
+
+# (epilogues, widths, which stages have a bias)
+CHAINS = [
+    (("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (16, 32, 32, 32, 8), (True,) * 4),  # NeRF-style
+    (("gelu_tanh(a0)", "silu(a0)", "sigmoid(a0)"), (12, 40, 24, 20), (True, False, True)),  # odd widths
+    (("tanh(a0)", "gelu(a0)"), (3, 17, 5), (False, True)),
+]
+
+
+def _inputs(widths, has_bias, dtype, m, device="cpu"):
+    x = torch.randn(m, widths[0], dtype=dtype, device=device)
+    ws = [(torch.randn(o, i, device=device) / i**0.5).to(dtype) for i, o in zip(widths, widths[1:])]
+    bs = [(0.1 * torch.randn(o, device=device)).to(dtype) if b else None for o, b in zip(widths[1:], has_bias)]
+    dy = torch.randn(m, widths[-1], dtype=dtype, device=device)
+    return x, ws, bs, dy
+
+
+def _float64_grads(x, ws, bs, dy, epilogues):
+    """dx, dW_i, db_i of the chain by autograd in float64."""
+    xd = x.double().requires_grad_()
+    wd = [w.double().requires_grad_() for w in ws]
+    bd = [None if b is None else b.double().requires_grad_() for b in bs]
+    h = xd
+    for w, b, text in zip(wd, bd, epilogues):
+        h = ep.evaluate(ep.parse(text), [torch.nn.functional.linear(h, w, b)], [])
+    h.backward(dy.double())
+    return xd.grad, [w.grad for w in wd], [None if b is None else b.grad for b in bd]
+
+
+def _check(got, ref, tol):
+    dx, gw, gb = got
+    rdx, rgw, rgb = ref
+    if dx is not None:
+        assert rel_err(dx, rdx) < tol, "dx"
+    for i, (g, r) in enumerate(zip(gw, rgw)):
+        assert g.dtype == r.dtype or g.shape == r.shape
+        assert rel_err(g, r) < tol, f"dW{i}"
+    for i, (g, r) in enumerate(zip(gb, rgb)):
+        assert (g is None) == (r is None)
+        if g is not None:
+            assert rel_err(g, r) < tol, f"db{i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("epilogues,widths,has_bias", CHAINS)
+def test_backward_kernel_matches_float64_autograd(epilogues, widths, has_bias, dtype):
+    # 37 rows: a partial last block, and with the interpreter's 4 programs, programs with 2 and 3 blocks.
+    x, ws, bs, dy = _inputs(widths, has_bias, dtype, 37)
+    dx, gw, gb = run_chain_backward(x, ws, bs, dy, epilogues)
+    assert dx.dtype == dtype and [g.dtype for g in gw] == [dtype] * len(ws)
+    _check((dx, gw, gb), _float64_grads(x, ws, bs, dy, epilogues), TOL[dtype] if dtype != torch.float32 else 1e-5)
+
+
+def test_backward_kernel_without_dx_and_with_strided_inputs():
+    epilogues, widths, has_bias = CHAINS[0]
+    x, ws, bs, dy = _inputs(widths, has_bias, torch.float32, 21)
+    xt = x.t().contiguous().t()  # column-major x
+    dyt = torch.randn(widths[-1], 21).t()
+    dx, gw, gb = run_chain_backward(xt, ws, bs, dyt, epilogues, need_dx=False)
+    assert dx is None
+    _check((None, gw, gb), _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
+
+
+def test_which_chains_take_the_fused_backward():
+    assert fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 64, 16)) is None
+    assert fused_backward_reason("2--:mul(a0,silu(a1));1-:a0", (32, 64, 32)) == "a gated stage"
+    assert fused_backward_reason("1b:mul(relu(a0),v0);1b:a0", (8, 16, 8)).startswith("epilogue operands")
+    assert fused_backward_reason("1b:exp(a0);1b:a0", (8, 16, 8)) == "no derivative for exp(a0)"
+    # nerf128's 128-wide gradients (49152 fp32 accumulators) would spill: the generic backward keeps it.
+    assert "do not fit" in fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0",
+                                                 (64, 128, 128, 128, 64))
+
+
+def _train_steps(model, steps, x_requires_grad=True, device="cpu", dtype=torch.float32, tol=1e-5):
+    """Train ``fxfuse.optimize(model)`` beside a copy for a few steps: gradients must match eager's.
+    Returns whether each step's forward ran the fused op."""
+    fast = fxfuse.optimize(model)
+    ref_model = copy.deepcopy(model)
+    runs_op = []
+    for _ in range(steps):
+        x = torch.randn(45, model[0].in_features, device=device, dtype=dtype, requires_grad=x_requires_grad)
+        x_ref = x.detach().clone().requires_grad_(x_requires_grad)
+        out = fast(x)
+        runs_op.append(_runs_fused_op(out))
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref_model(x_ref).backward(grad)
+        if x_requires_grad:
+            assert rel_err(x.grad, x_ref.grad) < tol
+        for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+            assert (p.grad is None) == (p_ref.grad is None), name
+            if p.grad is not None:
+                assert rel_err(p.grad, p_ref.grad) < tol, name
+        model.zero_grad()
+        ref_model.zero_grad()
+    return runs_op
+
+
+def test_a_trained_chain_stays_fused_with_eager_gradients(untrained_specs):  # noqa: F811
+    # The generic backward would mark the region trained and run the original ops from the second step;
+    # the fused backward keeps the fused op in every step, with eager's gradients.
+    model = nerf_mlp((16, 32, 32, 32, 8)).train()
+    assert _train_steps(model, 3) == [True, True, True]
+    assert not fxfuse.ops._trained
+
+
+def test_fused_backward_with_frozen_layers_and_no_input_gradient(untrained_specs):  # noqa: F811
+    model = nerf_mlp((16, 32, 32, 8)).train()
+    model[0].weight.requires_grad_(False)
+    model[2].bias.requires_grad_(False)
+    assert _train_steps(model, 2, x_requires_grad=False) == [True, True]
+    assert model[0].weight.grad is None and model[2].bias.grad is None
+
+
+def test_fused_backward_can_be_turned_off(untrained_specs, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("FXFUSE_FUSED_BACKWARD", "0")
+    model = nerf_mlp((16, 32, 32, 8)).train()
+    assert _train_steps(model, 2) == [True, False]  # the generic backward: original ops after the first step
+    assert fxfuse.ops._trained
+
+
+def test_double_backward_uses_the_differentiable_path(untrained_specs):  # noqa: F811
+    model = nerf_mlp((6, 16, 16, 4)).double().train()  # float64 runs the reference ops...
+    fast = fxfuse.optimize(nerf_mlp((6, 16, 16, 4)).train())  # ...so check float32 against float64
+    fast.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    x = torch.randn(9, 6, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    for net, inp in ((fast, x), (model, xd)):
+        (g,) = torch.autograd.grad(torch.tanh(net(inp)).sum(), inp, create_graph=True)
+        g.square().sum().backward()
+    assert rel_err(x.grad, xd.grad) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_backward_kernel_on_gpu(dtype, no_tf32):
+    # Every config of the kernel (the GPU tests run one config per call otherwise), NeRF widths, a ragged M.
+    epilogues, widths = ("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (32, 64, 64, 64, 16)
+    x, ws, bs, dy = _inputs(widths, (True,) * 4, dtype, 3001, "cuda")
+    ref = _float64_grads(x, ws, bs, dy, epilogues)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for config in chain_backward_configs():
+        _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol)
+    for epilogues, widths, has_bias in CHAINS[1:]:
+        x, ws, bs, dy = _inputs(widths, has_bias, dtype, 777, "cuda")
+        _check(run_chain_backward(x, ws, bs, dy, epilogues), _float64_grads(x, ws, bs, dy, epilogues), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):  # noqa: F811
+    model = nerf_mlp((32, 64, 64, 64, 16)).cuda().to(dtype).train()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == [True, True, True]
