@@ -11,6 +11,7 @@ the kernel's FLOPs (forward recomputed + dW + dh) as TFLOP/s, and its gradients'
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -56,7 +57,10 @@ def main() -> None:
     print(f"nerf64 backward, M={args.m}: {flops / 1e9:.1f} GFLOP in the fused kernel", flush=True)
     eager_us = do_bench(eager_backward, warmup=25, rep=100, return_mode="median") * 1e3
     print(f"  eager backward (autograd, saved activations): {eager_us:8.1f} µs", flush=True)
-    variants = [(f"BLOCK_M {c.kwargs['BLOCK_M']} w{c.num_warps} {c.kwargs['PER_SM']}/SM", c)
+    logging.basicConfig(format="    %(message)s")
+    logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.DEBUG)  # registers, spills
+    variants = [(f"BLOCK_M {c.kwargs['BLOCK_M']} w{c.num_warps} {c.kwargs['PER_SM']}/SM"
+                 f"{' reload' if c.kwargs['RELOAD_WEIGHTS'] else ''}", c)
                 for c in chain_backward_configs()] + [("autotuned", None)]
     for label, config in variants:
         try:

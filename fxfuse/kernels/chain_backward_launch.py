@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Optional
 
@@ -16,6 +17,8 @@ from .launch import _input_precision, launch_kernel
 from .template import m_bucket
 
 __all__ = ["ChainGradients", "run_chain_backward"]
+
+logger = logging.getLogger(__name__)
 
 ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]
 
@@ -43,7 +46,7 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
     off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
     kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
-    max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 2))  # the grid's bound over all configs
+    max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 4))  # the grid's bound over all configs
     partials = torch.empty((max_programs, total), dtype=torch.float32, device=x.device)
     dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
     args: dict = {"x_ptr": x, "dy_ptr": dy, "dx_ptr": dx if need_dx else x, "part_ptr": partials, "M": M,
@@ -71,7 +74,9 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
         return (programs[0],)
 
     if config is not None:  # one variant, bypassing the autotuner (tests and probes)
-        kernel.fn[grid](**args, **config.all_kwargs())
+        compiled = kernel.fn[grid](**args, **config.all_kwargs())
+        logger.debug("chain backward %s: %s registers, %s spilled", config, getattr(compiled, "n_regs", "?"),
+                     getattr(compiled, "n_spills", "?"))
     else:
         launch_kernel(kernel, grid, args, x)
     sums = partials[:programs[0]].sum(0)
