@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests-core    # kernel/op/API GPU tests + demo      -> tests_core.log, demo.log
 #   bash benchmarks/gpu_session.sh tests-models  # real models, properties, robustness -> tests_models.log
 #   bash benchmarks/gpu_session.sh tests         # both shards in one call (only if they fit together)
-#   bash benchmarks/gpu_session.sh tests-parallel # every GPU test in 5 parallel pytest processes -> tests_<n>.log
+#   bash benchmarks/gpu_session.sh tests-parallel # every GPU test in 6 parallel pytest processes -> tests_<n>.log
 #   bash benchmarks/gpu_session.sh bench         # full benchmark, max-autotune bounded to ~420 s
 #                                                #   -> results.md, results.json, log.txt (+ profile demo if time left)
 #   bash benchmarks/gpu_session.sh bench-quick   # benchmark without max-autotune + profile report/PNG
@@ -113,12 +113,12 @@ case "$mode" in
     demo
     ;;
   tests-parallel)
-    # Every GPU test, core and models, in five pytest processes at once (compilation is CPU-bound and the
+    # Every GPU test, core and models, in six pytest processes at once (compilation is CPU-bound and the
     # machine has 16 cores): one call instead of three. Each group's log is tests_<n>.log.
     groups=("tests/test_kernels.py" "tests/test_ops.py tests/test_chain.py"
             "$(existing tests/test_tma_stage.py tests/test_decode.py tests/test_planner.py tests/test_tuning_cache.py tests/test_cost.py | xargs)"
-            "$(echo $CORE_TESTS | tr ' ' '\n' | grep -vE 'test_(kernels|ops|chain|tma_stage|decode|planner|tuning_cache|cost)\.py' | xargs)"
-            "$(echo $MODEL_TESTS | xargs)")
+            "$(echo $CORE_TESTS | tr ' ' '\n' | grep -vE 'test_(kernels|ops|chain|chain_backward|tma_stage|decode|planner|tuning_cache|cost)\.py' | xargs)"
+            "$(echo $MODEL_TESTS | xargs)" "$(existing tests/test_chain_backward.py)")
     pids=(); started=()
     for i in "${!groups[@]}"; do
       [[ -n ${groups[$i]// /} ]] || continue  # an empty group would make pytest collect everything

@@ -58,14 +58,16 @@ def main() -> None:
     eager_us = do_bench(eager_backward, warmup=25, rep=100, return_mode="median") * 1e3
     print(f"  eager backward (autograd, saved activations): {eager_us:8.1f} µs", flush=True)
     logging.basicConfig(format="    %(message)s")
-    logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.DEBUG)  # registers, spills
+    logging.getLogger("fxfuse.kernels.tuning").setLevel(logging.INFO)  # the autotuner's pick
     variants = [(f"BLOCK_M {c.kwargs['BLOCK_M']} w{c.num_warps} {c.kwargs['PER_SM']}/SM"
                  f"{' reload' if c.kwargs['RELOAD_WEIGHTS'] else ''}", c)
                 for c in chain_backward_configs()] + [("autotuned", None)]
     for label, config in variants:
         try:
             fn = lambda config=config: run_chain_backward(x.detach(), ws, bs, dy, EPILOGUES, config=config)  # noqa: E731
+            logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.DEBUG)  # registers, spills
             dx, gw, gb = fn()
+            logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.INFO)
             got = [dx] + [g for pair in zip(gw, gb) for g in pair]
             err = max(((g.double() - r.double()).norm() / r.double().norm()).item() for g, r in zip(got, ref))
             us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
@@ -73,6 +75,23 @@ def main() -> None:
                   f"max grad rel err vs eager {err:.1e}", flush=True)
         except Exception as e:
             print(f"  fused {label:26s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+    # The same inside a training step of fxfuse.optimize(model): the op's forward, then its fused backward.
+    import fxfuse
+
+    fast = fxfuse.optimize(model)
+    xs = x.detach().requires_grad_()
+
+    def forward():
+        return fast(xs)
+
+    def step():
+        xs.grad = None
+        model.zero_grad(set_to_none=True)
+        fast(xs).backward(dy)
+
+    step()
+    for label, fn in (("fxfuse grad-recording forward", forward), ("fxfuse training step", step)):
+        print(f"  {label:32s} {do_bench(fn, warmup=25, rep=100, return_mode='median') * 1e3:8.1f} µs", flush=True)
 
 
 if __name__ == "__main__":

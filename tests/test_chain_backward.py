@@ -159,12 +159,13 @@ def test_double_backward_uses_the_differentiable_path(untrained_specs):  # noqa:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_backward_kernel_on_gpu(dtype, no_tf32):
-    # Every config of the kernel (the GPU tests run one config per call otherwise), NeRF widths, a ragged M.
+    # NeRF widths, a ragged M; every config of the kernel in fp16 (the GPU tests run one config per call
+    # otherwise, and each config compiles for seconds: it spills).
     epilogues, widths = ("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (32, 64, 64, 64, 16)
     x, ws, bs, dy = _inputs(widths, (True,) * 4, dtype, 3001, "cuda")
     ref, eager = _float64_grads(x, ws, bs, dy, epilogues), _float64_grads(x, ws, bs, dy, epilogues, dtype)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    for config in chain_backward_configs():
+    for config in chain_backward_configs() if dtype == torch.float16 else [None]:
         _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol, eager)
     for epilogues, widths, has_bias in CHAINS[1:]:
         x, ws, bs, dy = _inputs(widths, has_bias, dtype, 777, "cuda")
