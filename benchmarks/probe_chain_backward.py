@@ -92,6 +92,14 @@ def main() -> None:
     step()
     for label, fn in (("fxfuse grad-recording forward", forward), ("fxfuse training step", step)):
         print(f"  {label:32s} {do_bench(fn, warmup=25, rep=100, return_mode='median') * 1e3:8.1f} µs", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print("  where a training step's time goes (5 steps):")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":
