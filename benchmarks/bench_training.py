@@ -44,8 +44,11 @@ ROWS = ("seed_geglu", "gpt2_mlp", "llama_swiglu_4096", "nerf64", "nerf128")
 
 
 def _step(module, x, grad_out, params, *, generic_backward=False):
+    """One training step; ``generic_backward``: with the fused chain backward off and no region marked trained,
+    leaving fxfuse's trained marks as they were (the shipped variant's state is its own)."""
     def run():
         if generic_backward:
+            saved = set(fxfuse.ops._trained)
             fxfuse.ops._trained.clear()
             os.environ["FXFUSE_FUSED_BACKWARD"] = "0"
         try:
@@ -56,6 +59,8 @@ def _step(module, x, grad_out, params, *, generic_backward=False):
         finally:
             if generic_backward:
                 del os.environ["FXFUSE_FUSED_BACKWARD"]
+                fxfuse.ops._trained.clear()
+                fxfuse.ops._trained.update(saved)
 
     return run
 
