@@ -49,6 +49,14 @@ def _mac(w, xt, acc, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w, offs_n, ks, n0, k0, K: tl.constexpr, USE_TMA: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at (n0, k0): a TMA descriptor load, or a pointer load."""
+    if USE_TMA:
+        return w.load([n0, k0])
+    return tl.load(w + offs_n[:, None] * K + ks[None, :], eviction_policy="evict_first")
+
+
+@triton.jit
 def swap_ab_kernel(x_ptr, w0, w1, out_ptr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
                    USE_TMA: tl.constexpr, SWAP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
@@ -73,17 +81,9 @@ def swap_ab_kernel(x_ptr, w0, w1, out_ptr, N: tl.constexpr, K: tl.constexpr, GAT
     for k in range(k_first, k_first + per_split):
         ks = k * BLOCK_K + offs_k
         xt = tl.load(x_ptr + offs_m[None, :] * K + ks[:, None])
-        if USE_TMA:
-            a = w0.load([pid_n * BLOCK_N, k * BLOCK_K])
-        else:
-            a = tl.load(w0 + offs_n[:, None] * K + ks[None, :], eviction_policy="evict_first")
-        acc0 = _mac(a, xt, acc0, SWAP)
+        acc0 = _mac(_weight_tile(w0, offs_n, ks, pid_n * BLOCK_N, k * BLOCK_K, K, USE_TMA), xt, acc0, SWAP)
         if GATED:
-            if USE_TMA:
-                b = w1.load([pid_n * BLOCK_N, k * BLOCK_K])
-            else:
-                b = tl.load(w1 + offs_n[:, None] * K + ks[None, :], eviction_policy="evict_first")
-            acc1 = _mac(b, xt, acc1, SWAP)
+            acc1 = _mac(_weight_tile(w1, offs_n, ks, pid_n * BLOCK_N, k * BLOCK_K, K, USE_TMA), xt, acc1, SWAP)
     if GATED:
         acc0 = acc0 * tl.sigmoid(acc0) * acc1
     ptrs = out_ptr + offs_m[None, :] * N + offs_n[:, None]

@@ -71,6 +71,8 @@ def fused_chain_gradients(spec: str, x: Tensor, weights: Sequence[Tensor], biase
         return None  # create_graph=True needs a differentiable backward; tracing needs the traced ops
     if type(x) is not Tensor or type(grad) is not Tensor or x.numel() == 0:
         return None
+    if max(x.numel(), grad.numel()) >= 2**31:  # the kernel forms int32 offsets
+        return None
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
         return None
     dtype = x.dtype
