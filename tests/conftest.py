@@ -41,3 +41,15 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture
+def untrained_specs():
+    """A fresh record of which region specs have run a backward (fxfuse.ops keeps it per process)."""
+    import fxfuse.ops
+
+    saved = set(fxfuse.ops._trained)
+    fxfuse.ops._trained.clear()
+    yield
+    fxfuse.ops._trained.clear()
+    fxfuse.ops._trained.update(saved)

@@ -199,16 +199,6 @@ def test_training_gradients_match_eager():
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.fixture
-def untrained_specs():
-    """A fresh record of which region specs have run a backward (fxfuse.ops keeps it per process)."""
-    saved = set(fxfuse.ops._trained)
-    fxfuse.ops._trained.clear()
-    yield
-    fxfuse.ops._trained.clear()
-    fxfuse.ops._trained.update(saved)
-
-
 def _runs_fused_op(out: torch.Tensor, depth: int = 3) -> bool:
     """Whether the fused op is among the last ``depth`` autograd nodes that made ``out`` (dropout may follow)."""
     nodes = [out.grad_fn]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 from models import nerf_mlp
-from test_api import _runs_fused_op, untrained_specs  # noqa: F401 (a fixture)
+from test_api import _runs_fused_op
 from test_ops import TOL, rel_err
 
 import fxfuse
@@ -121,7 +121,7 @@ def _train_steps(model, steps, x_requires_grad=True, device="cpu", dtype=torch.f
     return runs_op
 
 
-def test_a_trained_chain_stays_fused_with_eager_gradients(untrained_specs):  # noqa: F811
+def test_a_trained_chain_stays_fused_with_eager_gradients(untrained_specs):
     # The generic backward would mark the region trained and run the original ops from the second step;
     # the fused backward keeps the fused op in every step, with eager's gradients.
     model = nerf_mlp((16, 32, 32, 32, 8)).train()
@@ -129,7 +129,7 @@ def test_a_trained_chain_stays_fused_with_eager_gradients(untrained_specs):  # n
     assert not fxfuse.ops._trained
 
 
-def test_fused_backward_with_frozen_layers_and_no_input_gradient(untrained_specs):  # noqa: F811
+def test_fused_backward_with_frozen_layers_and_no_input_gradient(untrained_specs):
     model = nerf_mlp((16, 32, 32, 8)).train()
     model[0].weight.requires_grad_(False)
     model[2].bias.requires_grad_(False)
@@ -137,14 +137,14 @@ def test_fused_backward_with_frozen_layers_and_no_input_gradient(untrained_specs
     assert model[0].weight.grad is None and model[2].bias.grad is None
 
 
-def test_fused_backward_can_be_turned_off(untrained_specs, monkeypatch):  # noqa: F811
+def test_fused_backward_can_be_turned_off(untrained_specs, monkeypatch):
     monkeypatch.setenv("FXFUSE_FUSED_BACKWARD", "0")
     model = nerf_mlp((16, 32, 32, 8)).train()
     assert _train_steps(model, 2) == [True, False]  # the generic backward: original ops after the first step
     assert fxfuse.ops._trained
 
 
-def test_double_backward_uses_the_differentiable_path(untrained_specs):  # noqa: F811
+def test_double_backward_uses_the_differentiable_path(untrained_specs):
     model = nerf_mlp((6, 16, 16, 4)).double().train()  # float64 runs the reference ops...
     fast = fxfuse.optimize(nerf_mlp((6, 16, 16, 4)).train())  # ...so check float32 against float64
     fast.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
@@ -175,7 +175,7 @@ def test_backward_kernel_on_gpu(dtype, no_tf32):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):  # noqa: F811
+def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):
     model = nerf_mlp((32, 64, 64, 64, 16)).cuda().to(dtype).train()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == [True, True, True]
