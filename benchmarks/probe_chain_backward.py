@@ -1,11 +1,14 @@
-"""Every config of the fused chain backward kernel at nerf64, beside eager's backward.
+"""Every config of the fused chain backward kernel at a NeRF row, beside eager's backward.
 
-For the nerf64 chain (fp16, M = 2^20, 32 → 64 → 64 → 64 → 16, ReLU), times with ``triton.testing.do_bench``
-(median, L2 flushed): each config of ``run_chain_backward`` (input gradient included), the autotuned launch,
-and eager's backward alone (autograd from the saved activations of one forward, ``retain_graph``). Prints
-the kernel's FLOPs (forward recomputed + dW + dh) as TFLOP/s, and its gradients' error against eager's.
+For the nerf64 chain (fp16, M = 2^20, 32 → 64 → 64 → 64 → 16, ReLU) or nerf128's (64 → 128 → 128 → 128 → 64),
+times with ``triton.testing.do_bench`` (median, L2 flushed): each config of ``run_chain_backward`` (input
+gradient included) with the layers whose dW goes through memory chosen by ``stored_layers`` (the shipped
+choice), the two leading configs with other choices of stored layers, the autotuned launch, and eager's
+backward alone (autograd from the saved activations of one forward, ``retain_graph``). Prints the kernel's
+FLOPs (forward recomputed + dW + dh) as TFLOP/s, and its gradients' error against eager's; then a training
+step of ``fxfuse.optimize(model)`` and its profile.
 
-    python3 benchmarks/probe_chain_backward.py [--m 1048576]
+    python3 benchmarks/probe_chain_backward.py [--row nerf64|nerf128] [--m 1048576]
 """
 
 from __future__ import annotations
@@ -20,18 +23,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fxfuse.kernels.chain_backward_launch import run_chain_backward  # noqa: E402
-from fxfuse.kernels.chain_backward_template import chain_backward_configs  # noqa: E402
+from fxfuse.kernels.chain_backward_template import _config, chain_backward_configs, stored_layers  # noqa: E402
 
-WIDTHS = (32, 64, 64, 64, 16)
+ROWS = {"nerf64": (32, 64, 64, 64, 16), "nerf128": (64, 128, 128, 128, 64)}
 EPILOGUES = ("relu(a0)", "relu(a0)", "relu(a0)", "a0")
+# Other choices of the layers whose dW goes through memory, timed with the two leading configs.
+OTHER_STORED = {"nerf64": [(0, 1, 2, 3)], "nerf128": [(1, 2), (0, 1, 2), (1, 2, 3)]}
+# --grid: block shapes beyond the shipped configs.
+GRID = [(128, 4, 1, True), (64, 8, 1, True), (64, 8, 1, False), (128, 4, 1, False), (64, 4, 3, True),
+        (32, 4, 4, True), (128, 8, 2, True)]
 
 
 def main() -> None:
     from triton.testing import do_bench
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", choices=sorted(ROWS), default="nerf64")
     ap.add_argument("--m", type=int, default=1 << 20)
+    ap.add_argument("--grid", action="store_true", help="time GRID's configs too")
     args = ap.parse_args()
+    WIDTHS = ROWS[args.row]
     torch.manual_seed(0)
     layers = []
     for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:])):
@@ -54,27 +65,36 @@ def main() -> None:
 
     macs = sum(a * b for a, b in zip(WIDTHS, WIDTHS[1:]))
     flops = 2 * args.m * (3 * macs - WIDTHS[-2] * WIDTHS[-1])  # the last (identity) layer is not recomputed
-    print(f"nerf64 backward, M={args.m}: {flops / 1e9:.1f} GFLOP in the fused kernel", flush=True)
+    print(f"{args.row} backward, M={args.m}: {flops / 1e9:.1f} GFLOP in the fused kernel", flush=True)
     eager_us = do_bench(eager_backward, warmup=25, rep=100, return_mode="median") * 1e3
     print(f"  eager backward (autograd, saved activations): {eager_us:8.1f} µs", flush=True)
     logging.basicConfig(format="    %(message)s")
     logging.getLogger("fxfuse.kernels.tuning").setLevel(logging.INFO)  # the autotuner's pick
-    variants = [(f"BLOCK_M {c.kwargs['BLOCK_M']} w{c.num_warps} {c.kwargs['PER_SM']}/SM"
-                 f"{' reload' if c.kwargs['RELOAD_WEIGHTS'] else ''}", c)
-                for c in chain_backward_configs()] + [("autotuned", None)]
-    for label, config in variants:
+    def label(c, stored):
+        kw = c.kwargs
+        return (f"BLOCK_M {kw['BLOCK_M']} w{c.num_warps} {kw['PER_SM']}/SM{' reload' if kw['RELOAD_WEIGHTS'] else ''} "
+                f"stored {stored}")
+
+    shipped = stored_layers(WIDTHS)
+    variants = [(label(c, shipped), c, shipped) for c in chain_backward_configs()]
+    if args.grid:
+        variants += [(label(c, shipped), c, shipped) for c in (_config(*g) for g in GRID)]
+    variants += [(label(c, st), c, st) for st in OTHER_STORED[args.row] for c in chain_backward_configs()[:2]]
+    variants.append((f"autotuned, stored {shipped}", None, shipped))
+    for name, config, stored in variants:
         try:
-            fn = lambda config=config: run_chain_backward(x.detach(), ws, bs, dy, EPILOGUES, config=config)  # noqa: E731
+            fn = lambda config=config, stored=stored: run_chain_backward(  # noqa: E731
+                x.detach(), ws, bs, dy, EPILOGUES, config=config, stored=stored)
             logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.DEBUG)  # registers, spills
             dx, gw, gb = fn()
             logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.INFO)
             got = [dx] + [g for pair in zip(gw, gb) for g in pair]
             err = max(((g.double() - r.double()).norm() / r.double().norm()).item() for g, r in zip(got, ref))
             us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-            print(f"  fused {label:26s} {us:8.1f} µs  {flops / us / 1e6:6.1f} TFLOP/s  {eager_us / us:5.2f}x eager  "
+            print(f"  fused {name:40s} {us:8.1f} µs  {flops / us / 1e6:6.1f} TFLOP/s  {eager_us / us:5.2f}x eager  "
                   f"max grad rel err vs eager {err:.1e}", flush=True)
         except Exception as e:
-            print(f"  fused {label:26s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            print(f"  fused {name:40s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
     # The same inside a training step of fxfuse.optimize(model): the op's forward, then its fused backward.
     import fxfuse
 

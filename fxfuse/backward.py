@@ -2,9 +2,11 @@
 
 ``torch.ops.fxfuse.mlp`` saves only its inputs. For most regions its backward is the vjp of the original ops,
 which recomputes the forward op by op (see :mod:`fxfuse.ops`). A chain of single-linear stages whose
-activations have a derivative in :data:`fxfuse.kernels.chain_backward_template.DERIVATIVES`, and whose padded
-weight gradients fit in registers, instead runs :func:`fxfuse.kernels.chain_backward_launch.run_chain_backward`:
-the forward recomputed on chip, every gradient in one launch, no intermediate written to memory.
+activations have a derivative in :data:`fxfuse.kernels.chain_backward_template.DERIVATIVES`, no layer wider
+than 128 and weights that fit on chip, instead runs
+:func:`fxfuse.kernels.chain_backward_launch.run_chain_backward`: the forward recomputed on chip and every
+gradient in one launch. Where the weight gradients fit in registers (nerf64) no intermediate reaches memory;
+wider chains (nerf128) write each layer's input and activation gradient once for a dW GEMM.
 
 Anything else, and any failure of the kernel (logged once), keeps the vjp path, so gradients are always
 those of the original ops within rounding. ``FXFUSE_FUSED_BACKWARD=0`` turns the kernel off.
@@ -27,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels.chain_backward_template import DERIVATIVES, backward_fits
+from .kernels.chain_backward_template import DERIVATIVES, MAX_BACKWARD_WIDTH, backward_fits
 from .kernels.template import interpreting
 from .spec import MLPSpec
 
@@ -43,9 +45,9 @@ def fused_backward_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def fused_backward_reason(spec: str, widths: tuple[int, ...]) -> Optional[str]:
-    """Why the region ``spec`` at these widths (input, then each stage's output) keeps the generic backward,
-    or None when the fused chain backward takes it."""
+def fused_backward_reason(spec: str, widths: tuple[int, ...], elem_size: int = 2) -> Optional[str]:
+    """Why the region ``spec`` at these widths (input, then each stage's output) and element size keeps the
+    generic backward, or None when the fused chain backward takes it."""
     stages = MLPSpec.loads(spec).stages
     for s in stages:
         if s.num_linears != 1:
@@ -54,8 +56,10 @@ def fused_backward_reason(spec: str, widths: tuple[int, ...]) -> Optional[str]:
             return f"epilogue operands in {s.epilogue}"
         if s.epilogue not in DERIVATIVES:
             return f"no derivative for {s.epilogue}"
-    if not backward_fits([s.epilogue for s in stages], widths):
-        return f"widths {widths} do not fit the kernel's registers"
+    if not backward_fits([s.epilogue for s in stages], widths, elem_size):
+        if max(widths) > MAX_BACKWARD_WIDTH:
+            return f"widths {widths}: a layer wider than {MAX_BACKWARD_WIDTH}"
+        return f"widths {widths}: {elem_size}-byte weights too large for the kernel's shared memory"
     return None
 
 
@@ -71,7 +75,8 @@ def fused_chain_gradients(spec: str, x: Tensor, weights: Sequence[Tensor], biase
         return None  # create_graph=True needs a differentiable backward; tracing needs the traced ops
     if type(x) is not Tensor or type(grad) is not Tensor or x.numel() == 0:
         return None
-    if max(x.numel(), grad.numel()) >= 2**31:  # the kernel forms int32 offsets
+    widths = (x.shape[-1], *(w.shape[0] for w in weights))
+    if x.numel() // widths[0] * max(widths) >= 2**31:  # the kernel forms int32 offsets into [M, width] tiles
         return None
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
         return None
@@ -79,8 +84,7 @@ def fused_chain_gradients(spec: str, x: Tensor, weights: Sequence[Tensor], biase
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or grad.dtype != dtype or any(
             t is not None and (t.dtype != dtype or t.device != x.device) for t in (*weights, *biases, grad)):
         return None
-    widths = (x.shape[-1], *(w.shape[0] for w in weights))
-    reason = fused_backward_reason(spec, widths)
+    reason = fused_backward_reason(spec, widths, x.element_size())
     if reason is not None:
         return None
     from .kernels.chain_backward_launch import run_chain_backward

@@ -81,6 +81,9 @@ def test_backward_kernel_without_dx_and_with_strided_inputs():
     dx, gw, gb = run_chain_backward(xt, ws, bs, dyt, epilogues, need_dx=False, config=held)
     assert dx is None
     _check((None, gw, gb), _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
+    for stored in ((0, 1, 2, 3), (1, 2)):  # the stored layers' outputs read back for ReLU's derivative
+        grads = run_chain_backward(xt, ws, bs, dyt, epilogues, config=held, stored=stored)
+        _check(grads, _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
 
 
 def test_which_chains_take_the_fused_backward():
@@ -88,9 +91,25 @@ def test_which_chains_take_the_fused_backward():
     assert fused_backward_reason("2--:mul(a0,silu(a1));1-:a0", (32, 64, 32)) == "a gated stage"
     assert fused_backward_reason("1b:mul(relu(a0),v0);1b:a0", (8, 16, 8)).startswith("epilogue operands")
     assert fused_backward_reason("1b:exp(a0);1b:a0", (8, 16, 8)) == "no derivative for exp(a0)"
-    # nerf128's 128-wide gradients (49152 fp32 accumulators) would spill: the generic backward keeps it.
-    assert "do not fit" in fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0",
-                                                 (64, 128, 128, 128, 64))
+    # nerf128's 128-wide gradients (49152 fp32 accumulators) go through memory; 256-wide layers keep the generic path.
+    assert fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0", (64, 128, 128, 128, 64)) is None
+    assert "wider than 128" in fused_backward_reason("1b:relu(a0);1b:a0", (64, 256, 64))
+    assert "shared memory" in fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0",
+                                                    (64, 128, 128, 128, 64), 4)  # fp32 nerf128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("epilogues,widths,has_bias", CHAINS)
+def test_stored_layers_match_float64_autograd(epilogues, widths, has_bias, dtype):
+    # Layers whose dW is a GEMM over the input and activation gradient the kernel writes (what nerf128 gets):
+    # all of them, the first (its input is x), the last (a last identity's gradient is dy) and a middle one.
+    x, ws, bs, dy = _inputs(widths, has_bias, dtype, 37)
+    ref = _float64_grads(x, ws, bs, dy, epilogues)
+    layers = len(epilogues)
+    for stored in {tuple(range(layers)), (0,), (layers - 1,), (layers // 2,)}:
+        grads = run_chain_backward(x, ws, bs, dy, epilogues, stored=stored)
+        assert [g.dtype for g in grads[1]] == [dtype] * layers
+        _check(grads, ref, TOL[dtype] if dtype != torch.float32 else 1e-5)
 
 
 def _train_steps(model, steps, x_requires_grad=True, device="cpu", dtype=torch.float32, tol=1e-5):
@@ -167,6 +186,13 @@ def test_backward_kernel_on_gpu(dtype, no_tf32):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for config in chain_backward_configs() if dtype == torch.float16 else [None]:
         _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol, eager)
+    # nerf128's widths: every layer's dW through memory (stored_layers), every config in fp16; 16-bit only (its
+    # fp32 weights do not fit the kernel's shared memory: backward_fits).
+    epilogues, widths = ("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (64, 128, 128, 128, 64)
+    x, ws, bs, dy = _inputs(widths, (True,) * 4, dtype, 3001, "cuda")
+    ref, eager = _float64_grads(x, ws, bs, dy, epilogues), _float64_grads(x, ws, bs, dy, epilogues, dtype)
+    for config in {torch.float16: chain_backward_configs(), torch.bfloat16: [None]}.get(dtype, []):
+        _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol, eager)
     for epilogues, widths, has_bias in CHAINS[1:]:
         x, ws, bs, dy = _inputs(widths, has_bias, dtype, 777, "cuda")
         _check(run_chain_backward(x, ws, bs, dy, epilogues), _float64_grads(x, ws, bs, dy, epilogues), tol,
@@ -176,6 +202,10 @@ def test_backward_kernel_on_gpu(dtype, no_tf32):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):
-    model = nerf_mlp((32, 64, 64, 64, 16)).cuda().to(dtype).train()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == [True, True, True]
+    # dW in registers / through memory (bf16; in fp32 nerf128 keeps the generic backward, and the original ops
+    # from its second step).
+    for widths in ((32, 64, 64, 64, 16), (64, 128, 128, 128, 64)):
+        model = nerf_mlp(widths).cuda().to(dtype).train()
+        fused = [True] * 3 if dtype != torch.float32 or widths[1] < 128 else [True, False, False]
+        assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == fused

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from .. import codegen
-from .chain_backward_template import gradient_layout
+from .chain_backward_template import gradient_layout, stored_layers, stores_gradient
 from .chain_launch import _num_sms
 from .chain_template import pad_width
 from .launch import _input_precision, launch_kernel
@@ -25,18 +25,22 @@ ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional
 
 def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                        dy: torch.Tensor, epilogues: tuple[str, ...], need_dx: bool = True,
-                       config: Optional[triton.Config] = None) -> ChainGradients:
+                       config: Optional[triton.Config] = None,
+                       stored: Optional[Sequence[int]] = None) -> ChainGradients:
     """Gradients of a narrow chain (``fused_chain``'s math) in one launch: ``(dx, [dW_i], [db_i])``.
 
     The forward is recomputed on chip from ``x``, so nothing but the op's inputs needs saving. The weight and
     bias gradients are summed in fp32 (per program, then over programs: deterministic) and returned in their
-    parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s.
+    parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s. The weight gradients of the ``stored``
+    layers (default: :func:`stored_layers` of the widths) come from one GEMM each over the layer's input and
+    activation gradient, which the kernel writes in the dtype (eager's dW, computed the same way).
 
     Args:
         x: ``[M, D0]``, any strides; dy: ``[M, D_last]``, any strides, x's dtype.
         weights: one ``[D_{i+1}, D_i]`` weight per stage; biases: ``[D_{i+1}]`` or None per stage.
         epilogues: one canonical epilogue per stage, each a key of ``DERIVATIVES`` (see ``backward_fits``).
         config: run this variant (one of ``chain_backward_configs()``) instead of the autotuned choice.
+        stored: the layers whose dW goes through memory (tests and probes; the default suits the widths).
 
     Example:
         >>> epilogues = ("relu(a0)", "a0")
@@ -44,8 +48,9 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     """
     M = x.shape[0]
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
-    off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
-    kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
+    stored = tuple(sorted(set(stored_layers(dims) if stored is None else stored)))
+    off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases], stored)
+    kernel = codegen.generated_chain_backward_kernel(tuple(epilogues), stored).fused_chain_backward_kernel
     max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 4))  # the grid's bound over all configs
     partials = torch.empty((max_programs, total), dtype=torch.float32, device=x.device)
     dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
@@ -54,6 +59,12 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
                   "stride_dym": dy.stride(0), "stride_dyn": dy.stride(1),
                   "stride_dxm": dx.stride(0) if need_dx else 0, "stride_dxk": dx.stride(1) if need_dx else 0,
                   "TOTAL": total, "NEED_DX": need_dx, "INPUT_PRECISION": _input_precision(x.dtype)}
+    # The stored layers' GEMM operands: h_i (x for layer 0) and d_i (dy for a last identity), [M, width].
+    inputs = {i: x if i == 0 else torch.empty((M, dims[i]), dtype=x.dtype, device=x.device) for i in stored}
+    grads = {i: torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device)
+             if stores_gradient(epilogues, i) else dy for i in stored}
+    args.update({f"hs{i}_ptr": inputs[i] for i in stored if i > 0})
+    args.update({f"ds{i}_ptr": grads[i] for i in stored if grads[i] is not dy})
     for i, (w, b) in enumerate(zip(weights, biases)):
         args[f"w{i}_ptr"] = w
         args[f"stride_w{i}n"], args[f"stride_w{i}k"] = w.stride(0), w.stride(1)
@@ -80,6 +91,7 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     else:
         launch_kernel(kernel, grid, args, x)
     sums = partials[:programs[0]].sum(0)
-    grad_w = [sums[o:o + w.numel()].view(w.shape).to(w.dtype) for o, w in zip(off_w, weights)]
+    grad_w = [torch.mm(grads[i].t(), inputs[i]).to(w.dtype) if i in stored  # fp32 accumulation, like eager
+              else sums[o:o + w.numel()].view(w.shape).to(w.dtype) for i, (o, w) in enumerate(zip(off_w, weights))]
     grad_b = [None if b is None else sums[o:o + b.numel()].to(b.dtype) for o, b in zip(off_b, biases)]
     return dx, grad_w, grad_b

@@ -103,8 +103,8 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         return out
     kernel = codegen.generated_gemv_kernel(len(weights), epilogue).fused_gemv_kernel
     n_lin = len(weights)
-    # One counter per column tile of the narrowest BLOCK_N (16).
-    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_BLOCK_M, N), triton.cdiv(N, 16))
+    # One counter per column tile of the narrowest BLOCK_N (a ONE_ROW tile may be one column).
+    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_BLOCK_M, N), N)
     args: dict = {"x_ptr": x}
     args.update({f"w{i}_ptr": w for i, w in enumerate(weights)})
     args.update({f"b{i}_ptr": (b if b is not None else x) for i, b in enumerate(biases)})  # x: valid, unread
