@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fxfuse.kernels.chain_backward_launch import run_chain_backward  # noqa: E402
 from fxfuse.kernels.chain_backward_template import _config, chain_backward_configs, stored_layers  # noqa: E402
@@ -95,6 +96,11 @@ def main() -> None:
                   f"max grad rel err vs eager {err:.1e}", flush=True)
         except Exception as e:
             print(f"  fused {name:40s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+    from fxfuse import codegen
+
+    tuner = codegen.generated_chain_backward_kernel(EPILOGUES, shipped).fused_chain_backward_kernel
+    for c, t in (getattr(tuner, "configs_timings", None) or {}).items():
+        print(f"    autotuner timed {label(c, shipped)}: {t}")
     # The same inside a training step of fxfuse.optimize(model): the op's forward, then its fused backward.
     import fxfuse
 
@@ -112,6 +118,10 @@ def main() -> None:
     step()
     for label, fn in (("fxfuse grad-recording forward", forward), ("fxfuse training step", step)):
         print(f"  {label:32s} {do_bench(fn, warmup=25, rep=100, return_mode='median') * 1e3:8.1f} µs", flush=True)
+    from timing import host_us, profile_top
+
+    print(f"  host µs per training step: {host_us(step, calls=20, loops=5):.1f}; cProfile of 50 steps:")
+    print(profile_top(step, 50, 25)[-5000:])
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

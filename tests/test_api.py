@@ -203,7 +203,7 @@ def _runs_fused_op(out: torch.Tensor, depth: int = 3) -> bool:
     """Whether the fused op is among the last ``depth`` autograd nodes that made ``out`` (dropout may follow)."""
     nodes = [out.grad_fn]
     for _ in range(depth):
-        if any(n is not None and "fxfuse_mlp" in n.name() for n in nodes):
+        if any(n is not None and ("fxfuse_mlp" in n.name() or "FusedMLP" in n.name()) for n in nodes):
             return True
         nodes = [f for n in nodes if n is not None for f, _ in n.next_functions]
     return False

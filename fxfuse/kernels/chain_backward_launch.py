@@ -91,6 +91,9 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     else:
         launch_kernel(kernel, grid, args, x)
     sums = partials[:programs[0]].sum(0)
+    dtypes = {t.dtype for t in (*weights, *biases) if t is not None}
+    if len(dtypes) == 1:  # one cast for all (each .to below is then a no-op): a launch, not one per gradient
+        sums = sums.to(dtypes.pop())
     grad_w = [torch.mm(grads[i].t(), inputs[i]).to(w.dtype) if i in stored  # fp32 accumulation, like eager
               else sums[o:o + w.numel()].view(w.shape).to(w.dtype) for i, (o, w) in enumerate(zip(off_w, weights))]
     grad_b = [None if b is None else sums[o:o + b.numel()].to(b.dtype) for o, b in zip(off_b, biases)]
