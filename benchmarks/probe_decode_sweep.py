@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import triton  # noqa: E402
 
+from benchmarks.timing import kernels_after_flush  # noqa: E402
 from fxfuse.kernels import run_decode  # noqa: E402
 from fxfuse.kernels.template import fit_stages  # noqa: E402
 
@@ -49,18 +50,7 @@ def configs() -> list[triton.Config]:
 def device_us(fn, name: str = "", calls: int = 10) -> float:
     """Device µs per call of the kernels whose name contains ``name`` (all but the flush by default), each call
     after an L2 flush."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total / calls for e in prof.key_averages()
-               if e.device_type.name == "CUDA" and name in e.key and "FillFunctor" not in e.key and e.count)
+    return sum(us for key, us, _ in kernels_after_flush(fn, calls) if name in key)
 
 
 def sweep(row, seconds: float) -> None:

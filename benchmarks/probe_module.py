@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from timing import profile_top, wall_us  # noqa: E402
-from workloads import WORKLOADS, build_module, make_input  # noqa: E402
+from workloads import optimized_row  # noqa: E402
 
 import fxfuse  # noqa: E402
 from fxfuse import ops, stages, strategy  # noqa: E402
@@ -51,12 +51,8 @@ def _kernels(fn, calls: int = 5) -> tuple[str, float]:
 
 
 def probe(name: str) -> None:
-    w = next(w for w in WORKLOADS if w.name == name)
-    mod = build_module(w)
-    x = make_input(w)
+    _, mod, fast, x = optimized_row(name)
     with torch.no_grad():
-        fast = fxfuse.optimize(mod)
-        fast(x)
         print(fxfuse.report(fast))
         ms = [m for m in strategy.measurements() if m.m == x.numel() // x.shape[-1]]
         print(f"== {name}: measurement {ms[-1] if ms else None}")

@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from workloads import WORKLOADS, build_module, make_input  # noqa: E402
+from timing import kernels_after_flush  # noqa: E402
+from workloads import optimized_row  # noqa: E402
 
-import fxfuse  # noqa: E402
 from fxfuse import ops, strategy  # noqa: E402
 
 REPS = (20, 100, 500)
@@ -70,32 +70,11 @@ class ClockLog:
         self.running = False
 
 
-def _kernels_after_flush(fn, calls: int = 10) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
-    rows = [f"      {e.device_time_total / calls:8.1f} us  x{e.count // calls}  {e.key[:90]}"
-            for e in prof.key_averages()
-            if e.device_type.name == "CUDA" and e.count and "FillFunctor" not in e.key]
-    return "\n".join(rows)
-
-
 def probe(name: str, clocks: ClockLog) -> None:
     from triton.testing import do_bench
 
-    w = next(w for w in WORKLOADS if w.name == name)
-    mod = build_module(w)
-    x = make_input(w)
+    _, mod, fast, x = optimized_row(name)
     with torch.no_grad():
-        fast = fxfuse.optimize(mod)
-        fast(x)
         m = [r for r in strategy.measurements() if r.m == x.numel() // x.shape[-1]][-1]
         print(f"== {name}: planner {m}", flush=True)
         weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
@@ -111,7 +90,8 @@ def probe(name: str, clocks: ClockLog) -> None:
                     t1 = time.time()
                     print(f"   rep {rep:3d} round {rnd} {label:8s} {us:8.1f} us   {clocks.window(t0, t1)}",
                           flush=True)
-        print("   kernels of one module call after a flush:\n" + _kernels_after_flush(lambda: fast(x)), flush=True)
+        rows = [f"      {us:8.1f} us  x{n}  {key[:90]}" for key, us, n in kernels_after_flush(lambda: fast(x))]
+        print("   kernels of one module call after a flush:\n" + "\n".join(rows), flush=True)
 
 
 def main() -> None:

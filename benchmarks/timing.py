@@ -64,3 +64,20 @@ def capture_graph(fn: Callable[[], object], calls: int = 1, warmup: int = 3) -> 
         for _ in range(calls):
             fn()
     return g
+
+
+def kernels_after_flush(fn: Callable[[], object], calls: int = 10) -> list[tuple[str, float, int]]:
+    """``(kernel name, device µs per call, launches per call)`` of the CUDA kernels ``fn`` runs (torch.profiler),
+    each call after a 256 MB L2 flush, whose fill kernel is left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    return [(e.key, e.device_time_total / calls, e.count // calls) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.count and "FillFunctor" not in e.key]

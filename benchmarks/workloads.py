@@ -183,6 +183,19 @@ def make_input(w: Workload, device="cuda", seed: int = 0, m: Optional[int] = Non
     return torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=w.dtype)
 
 
+def optimized_row(name: str) -> tuple[Workload, nn.Module, nn.Module, torch.Tensor]:
+    """The named row, its module, ``fxfuse.optimize`` of it after a first (planning, tuning) inference call,
+    and the row's input (probes)."""
+    import fxfuse
+
+    w = next(w for w in WORKLOADS if w.name == name)
+    mod, x = build_module(w), make_input(w)
+    fast = fxfuse.optimize(mod)
+    with torch.no_grad():
+        fast(x)
+    return w, mod, fast, x
+
+
 def count_work(mod: nn.Module, m: int, d_in: int, d_out: int, elem_bytes: int) -> tuple[int, int]:
     """(FLOPs, minimum bytes) counted from the module's nn.Linear layers.
 
