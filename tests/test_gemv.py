@@ -58,9 +58,10 @@ def test_gemv_matches_float64_reference(stage, dtype):
 
 
 # ONE_ROW configs (M == 1, multiply-and-sum instead of tl.dot), small enough for the interpreter: a tile narrower
-# than 16 columns, and a split-K one.
+# than 16 columns, a split-K one, and a split one-column tile (one counter per column; probe_one_row_split.py).
 ONE_ROW_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1, "ONE_ROW": True}, num_warps=4),
-                   triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "ONE_ROW": True}, num_warps=4)]
+                   triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "ONE_ROW": True}, num_warps=4),
+                   triton.Config({"BLOCK_N": 1, "BLOCK_K": 16, "SPLIT_K": 2, "ONE_ROW": True}, num_warps=4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

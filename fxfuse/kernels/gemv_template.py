@@ -331,7 +331,7 @@ def _prune(configs, named_args, **kwargs):
     device = getattr(x, "device", None)
     sms = sm_count(device)
     # ONE_ROW configs compute row 0 only: never for more rows. Split ONE_ROW tiles narrower than 16 columns
-    # work but stream slower than one share (llama m1 down 43-109 µs against 31.6; probe_one_row_split.py).
+    # work but stream slower than one share (llama m1 down 39-109 µs against 31.6; probe_one_row_split.py).
     one_row = args.get("M_BUCKET") == 1
     configs = [c for c in configs if not c.kwargs.get("ONE_ROW") or (one_row and (
         c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16))]
