@@ -27,7 +27,8 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
                        dy: torch.Tensor, epilogues: tuple[str, ...], need_dx: bool = True,
                        config: Optional[triton.Config] = None,
                        stored: Optional[Sequence[int]] = None) -> ChainGradients:
-    """Gradients of a narrow chain (``fused_chain``'s math) in one launch: ``(dx, [dW_i], [db_i])``.
+    """Gradients of a narrow chain (``fused_chain``'s math) in one kernel launch (plus one GEMM per stored
+    layer): ``(dx, [dW_i], [db_i])``.
 
     The forward is recomputed on chip from ``x``, so nothing but the op's inputs needs saving. The weight and
     bias gradients are summed in fp32 (per program, then over programs: deterministic) and returned in their
