@@ -8,7 +8,7 @@ backward alone (autograd from the saved activations of one forward, ``retain_gra
 FLOPs (forward recomputed + dW + dh) as TFLOP/s, and its gradients' error against eager's; then a training
 step of ``fxfuse.optimize(model)`` and its profile.
 
-    python3 benchmarks/probe_chain_backward.py [--row nerf64|nerf128] [--m 1048576]
+    python3 benchmarks/probe_chain_backward.py [--row nerf64|nerf128] [--m 1048576] [--grid | --quick]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--row", choices=sorted(ROWS), default="nerf64")
     ap.add_argument("--m", type=int, default=1 << 20)
     ap.add_argument("--grid", action="store_true", help="time GRID's configs too")
+    ap.add_argument("--quick", action="store_true", help="the autotuned launch only, then the training step")
     args = ap.parse_args()
     WIDTHS = ROWS[args.row]
     torch.manual_seed(0)
@@ -77,10 +78,11 @@ def main() -> None:
                 f"stored {stored}")
 
     shipped = stored_layers(WIDTHS)
-    variants = [(label(c, shipped), c, shipped) for c in chain_backward_configs()]
+    variants = [] if args.quick else [(label(c, shipped), c, shipped) for c in chain_backward_configs()]
     if args.grid:
         variants += [(label(c, shipped), c, shipped) for c in (_config(*g) for g in GRID)]
-    variants += [(label(c, st), c, st) for st in OTHER_STORED[args.row] for c in chain_backward_configs()[:2]]
+    if not args.quick:
+        variants += [(label(c, st), c, st) for st in OTHER_STORED[args.row] for c in chain_backward_configs()[:2]]
     variants.append((f"autotuned, stored {shipped}", None, shipped))
     for name, config, stored in variants:
         try:
