@@ -430,12 +430,16 @@ class _FusedMLPFunction(torch.autograd.Function):
     ``_dispatch`` and ``_backward``, with the tensors as flat arguments (``sizes`` splits them back)."""
 
     @staticmethod
-    def forward(ctx, spec: str, sizes: tuple[int, ...], *flat: Tensor) -> Tensor:
+    def forward(spec: str, sizes: tuple[int, ...], *flat: Tensor) -> Tensor:
         (x,), weights, biases, operands = _split(list(flat), sizes)
-        ctx.spec, ctx.sizes = spec, sizes
-        ctx.wanted = [i for i, needs in enumerate(ctx.needs_input_grad[2:]) if needs]
-        ctx.save_for_backward(*flat)
         return _dispatch(x, weights, biases, operands, spec)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # (a separate method: torch.func can use it)
+        spec, sizes, *flat = inputs
+        ctx.spec, ctx.sizes = spec, sizes
+        ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
+        ctx.save_for_backward(*flat)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:

@@ -209,6 +209,21 @@ def _runs_fused_op(out: torch.Tensor, depth: int = 3) -> bool:
     return False
 
 
+def test_torch_func_grad_over_an_optimized_model(untrained_specs):
+    # functorch transforms need the autograd.Function that eager gradient-recording calls go through to have
+    # a separate setup_context; per-parameter gradients then equal the original model's.
+    from torch.func import functional_call, grad
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    fast = fxfuse.optimize(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 8)
+    got = grad(lambda p: functional_call(fast, p, (x,)).square().sum())(params)
+    ref = grad(lambda p: functional_call(model, p, (x,)).square().sum())(params)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_trained_region_records_gradients_through_the_original_ops(untrained_specs):
     # The op's backward recomputes the forward; a training step must not pay it twice. After the first
     # backward, gradient-recording calls run the original ops (eager's autograd keeps the intermediates),
