@@ -357,13 +357,17 @@ def _mlp_fake(x, weights, biases, operands, spec):
     return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
 
 
-def _setup_context(ctx, inputs, output):
-    x, weights, biases, operands, spec = inputs
-    ctx.spec = spec
-    ctx.sizes = (1, len(weights), len(biases), len(operands))
-    flat = [x, *weights, *biases, *operands]
+def _save_inputs(ctx, spec: str, sizes: tuple[int, ...], flat: Sequence[Tensor]) -> None:
+    """What ``_backward`` reads: the spec, how ``flat`` splits into (x, weights, biases, operands), which of
+    them want gradients, and the tensors themselves (only the inputs are saved)."""
+    ctx.spec, ctx.sizes = spec, sizes
     ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
     ctx.save_for_backward(*flat)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weights, biases, operands, spec = inputs
+    _save_inputs(ctx, spec, (1, len(weights), len(biases), len(operands)), [x, *weights, *biases, *operands])
 
 
 def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
@@ -437,9 +441,7 @@ class _FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # (a separate method: torch.func can use it)
         spec, sizes, *flat = inputs
-        ctx.spec, ctx.sizes = spec, sizes
-        ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
-        ctx.save_for_backward(*flat)
+        _save_inputs(ctx, spec, sizes, flat)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:
