@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
+from .backward import fused_backward_reason
 from .meta import tensor_info
 from .normalize import normalize
 from .plan import find_regions
@@ -27,7 +28,9 @@ __all__ = ["fuse_graph"]
 log = logging.getLogger(__name__)
 
 _TRAINING_NOTE = ("training: calls without gradients run fused; once a backward has run, calls that record "
-                  "gradients run the original ops (the fused backward is not built yet)")
+                  "gradients run the original ops (no fused backward: {reason})")
+_FUSED_BACKWARD_NOTE = ("training: the backward is one fused kernel too (forward recomputed on chip; "
+                        "fxfuse/backward.py)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
                    "intermediates (fxfuse's op would recompute the forward)")
 
@@ -58,7 +61,7 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
     if gm.training:
         for region in regions:
             if any(_requires_grad(gm, w) for w in region.weights):
-                region.notes.append(_TRAINING_NOTE)
+                region.notes.append(_training_note(gm, region))
     reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix, _kernel_files(r)) for r in regions]
     replace_regions(gm, regions)
     for rej in rejections:
@@ -79,6 +82,19 @@ def _refine_strategy(gm: fx.GraphModule, region) -> None:
         return
     widths = (infos[0].shape[1], *(i.shape[0] for i in infos))
     region.strategy = choose_strategy(region.spec, widths)
+
+
+def _training_note(gm: fx.GraphModule, region) -> str:
+    """What a training step of this region runs: the fused chain backward, or why not (the op decides the same
+    way when the backward runs, from the tensors it gets)."""
+    infos = [tensor_info(gm, w) for w in region.weights]
+    if any(i is None or len(i.shape) != 2 or None in i.shape for i in infos):
+        return _TRAINING_NOTE.format(reason="weight shapes unknown here")
+    if len({i.dtype for i in infos}) != 1:
+        return _TRAINING_NOTE.format(reason="mixed weight dtypes")
+    widths = (infos[0].shape[1], *(i.shape[0] for i in infos))
+    reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
+    return _FUSED_BACKWARD_NOTE if reason is None else _TRAINING_NOTE.format(reason=reason)
 
 
 def _kernel_files(region) -> list[str]:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import triton
-from models import nerf_mlp
+from models import GatedMLP, nerf_mlp
 from test_api import _runs_fused_op
 from test_ops import TOL, rel_err
 
@@ -96,6 +96,16 @@ def test_which_chains_take_the_fused_backward():
     assert "wider than 128" in fused_backward_reason("1b:relu(a0);1b:a0", (64, 256, 64))
     assert "shared memory" in fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0",
                                                     (64, 128, 128, 128, 64), 4)  # fp32 nerf128
+
+
+def test_report_says_which_backward_a_training_region_gets():
+    notes = [n for r in fxfuse.report(fxfuse.optimize(nerf_mlp((16, 32, 32, 8)).train())).regions for n in r.notes]
+    assert any("backward is one fused kernel" in n for n in notes), notes
+    notes = [n for r in fxfuse.report(fxfuse.optimize(GatedMLP().train())).regions for n in r.notes]
+    assert any("no fused backward: a gated stage" in n for n in notes), notes
+    wide = nerf_mlp((16, 256, 8)).train()
+    notes = [n for r in fxfuse.report(fxfuse.optimize(wide)).regions for n in r.notes]
+    assert any("wider than 128" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
