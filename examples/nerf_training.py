@@ -26,21 +26,12 @@ import torch
 if not torch.cuda.is_available():  # must be set before fxfuse defines its kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from torch import nn  # noqa: E402
-
 import fxfuse  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from demo import nerf_mlp  # noqa: E402  (Linear + ReLU between every pair of widths)
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def nerf_mlp(widths: list[int]) -> nn.Sequential:
-    """Linear + ReLU between every pair of widths, no activation after the last layer."""
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 def field(x: torch.Tensor, freqs: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
