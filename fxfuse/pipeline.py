@@ -77,23 +77,33 @@ def _refine_strategy(gm: fx.GraphModule, region) -> None:
     """With every weight's shape known, say which kernels will run (the op decides the same way)."""
     if region.replacement is not None:
         return
+    infos = _weight_infos(gm, region)
+    if infos is not None:
+        region.strategy = choose_strategy(region.spec, _widths(infos))
+
+
+def _weight_infos(gm: fx.GraphModule, region) -> Optional[list]:
+    """The region's weights' static facts, or None unless every one is a 2-D tensor of known shape."""
     infos = [tensor_info(gm, w) for w in region.weights]
     if any(i is None or len(i.shape) != 2 or None in i.shape for i in infos):
-        return
-    widths = (infos[0].shape[1], *(i.shape[0] for i in infos))
-    region.strategy = choose_strategy(region.spec, widths)
+        return None
+    return infos
+
+
+def _widths(infos: list) -> tuple[int, ...]:
+    """The chain's widths from its weights' shapes: the input, then each stage's output."""
+    return (infos[0].shape[1], *(i.shape[0] for i in infos))
 
 
 def _training_note(gm: fx.GraphModule, region) -> str:
     """What a training step of this region runs: the fused chain backward, or why not (the op decides the same
     way when the backward runs, from the tensors it gets)."""
-    infos = [tensor_info(gm, w) for w in region.weights]
-    if any(i is None or len(i.shape) != 2 or None in i.shape for i in infos):
+    infos = _weight_infos(gm, region)
+    if infos is None:
         return _TRAINING_NOTE.format(reason="weight shapes unknown here")
     if len({i.dtype for i in infos}) != 1:
         return _TRAINING_NOTE.format(reason="mixed weight dtypes")
-    widths = (infos[0].shape[1], *(i.shape[0] for i in infos))
-    reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
+    reason = fused_backward_reason(region.spec.dumps(), _widths(infos), infos[0].dtype.itemsize)
     return _FUSED_BACKWARD_NOTE if reason is None else _TRAINING_NOTE.format(reason=reason)
 
 
