@@ -23,16 +23,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fxfuse.kernels import chain_walk_template as walk  # noqa: E402
 from fxfuse.kernels.chain_backward_launch import run_chain_backward  # noqa: E402
 from fxfuse.kernels.chain_backward_template import _config, chain_backward_configs, stored_layers  # noqa: E402
 
 ROWS = {"nerf64": (32, 64, 64, 64, 16), "nerf128": (64, 128, 128, 128, 64)}
 EPILOGUES = ("relu(a0)", "relu(a0)", "relu(a0)", "a0")
 # Other choices of the layers whose dW goes through memory, timed with the two leading configs.
-OTHER_STORED = {"nerf64": [(0, 1, 2, 3)], "nerf128": [(1, 2), (0, 1, 2), (1, 2, 3)]}
-# --grid: block shapes beyond the shipped configs.
+OTHER_STORED = {"nerf64": [(0, 1, 2, 3)], "nerf128": [(1, 2)]}
+# --grid: block shapes beyond the shipped configs, of the one-kernel backward and of the walk (every layer stored).
 GRID = [(128, 4, 1, True), (64, 8, 1, True), (64, 8, 1, False), (128, 4, 1, False), (64, 4, 3, True),
         (32, 4, 4, True), (128, 8, 2, True)]
+WALK_GRID = [(128, 4, 2, True), (64, 8, 2, True), (32, 4, 4, True), (128, 8, 1, True, 2), (64, 4, 2, True, 2),
+             (64, 4, 4, False), (256, 8, 1, True), (128, 8, 1, False, 3)]
 
 
 def main() -> None:
@@ -74,15 +77,23 @@ def main() -> None:
     logging.getLogger("fxfuse.kernels.tuning").setLevel(logging.INFO)  # the autotuner's pick
     def label(c, stored):
         kw = c.kwargs
-        return (f"BLOCK_M {kw['BLOCK_M']} w{c.num_warps} {kw['PER_SM']}/SM{' reload' if kw['RELOAD_WEIGHTS'] else ''} "
-                f"stored {stored}")
+        stages = f" s{kw['LOOP_STAGES']}" if "LOOP_STAGES" in kw else ""
+        return (f"BLOCK_M {kw['BLOCK_M']} w{c.num_warps} {kw['PER_SM']}/SM{' reload' if kw['RELOAD_WEIGHTS'] else ''}"
+                f"{stages} stored {stored}")
+
+    every = tuple(range(len(WIDTHS) - 1))
+
+    def configs(stored, grid=False):  # every layer stored: the walk kernel's configs
+        if stored == every:
+            return [walk._config(*g) for g in WALK_GRID] if grid else walk.chain_walk_configs()
+        return [_config(*g) for g in GRID] if grid else chain_backward_configs()
 
     shipped = stored_layers(WIDTHS)
-    variants = [] if args.quick else [(label(c, shipped), c, shipped) for c in chain_backward_configs()]
+    variants = [] if args.quick else [(label(c, shipped), c, shipped) for c in configs(shipped)]
     if args.grid:
-        variants += [(label(c, shipped), c, shipped) for c in (_config(*g) for g in GRID)]
+        variants += [(label(c, shipped), c, shipped) for c in configs(shipped, grid=True)]
     if not args.quick:
-        variants += [(label(c, st), c, st) for st in OTHER_STORED[args.row] for c in chain_backward_configs()[:2]]
+        variants += [(label(c, st), c, st) for st in OTHER_STORED[args.row] for c in configs(st)[:2]]
     variants.append((f"autotuned, stored {shipped}", None, shipped))
     for name, config, stored in variants:
         try:
@@ -100,7 +111,8 @@ def main() -> None:
             print(f"  fused {name:40s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
     from fxfuse import codegen
 
-    tuner = codegen.generated_chain_backward_kernel(EPILOGUES, shipped).fused_chain_backward_kernel
+    tuner = (codegen.generated_chain_walk_kernel(EPILOGUES).chain_backward_walk_kernel if shipped == every
+             else codegen.generated_chain_backward_kernel(EPILOGUES, shipped).fused_chain_backward_kernel)
     for c, t in (getattr(tuner, "configs_timings", None) or {}).items():
         print(f"    autotuner timed {label(c, shipped)}: {t}")
     # The same inside a training step of fxfuse.optimize(model): the op's forward, then its fused backward.

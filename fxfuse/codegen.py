@@ -33,7 +33,7 @@ from .kernels.template import KERNEL_TEMPLATE, TEMPLATE_VERSION
 logger = logging.getLogger(__name__)
 
 __all__ = ["cache_dir", "clear_loaded", "generated_chain_backward_kernel", "generated_chain_kernel",
-           "generated_decode_kernel", "generated_kernel",
+           "generated_chain_walk_kernel", "generated_decode_kernel", "generated_kernel",
            "generated_tma_kernel", "kernel_path", "render"]
 
 _modules: dict[tuple, ModuleType] = {}
@@ -207,6 +207,20 @@ def generated_chain_backward_kernel(epilogues: tuple[str, ...], stored: tuple[in
         return render_chain_backward(epilogues, stored)
 
     return _cached(("chain_backward", epilogues, tuple(stored)), source, "fxfuse_chain_backward")
+
+
+def generated_chain_walk_kernel(epilogues: tuple[str, ...]) -> ModuleType:
+    """Import (generating if needed) the backward walk kernel module of a wide chain with these stage epilogues.
+
+    The module has ``chain_backward_walk_kernel`` and ``EPILOGUES`` (see
+    :mod:`fxfuse.kernels.chain_walk_template`). Raises ``ValueError`` for an epilogue without a derivative.
+    """
+    def source() -> str:
+        from .kernels.chain_walk_template import render_chain_walk
+
+        return render_chain_walk(epilogues)
+
+    return _cached(("chain_walk", epilogues), source, "fxfuse_chain_walk")
 
 
 def generated_decode_kernel(num_linears0: int, epilogue0: str, epilogue1: str) -> ModuleType:

@@ -16,6 +16,7 @@ from fxfuse import epilogue as ep
 from fxfuse.backward import fused_backward_reason
 from fxfuse.kernels.chain_backward_launch import run_chain_backward
 from fxfuse.kernels.chain_backward_template import chain_backward_configs
+from fxfuse.kernels.chain_walk_template import chain_walk_configs
 
 # (epilogues, widths, which stages have a bias)
 CHAINS = [
@@ -81,8 +82,11 @@ def test_backward_kernel_without_dx_and_with_strided_inputs():
     dx, gw, gb = run_chain_backward(xt, ws, bs, dyt, epilogues, need_dx=False, config=held)
     assert dx is None
     _check((None, gw, gb), _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
-    for stored in ((0, 1, 2, 3), (1, 2)):  # the stored layers' outputs read back for ReLU's derivative
-        grads = run_chain_backward(xt, ws, bs, dyt, epilogues, config=held, stored=stored)
+    # The stored layers' outputs read back for ReLU's derivative; with every layer stored, the walk kernel (its
+    # variant that holds the weights).
+    walk_held = triton.Config({**held.kwargs, "LOOP_STAGES": 1}, num_warps=4, num_stages=1)
+    for stored, config in (((0, 1, 2, 3), walk_held), ((1, 2), held)):
+        grads = run_chain_backward(xt, ws, bs, dyt, epilogues, config=config, stored=stored)
         _check(grads, _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
 
 
@@ -196,12 +200,12 @@ def test_backward_kernel_on_gpu(dtype, no_tf32):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for config in chain_backward_configs() if dtype == torch.float16 else [None]:
         _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol, eager)
-    # nerf128's widths: every layer's dW through memory (stored_layers), every config in fp16; 16-bit only (its
-    # fp32 weights do not fit the kernel's shared memory: backward_fits).
+    # nerf128's widths: every layer's dW through memory (stored_layers: the forward storing, the walk, the dW
+    # GEMMs), every walk config in fp16; 16-bit only (its fp32 weights do not fit on chip: backward_fits).
     epilogues, widths = ("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (64, 128, 128, 128, 64)
     x, ws, bs, dy = _inputs(widths, (True,) * 4, dtype, 3001, "cuda")
     ref, eager = _float64_grads(x, ws, bs, dy, epilogues), _float64_grads(x, ws, bs, dy, epilogues, dtype)
-    for config in {torch.float16: chain_backward_configs(), torch.bfloat16: [None]}.get(dtype, []):
+    for config in {torch.float16: chain_walk_configs(), torch.bfloat16: [None]}.get(dtype, []):
         _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol, eager)
     for epilogues, widths, has_bias in CHAINS[1:]:
         x, ws, bs, dy = _inputs(widths, has_bias, dtype, 777, "cuda")

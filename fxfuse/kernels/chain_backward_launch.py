@@ -1,4 +1,6 @@
-"""Python wrapper of the fused-chain backward kernel (:mod:`fxfuse.kernels.chain_backward_template`)."""
+"""Python wrappers of the fused-chain backward kernels: the one-kernel backward of a chain whose gradients fit
+on chip (:mod:`fxfuse.kernels.chain_backward_template`), and a wide chain's forward-storing, walk and dW GEMMs
+(:mod:`fxfuse.kernels.chain_walk_template`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import triton
 
 from .. import codegen
 from .chain_backward_template import gradient_layout, stored_layers, stores_gradient
-from .chain_launch import _num_sms
+from .chain_launch import _num_sms, run_chain
 from .chain_template import pad_width
+from .chain_walk_template import walk_inputs
 from .launch import _input_precision, launch_kernel
 from .template import m_bucket
 
@@ -50,39 +53,78 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     M = x.shape[0]
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
     stored = tuple(sorted(set(stored_layers(dims) if stored is None else stored)))
+    if stored == tuple(range(len(weights))):
+        return _run_walk(x, weights, biases, dy, epilogues, need_dx, config)
     off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases], stored)
     kernel = codegen.generated_chain_backward_kernel(tuple(epilogues), stored).fused_chain_backward_kernel
-    max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 4))  # the grid's bound over all configs
-    partials = torch.empty((max_programs, total), dtype=torch.float32, device=x.device)
-    dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
-    args: dict = {"x_ptr": x, "dy_ptr": dy, "dx_ptr": dx if need_dx else x, "part_ptr": partials, "M": M,
-                  "M_BUCKET": m_bucket(M), "stride_xm": x.stride(0), "stride_xk": x.stride(1),
-                  "stride_dym": dy.stride(0), "stride_dyn": dy.stride(1),
-                  "stride_dxm": dx.stride(0) if need_dx else 0, "stride_dxk": dx.stride(1) if need_dx else 0,
-                  "TOTAL": total, "NEED_DX": need_dx, "INPUT_PRECISION": _input_precision(x.dtype)}
+    dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
+    args["part_ptr"] = partials
     # The stored layers' GEMM operands: h_i (x for layer 0) and d_i (dy for a last identity), [M, width].
     inputs = {i: x if i == 0 else torch.empty((M, dims[i]), dtype=x.dtype, device=x.device) for i in stored}
     grads = {i: torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device)
              if stores_gradient(epilogues, i) else dy for i in stored}
     args.update({f"hs{i}_ptr": inputs[i] for i in stored if i > 0})
     args.update({f"ds{i}_ptr": grads[i] for i in stored if grads[i] is not dy})
+    args.update({f"OFF_W{i}": o for i, o in enumerate(off_w)})
+    sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
+    grad_w = [torch.mm(grads[i].t(), inputs[i]).to(w.dtype) if i in stored  # fp32 accumulation, like eager
+              else sums[o:o + w.numel()].view(w.shape).to(w.dtype) for i, (o, w) in enumerate(zip(off_w, weights))]
+    return dx, grad_w, _bias_grads(sums, off_b, biases)
+
+
+def _run_walk(x, weights, biases, dy, epilogues, need_dx, config) -> ChainGradients:
+    """A wide chain's gradients (:mod:`fxfuse.kernels.chain_walk_template`): the fused forward storing every
+    layer's input, the walk writing every activation gradient, then one dW GEMM per layer."""
+    M, layers = x.shape[0], len(weights)
+    dims = [x.shape[1]] + [w.shape[0] for w in weights]
+    hidden = [torch.empty((M, d), dtype=x.dtype, device=x.device) for d in dims[1:-1]]
+    inputs = [x, *hidden, run_chain(x, weights, biases, [[] for _ in weights], epilogues, hidden=hidden)]
+    grads = [torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device) if stores_gradient(epilogues, i)
+             else dy for i in range(layers)]
+    _, off_b, total = gradient_layout(dims, [b is not None for b in biases], range(layers))
+    kernel = codegen.generated_chain_walk_kernel(tuple(epilogues)).chain_backward_walk_kernel
+    dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
+    args["part_ptr"] = partials
+    args.update({f"hs{i}_ptr": inputs[i] for i in walk_inputs(epilogues) if i > 0})
+    args.update({f"ds{i}_ptr": g for i, g in enumerate(grads) if g is not dy})
+    sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
+    grad_w = [torch.mm(g.t(), h).to(w.dtype) for g, h, w in zip(grads, inputs, weights)]  # eager's dW
+    return dx, grad_w, _bias_grads(sums, off_b, biases)
+
+
+def _common_args(x, weights, biases, dy, dims, off_b, total, need_dx):
+    """``dx`` (or None), the fp32 partial-sum buffer and the arguments both backward kernels take."""
+    M = x.shape[0]
+    max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 4))  # the grid's bound over all configs
+    partials = torch.empty((max_programs, total), dtype=torch.float32, device=x.device)
+    dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
+    args: dict = {"x_ptr": x, "dy_ptr": dy, "dx_ptr": dx if need_dx else x, "M": M,
+                  "M_BUCKET": m_bucket(M), "stride_xm": x.stride(0), "stride_xk": x.stride(1),
+                  "stride_dym": dy.stride(0), "stride_dyn": dy.stride(1),
+                  "stride_dxm": dx.stride(0) if need_dx else 0, "stride_dxk": dx.stride(1) if need_dx else 0,
+                  "TOTAL": total, "NEED_DX": need_dx, "INPUT_PRECISION": _input_precision(x.dtype)}
     for i, (w, b) in enumerate(zip(weights, biases)):
         args[f"w{i}_ptr"] = w
         args[f"stride_w{i}n"], args[f"stride_w{i}k"] = w.stride(0), w.stride(1)
         args[f"b{i}_ptr"] = b if b is not None else w  # any valid pointer; unread without bias
         args[f"stride_b{i}"] = b.stride(0) if b is not None else 0
         args[f"HAS_BIAS{i}"] = b is not None
-        args[f"OFF_W{i}"], args[f"OFF_B{i}"] = off_w[i], off_b[i]
+        args[f"OFF_B{i}"] = off_b[i]
     for i, d in enumerate(dims):
         args[f"D{i}"], args[f"P{i}"] = d, pad_width(d)
+    return dx, partials, args
 
-    programs = [max_programs]
+
+def _launch(kernel, args: dict, config: Optional[triton.Config], x: torch.Tensor, partials: torch.Tensor):
+    """Launch a persistent backward kernel (``config``, or the autotuned choice); the fp32 sums of its partials."""
+    M = x.shape[0]
+    programs = [partials.shape[0]]
 
     def grid(meta):
         # Persistent: PER_SM programs per SM, at most one per block of rows. Each writes its row of partials,
         # so only the rows of the launch that ran (the autotuner's last) are summed.
         programs[0] = max(1, min(triton.cdiv(M, meta["BLOCK_M"]), _num_sms(x.device) * meta["PER_SM"],
-                                 max_programs))
+                                 partials.shape[0]))
         return (programs[0],)
 
     if config is not None:  # one variant, bypassing the autotuner (tests and probes)
@@ -91,11 +133,15 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
                      getattr(compiled, "n_spills", "?"))
     else:
         launch_kernel(kernel, grid, args, x)
-    sums = partials[:programs[0]].sum(0)
+    return partials[:programs[0]].sum(0)
+
+
+def _cast_once(sums: torch.Tensor, weights, biases) -> torch.Tensor:
     dtypes = {t.dtype for t in (*weights, *biases) if t is not None}
-    if len(dtypes) == 1:  # one cast for all (each .to below is then a no-op): a launch, not one per gradient
-        sums = sums.to(dtypes.pop())
-    grad_w = [torch.mm(grads[i].t(), inputs[i]).to(w.dtype) if i in stored  # fp32 accumulation, like eager
-              else sums[o:o + w.numel()].view(w.shape).to(w.dtype) for i, (o, w) in enumerate(zip(off_w, weights))]
-    grad_b = [None if b is None else sums[o:o + b.numel()].to(b.dtype) for o, b in zip(off_b, biases)]
-    return dx, grad_w, grad_b
+    # One cast for all where the parameters share a dtype (each .to after it is then a no-op): a launch, not
+    # one per gradient.
+    return sums.to(dtypes.pop()) if len(dtypes) == 1 else sums
+
+
+def _bias_grads(sums, off_b, biases) -> list:
+    return [None if b is None else sums[o:o + b.numel()].to(b.dtype) for o, b in zip(off_b, biases)]

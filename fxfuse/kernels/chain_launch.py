@@ -25,7 +25,8 @@ __all__ = ["run_chain"]
 
 def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
               operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, ...],
-              config: Optional[triton.Config] = None) -> torch.Tensor:
+              config: Optional[triton.Config] = None,
+              hidden: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
     """Every stage of a narrow chain in one kernel launch; returns a new ``[M, D_last]`` tensor.
 
     Args:
@@ -35,6 +36,8 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         operands: per stage, the 1-D tensors (N elements or one) named ``v0, v1, ...`` in its epilogue.
         epilogues: one canonical epilogue text per stage, over ``a0`` (see :mod:`fxfuse.epilogue`).
         config: run this variant (one of ``chain_configs()``) instead of the autotuned choice.
+        hidden: contiguous ``[M, D_i]`` tensors in x's dtype, one per layer after the first, that receive each
+            layer's input as the kernel computes it (the wide-chain backward's forward); not recorded for replay.
 
     The caller (``torch.ops.fxfuse.mlp``) has checked shapes, dtypes and devices.
 
@@ -48,7 +51,9 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
     args: dict = {"x_ptr": x, "out_ptr": out, "M": M, "M_BUCKET": m_bucket(M),
                   "stride_xm": x.stride(0), "stride_xk": x.stride(1),
                   "stride_om": out.stride(0), "stride_on": out.stride(1),
-                  "INPUT_PRECISION": _input_precision(x.dtype)}
+                  "STORE_HIDDEN": hidden is not None, "INPUT_PRECISION": _input_precision(x.dtype)}
+    for i in range(1, len(weights)):
+        args[f"hs{i}_ptr"] = weights[0] if hidden is None else hidden[i - 1]  # unread unless stored
     for i, (w, b, ops) in enumerate(zip(weights, biases, operands)):
         args[f"w{i}_ptr"] = w
         args[f"stride_w{i}n"], args[f"stride_w{i}k"] = w.stride(0), w.stride(1)
@@ -69,7 +74,7 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         kernel.fn[grid](**args, **config.all_kwargs())
         return out
     launch_kernel(kernel, grid, args, x)
-    if fastlaunch.recording_open() and x.is_cuda and type(x) is torch.Tensor:
+    if hidden is None and fastlaunch.recording_open() and x.is_cuda and type(x) is torch.Tensor:
         # A region replay (fxfuse.replay) keeps this launch bound to all but x and out: its key fixes x's
         # shape and strides, so M, the grid and the fresh output's strides stay those bound here.
         bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))

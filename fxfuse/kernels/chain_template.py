@@ -28,7 +28,7 @@ from .template import interpreting as _interpreting
 __all__ = ["CHAIN_TEMPLATE_VERSION", "MAX_CHAIN_TILE_BYTES", "MAX_CHAIN_WIDTH", "chain_configs", "chain_fits",
            "render_chain"]
 
-CHAIN_TEMPLATE_VERSION = 2
+CHAIN_TEMPLATE_VERSION = 3
 # Widest layer the fused chain takes: a [BLOCK_M, 256] fp32 tile plus one 256×256 weight tile per layer.
 MAX_CHAIN_WIDTH = 256
 # The largest [D_i, D_{i+1}] weight tile one layer may hold on chip: a 256x256 fp32 tile (256 KB) spills so far
@@ -65,7 +65,8 @@ from fxfuse.kernels.tuning import autotune
 EPILOGUES = {epilogue_list!r}
 
 
-@autotune(configs=chain_configs(), key=["M_BUCKET", {dim_keys}], prune_configs_by=prune_chain_configs())
+@autotune(configs=chain_configs(), key=["M_BUCKET", "STORE_HIDDEN", {dim_keys}],
+          prune_configs_by=prune_chain_configs())
 @triton.jit
 def fused_chain_kernel(
 '''
@@ -78,6 +79,8 @@ _DOC = '''\
     b{{i}}_ptr:  layer i bias ``[D{{i+1}}]`` (``stride_b{{i}}``), read only if ``HAS_BIAS{{i}}``.
     v{{i}}_{{j}}_ptr: operand j of layer i's epilogue, one value per column (stride 0 broadcasts one element).
     out_ptr:   output ``[M, D{layers}]`` (``stride_om``, ``stride_on``).
+    hs{{i}}_ptr: (i = 1 .. {last}) layer i's input ``[M, D{{i}}]``, contiguous, x's dtype: written only if
+               ``STORE_HIDDEN`` (the wide-chain backward reads them), otherwise any valid pointer.
     M:         rows; M_BUCKET: power-of-2 bucket of M (autotuning key only).
     D{{i}}:      true widths; P{{i}}: the same padded to a power of two >= 16 (tile sizes).
     INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs; BLOCK_M: rows per tile.
@@ -104,7 +107,7 @@ def render_chain(epilogues: Sequence[str]) -> str:
     params: list[str] = ["x_ptr"]
     for i, e in enumerate(exprs):
         params += [f"w{i}_ptr", f"b{i}_ptr"] + [f"v{i}_{j}_ptr" for j in range(ep.num_operands(e))]
-    params += ["out_ptr", "M", "M_BUCKET", "stride_xm", "stride_xk"]
+    params += ["out_ptr", *(f"hs{i}_ptr" for i in range(1, layers)), "M", "M_BUCKET", "stride_xm", "stride_xk"]
     for i, e in enumerate(exprs):
         params += [f"stride_w{i}n", f"stride_w{i}k", f"stride_b{i}"]
         params += [f"stride_v{i}_{j}" for j in range(ep.num_operands(e))]
@@ -112,13 +115,14 @@ def render_chain(epilogues: Sequence[str]) -> str:
     params += [f"D{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"P{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"HAS_BIAS{i}: tl.constexpr" for i in range(layers)]
-    params += ["INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "PRELOAD: tl.constexpr",
+    params += ["STORE_HIDDEN: tl.constexpr", "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr",
+               "PRELOAD: tl.constexpr",
                "PERSISTENT: tl.constexpr", "LOOP_STAGES: tl.constexpr", "PER_SM: tl.constexpr"]
 
     src = _HEADER.format(version=CHAIN_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
                          last=layers - 1, epilogue_list=texts,
                          dim_keys=", ".join(f'"D{i}"' for i in range(layers + 1)))
-    src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers)
+    src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers, last=layers - 1)
     weights = _weight_loads(exprs)
     body = ["pid = tl.program_id(0)"]
     # Persistent: the weights are loaded once per program and the x tile of the next iteration is
@@ -182,7 +186,10 @@ def _tile(exprs: Sequence[ep.Expr], texts: Sequence[str], tile: str, preloaded) 
                                      indent="", prefix=f"_e{i}_")
         body += lines
         if i < layers - 1:
-            body.append(f"h = {result}.to(x_ptr.dtype.element_ty)  # eager rounds every intermediate")
+            body += [f"h = {result}.to(x_ptr.dtype.element_ty)  # eager rounds every intermediate",
+                     "if STORE_HIDDEN:",
+                     f"    tl.store(hs{i + 1}_ptr + offs_m[:, None] * D{i + 1} + n[None, :], h,",
+                     "             mask=m_mask[:, None] & n_mask[None, :])"]
         else:
             body += [
                 f"out = {result}.to(out_ptr.dtype.element_ty)",
