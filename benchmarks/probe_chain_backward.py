@@ -34,8 +34,8 @@ OTHER_STORED = {"nerf64": [(0, 1, 2, 3)], "nerf128": [(1, 2)]}
 # --grid: block shapes beyond the shipped configs, of the one-kernel backward and of the walk (every layer stored).
 GRID = [(128, 4, 1, True), (64, 8, 1, True), (64, 8, 1, False), (128, 4, 1, False), (64, 4, 3, True),
         (32, 4, 4, True), (128, 8, 2, True)]
-WALK_GRID = [(128, 4, 2, True), (64, 8, 2, True), (32, 4, 4, True), (128, 8, 1, True, 2), (64, 4, 2, True, 2),
-             (64, 4, 4, False), (256, 8, 1, True), (128, 8, 1, False, 3)]
+WALK_GRID = [(64, 4, 2, False, 2), (64, 4, 3, False), (32, 4, 4, False), (32, 4, 4, False, 2), (32, 4, 6, False, 2),
+             (64, 8, 2, False), (64, 8, 1, False, 2), (128, 4, 1, False), (32, 2, 8, False), (16, 4, 8, False, 2)]
 
 
 def main() -> None:
@@ -115,6 +115,18 @@ def main() -> None:
              else codegen.generated_chain_backward_kernel(EPILOGUES, shipped).fused_chain_backward_kernel)
     for c, t in (getattr(tuner, "configs_timings", None) or {}).items():
         print(f"    autotuner timed {label(c, shipped)}: {t}")
+    if shipped == every:  # the walk's neighbours: the forward storing every layer's input, and the dW GEMMs
+        from fxfuse.kernels.chain_launch import run_chain
+
+        hidden = [torch.empty(args.m, d, device="cuda", dtype=torch.float16) for d in WIDTHS[1:-1]]
+        inputs = [x.detach(), *hidden]
+        grads = [torch.randn(args.m, d, device="cuda", dtype=torch.float16) for d in WIDTHS[1:]]
+        parts = {"forward alone": lambda: run_chain(x.detach(), ws, bs, [[]] * len(ws), EPILOGUES),
+                 "forward storing h_i": lambda: run_chain(x.detach(), ws, bs, [[]] * len(ws), EPILOGUES,
+                                                          hidden=hidden),
+                 "dW GEMMs": lambda: [torch.mm(g.t(), h) for g, h in zip(grads, inputs)]}
+        for name, fn in parts.items():
+            print(f"  {name:32s} {do_bench(fn, warmup=25, rep=100, return_mode='median') * 1e3:8.1f} µs", flush=True)
     # The same inside a training step of fxfuse.optimize(model): the op's forward, then its fused backward.
     import fxfuse
 

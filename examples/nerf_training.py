@@ -62,8 +62,11 @@ def train(argv: list[str] | None = None) -> dict:
     print(fxfuse.report(fast))
     freqs = torch.randn(widths[0], 64, device=device) * 2
     mix = torch.randn(64, widths[-1], device=device) / 8
-    opts = {"eager": torch.optim.Adam(eager.parameters(), lr=args.lr),
-            "fxfuse": torch.optim.Adam(model.parameters(), lr=args.lr)}
+    # Adam on fp16 parameters: its default eps (1e-8) is 0 in fp16, and a squared-gradient average that
+    # underflows to 0 then divides by 0 (the first GPU run of this script went to NaN in eager and fxfuse alike).
+    eps = 1e-4 if dtype == torch.float16 else 1e-8
+    opts = {"eager": torch.optim.Adam(eager.parameters(), lr=args.lr, eps=eps),
+            "fxfuse": torch.optim.Adam(model.parameters(), lr=args.lr, eps=eps)}
     nets = {"eager": eager, "fxfuse": fast}
     losses: dict[str, list[float]] = {name: [] for name in nets}
     times: dict[str, list[float]] = {name: [] for name in nets}

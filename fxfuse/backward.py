@@ -4,9 +4,12 @@
 which recomputes the forward op by op (see :mod:`fxfuse.ops`). A chain of single-linear stages whose
 activations have a derivative in :data:`fxfuse.kernels.chain_backward_template.DERIVATIVES`, no layer wider
 than 128 and weights that fit on chip, instead runs
-:func:`fxfuse.kernels.chain_backward_launch.run_chain_backward`: the forward recomputed on chip and every
-gradient in one launch. Where the weight gradients fit in registers (nerf64) no intermediate reaches memory;
-wider chains (nerf128) write each layer's input and activation gradient once for a dW GEMM.
+:func:`fxfuse.kernels.chain_backward_launch.run_chain_backward`:
+
+* where the weight gradients fit in registers (nerf64), one kernel recomputes the forward on chip and produces
+  every gradient; no intermediate reaches memory;
+* wider chains (nerf128) run the fused forward storing each layer's input, a walk kernel writing each layer's
+  activation gradient (:mod:`fxfuse.kernels.chain_walk_template`), and one dW GEMM per layer.
 
 Anything else, and any failure of the kernel (logged once), keeps the vjp path, so gradients are always
 those of the original ops within rounding. ``FXFUSE_FUSED_BACKWARD=0`` turns the kernel off.

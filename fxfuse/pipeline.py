@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .backward import fused_backward_reason
+from .kernels.chain_backward_template import stored_layers
 from .meta import tensor_info
 from .normalize import normalize
 from .plan import find_regions
@@ -31,6 +32,8 @@ _TRAINING_NOTE = ("training: calls without gradients run fused; once a backward 
                   "gradients run the original ops (no fused backward: {reason})")
 _FUSED_BACKWARD_NOTE = ("training: the backward is one fused kernel too (forward recomputed on chip; "
                         "fxfuse/backward.py)")
+_WALK_BACKWARD_NOTE = ("training: the backward is fused too (the forward kernel stores each layer's input, a walk "
+                       "kernel writes the activation gradients, one GEMM per weight gradient; fxfuse/backward.py)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
                    "intermediates (fxfuse's op would recompute the forward)")
 
@@ -103,8 +106,11 @@ def _training_note(gm: fx.GraphModule, region) -> str:
         return _TRAINING_NOTE.format(reason="weight shapes unknown here")
     if len({i.dtype for i in infos}) != 1:
         return _TRAINING_NOTE.format(reason="mixed weight dtypes")
-    reason = fused_backward_reason(region.spec.dumps(), _widths(infos), infos[0].dtype.itemsize)
-    return _FUSED_BACKWARD_NOTE if reason is None else _TRAINING_NOTE.format(reason=reason)
+    widths = _widths(infos)
+    reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
+    if reason is not None:
+        return _TRAINING_NOTE.format(reason=reason)
+    return _WALK_BACKWARD_NOTE if stored_layers(widths) else _FUSED_BACKWARD_NOTE
 
 
 def _kernel_files(region) -> list[str]:

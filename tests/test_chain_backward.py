@@ -105,6 +105,8 @@ def test_which_chains_take_the_fused_backward():
 def test_report_says_which_backward_a_training_region_gets():
     notes = [n for r in fxfuse.report(fxfuse.optimize(nerf_mlp((16, 32, 32, 8)).train())).regions for n in r.notes]
     assert any("backward is one fused kernel" in n for n in notes), notes
+    notes = [n for r in fxfuse.report(fxfuse.optimize(nerf_mlp((64, 128, 128, 8)).train())).regions for n in r.notes]
+    assert any("a walk kernel writes the activation gradients" in n for n in notes), notes
     notes = [n for r in fxfuse.report(fxfuse.optimize(GatedMLP().train())).regions for n in r.notes]
     assert any("no fused backward: a gated stage" in n for n in notes), notes
     wide = nerf_mlp((16, 256, 8)).train()

@@ -30,20 +30,22 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
                        dy: torch.Tensor, epilogues: tuple[str, ...], need_dx: bool = True,
                        config: Optional[triton.Config] = None,
                        stored: Optional[Sequence[int]] = None) -> ChainGradients:
-    """Gradients of a narrow chain (``fused_chain``'s math) in one kernel launch (plus one GEMM per stored
-    layer): ``(dx, [dW_i], [db_i])``.
+    """Gradients of a narrow chain (``fused_chain``'s math): ``(dx, [dW_i], [db_i])``.
 
-    The forward is recomputed on chip from ``x``, so nothing but the op's inputs needs saving. The weight and
-    bias gradients are summed in fp32 (per program, then over programs: deterministic) and returned in their
-    parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s. The weight gradients of the ``stored``
-    layers (default: :func:`stored_layers` of the widths) come from one GEMM each over the layer's input and
-    activation gradient, which the kernel writes in the dtype (eager's dW, computed the same way).
+    With no layer ``stored`` (the default where every padded dW fits in registers: :func:`stored_layers`), one
+    kernel recomputes the forward on chip from ``x`` and produces every gradient, so nothing but the op's
+    inputs needs saving. With every layer stored (wider chains), the fused forward writes each layer's input,
+    the walk kernel each layer's activation gradient, and each dW is one GEMM over the two (eager's dW,
+    computed the same way). A subset of layers (tests and probes) runs the one kernel writing just those. The
+    bias (and in-register weight) gradients are summed in fp32 (per program, then over programs:
+    deterministic) and returned in their parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s.
 
     Args:
         x: ``[M, D0]``, any strides; dy: ``[M, D_last]``, any strides, x's dtype.
         weights: one ``[D_{i+1}, D_i]`` weight per stage; biases: ``[D_{i+1}]`` or None per stage.
         epilogues: one canonical epilogue per stage, each a key of ``DERIVATIVES`` (see ``backward_fits``).
-        config: run this variant (one of ``chain_backward_configs()``) instead of the autotuned choice.
+        config: run this variant (one of ``chain_backward_configs()``, or of ``chain_walk_configs()`` when every
+            layer is stored) instead of the autotuned choice.
         stored: the layers whose dW goes through memory (tests and probes; the default suits the widths).
 
     Example:
@@ -129,8 +131,9 @@ def _launch(kernel, args: dict, config: Optional[triton.Config], x: torch.Tensor
 
     if config is not None:  # one variant, bypassing the autotuner (tests and probes)
         compiled = kernel.fn[grid](**args, **config.all_kwargs())
-        logger.debug("chain backward %s: %s registers, %s spilled", config, getattr(compiled, "n_regs", "?"),
-                     getattr(compiled, "n_spills", "?"))
+        logger.debug("chain backward %s: %s registers, %s spilled, %s B shared memory", config,
+                     getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?"),
+                     getattr(getattr(compiled, "metadata", None), "shared", "?"))
     else:
         launch_kernel(kernel, grid, args, x)
     return partials[:programs[0]].sum(0)

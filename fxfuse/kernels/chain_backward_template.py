@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import triton
@@ -44,7 +45,7 @@ from .chain_template import MAX_CHAIN_WIDTH, pad_width
 from .template import autotune_enabled
 from .template import interpreting as _interpreting
 
-__all__ = ["CHAIN_BACKWARD_TEMPLATE_VERSION", "DERIVATIVES", "MAX_BACKWARD_WIDTH", "backward_fits",
+__all__ = ["CHAIN_BACKWARD_TEMPLATE_VERSION", "DERIVATIVES", "MAX_BACKWARD_WIDTH", "backward_fits", "canonical",
            "chain_backward_configs", "gradient_layout", "render_chain_backward", "stored_layers", "stores_gradient"]
 
 CHAIN_BACKWARD_TEMPLATE_VERSION = 2
@@ -168,7 +169,13 @@ def stores_gradient(epilogues: Sequence[str], layer: int) -> bool:
         >>> stores_gradient(["relu(a0)", "a0"], 1), stores_gradient(["relu(a0)", "sigmoid(a0)"], 1)
         (False, True)
     """
-    return not (layer == len(epilogues) - 1 and str(ep.parse(epilogues[layer])) == "a0")
+    return not (layer == len(epilogues) - 1 and canonical(epilogues[layer]) == "a0")
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical(epilogue: str) -> str:
+    """An epilogue's canonical text (parsed once: the launchers ask on every backward)."""
+    return str(ep.parse(epilogue))
 
 
 def gradient_layout(widths: Sequence[int], has_bias: Sequence[bool], stored: Sequence[int] = ()) \
@@ -198,7 +205,7 @@ def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) 
     Raises:
         ValueError: an epilogue without a derivative in :data:`DERIVATIVES`.
     """
-    texts = [str(ep.parse(e)) for e in epilogues]
+    texts = [canonical(e) for e in epilogues]
     missing = [t for t in texts if t not in DERIVATIVES]
     if missing:
         raise ValueError(f"no fused backward for epilogue(s) {missing}; supported: {sorted(DERIVATIVES)}")
