@@ -2,11 +2,11 @@
 
 For the nerf64 chain (fp16, M = 2^20, 32 → 64 → 64 → 64 → 16, ReLU) or nerf128's (64 → 128 → 128 → 128 → 64),
 times with ``triton.testing.do_bench`` (median, L2 flushed): each config of ``run_chain_backward`` (input
-gradient included) with the layers whose dW goes through memory chosen by ``stored_layers`` (the shipped
-choice), the two leading configs with other choices of stored layers, the autotuned launch, and eager's
-backward alone (autograd from the saved activations of one forward, ``retain_graph``). Prints the kernel's
-FLOPs (forward recomputed + dW + dh) as TFLOP/s, and its gradients' error against eager's; then a training
-step of ``fxfuse.optimize(model)`` and its profile.
+gradient included) on the path the widths get (one kernel, or the walk: ``walks``), at nerf64 the walk's two
+leading configs too, the autotuned launch, and eager's backward alone (autograd from the saved activations of
+one forward, ``retain_graph``). Prints the FLOPs (forward recomputed + dW + dh) as TFLOP/s, and the gradients'
+error against eager's; for the walk, its neighbours (the forward storing every layer's input, the dW GEMMs)
+alone; then a training step of ``fxfuse.optimize(model)`` and its profile.
 
     python3 benchmarks/probe_chain_backward.py [--row nerf64|nerf128] [--m 1048576] [--grid | --quick]
 """
@@ -25,13 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fxfuse.kernels import chain_walk_template as walk  # noqa: E402
 from fxfuse.kernels.chain_backward_launch import run_chain_backward  # noqa: E402
-from fxfuse.kernels.chain_backward_template import _config, chain_backward_configs, stored_layers  # noqa: E402
+from fxfuse.kernels.chain_backward_template import _config, chain_backward_configs, walks  # noqa: E402
 
 ROWS = {"nerf64": (32, 64, 64, 64, 16), "nerf128": (64, 128, 128, 128, 64)}
 EPILOGUES = ("relu(a0)", "relu(a0)", "relu(a0)", "a0")
-# Other choices of the layers whose dW goes through memory, timed with the two leading configs.
-OTHER_STORED = {"nerf64": [(0, 1, 2, 3)], "nerf128": [(1, 2)]}
-# --grid: block shapes beyond the shipped configs, of the one-kernel backward and of the walk (every layer stored).
+# --grid: block shapes beyond the shipped configs, of the one-kernel backward and of the walk.
 GRID = [(128, 4, 1, True), (64, 8, 1, True), (64, 8, 1, False), (128, 4, 1, False), (64, 4, 3, True),
         (32, 4, 4, True), (128, 8, 2, True)]
 WALK_GRID = [(64, 4, 2, False, 2), (64, 4, 3, False), (32, 4, 4, False), (32, 4, 4, False, 2), (32, 4, 6, False, 2),
@@ -75,30 +73,28 @@ def main() -> None:
     print(f"  eager backward (autograd, saved activations): {eager_us:8.1f} µs", flush=True)
     logging.basicConfig(format="    %(message)s")
     logging.getLogger("fxfuse.kernels.tuning").setLevel(logging.INFO)  # the autotuner's pick
-    def label(c, stored):
+    def label(c, use_walk):
         kw = c.kwargs
         stages = f" s{kw['LOOP_STAGES']}" if "LOOP_STAGES" in kw else ""
-        return (f"BLOCK_M {kw['BLOCK_M']} w{c.num_warps} {kw['PER_SM']}/SM{' reload' if kw['RELOAD_WEIGHTS'] else ''}"
-                f"{stages} stored {stored}")
+        return (f"{'walk' if use_walk else 'one kernel'} BLOCK_M {kw['BLOCK_M']} w{c.num_warps} {kw['PER_SM']}/SM"
+                f"{' reload' if kw['RELOAD_WEIGHTS'] else ''}{stages}")
 
-    every = tuple(range(len(WIDTHS) - 1))
-
-    def configs(stored, grid=False):  # every layer stored: the walk kernel's configs
-        if stored == every:
+    def configs(use_walk, grid=False):
+        if use_walk:
             return [walk._config(*g) for g in WALK_GRID] if grid else walk.chain_walk_configs()
         return [_config(*g) for g in GRID] if grid else chain_backward_configs()
 
-    shipped = stored_layers(WIDTHS)
+    shipped = walks(WIDTHS)
     variants = [] if args.quick else [(label(c, shipped), c, shipped) for c in configs(shipped)]
     if args.grid:
         variants += [(label(c, shipped), c, shipped) for c in configs(shipped, grid=True)]
-    if not args.quick:
-        variants += [(label(c, st), c, st) for st in OTHER_STORED[args.row] for c in configs(st)[:2]]
-    variants.append((f"autotuned, stored {shipped}", None, shipped))
-    for name, config, stored in variants:
+    if not args.quick and not shipped:  # nerf128's gradients do not fit the one kernel's registers
+        variants += [(label(c, True), c, True) for c in configs(True)[:2]]
+    variants.append((f"autotuned, {'walk' if shipped else 'one kernel'}", None, shipped))
+    for name, config, use_walk in variants:
         try:
-            fn = lambda config=config, stored=stored: run_chain_backward(  # noqa: E731
-                x.detach(), ws, bs, dy, EPILOGUES, config=config, stored=stored)
+            fn = lambda config=config, use_walk=use_walk: run_chain_backward(  # noqa: E731
+                x.detach(), ws, bs, dy, EPILOGUES, config=config, walk=use_walk)
             logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.DEBUG)  # registers, spills
             dx, gw, gb = fn()
             logging.getLogger("fxfuse.kernels.chain_backward_launch").setLevel(logging.INFO)
@@ -111,11 +107,11 @@ def main() -> None:
             print(f"  fused {name:40s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
     from fxfuse import codegen
 
-    tuner = (codegen.generated_chain_walk_kernel(EPILOGUES).chain_backward_walk_kernel if shipped == every
-             else codegen.generated_chain_backward_kernel(EPILOGUES, shipped).fused_chain_backward_kernel)
+    tuner = (codegen.generated_chain_walk_kernel(EPILOGUES).chain_backward_walk_kernel if shipped
+             else codegen.generated_chain_backward_kernel(EPILOGUES).fused_chain_backward_kernel)
     for c, t in (getattr(tuner, "configs_timings", None) or {}).items():
         print(f"    autotuner timed {label(c, shipped)}: {t}")
-    if shipped == every:  # the walk's neighbours: the forward storing every layer's input, and the dW GEMMs
+    if shipped:  # the walk's neighbours: the forward storing every layer's input, and the dW GEMMs
         from fxfuse.kernels.chain_launch import run_chain
 
         hidden = [torch.empty(args.m, d, device="cuda", dtype=torch.float16) for d in WIDTHS[1:-1]]

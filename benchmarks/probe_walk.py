@@ -100,7 +100,7 @@ def main() -> None:
     run_chain(x, ws, bs, [[] for _ in ws], EPILOGUES, hidden=hidden)
     inputs = [x, *hidden]
     grads = [torch.empty(M, d, device=dev, dtype=dt) for d in widths[1:-1]]
-    _, off_b, total = gradient_layout(widths, [True] * len(ws), range(len(ws)))
+    _, off_b, total = gradient_layout(widths, [True] * len(ws), weights=False)
     dx, partials, kargs = launch._common_args(x, ws, bs, dy, widths, off_b, total, True)
     # Room for one row per block: the "db per block to memory" variant writes there.
     kargs["part_ptr"] = torch.empty(triton_cdiv(M, 16), total, device=dev, dtype=torch.float32)

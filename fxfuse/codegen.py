@@ -190,9 +190,8 @@ def generated_chain_kernel(epilogues: tuple[str, ...]) -> ModuleType:
     return _cached(("chain", epilogues), source, "fxfuse_chain")
 
 
-def generated_chain_backward_kernel(epilogues: tuple[str, ...], stored: tuple[int, ...] = ()) -> ModuleType:
-    """Import (generating if needed) the fused-chain backward kernel module for these stage epilogues, with the
-    layers in ``stored`` writing their input and activation gradient for a dW GEMM.
+def generated_chain_backward_kernel(epilogues: tuple[str, ...]) -> ModuleType:
+    """Import (generating if needed) the one-kernel fused-chain backward module for these stage epilogues.
 
     The module has ``fused_chain_backward_kernel`` and ``EPILOGUES`` (see
     :mod:`fxfuse.kernels.chain_backward_template`). Raises ``ValueError`` for an epilogue without a derivative.
@@ -204,9 +203,9 @@ def generated_chain_backward_kernel(epilogues: tuple[str, ...], stored: tuple[in
     def source() -> str:
         from .kernels.chain_backward_template import render_chain_backward
 
-        return render_chain_backward(epilogues, stored)
+        return render_chain_backward(epilogues)
 
-    return _cached(("chain_backward", epilogues, tuple(stored)), source, "fxfuse_chain_backward")
+    return _cached(("chain_backward", epilogues), source, "fxfuse_chain_backward")
 
 
 def generated_chain_walk_kernel(epilogues: tuple[str, ...]) -> ModuleType:

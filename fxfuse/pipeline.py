@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .backward import fused_backward_reason
-from .kernels.chain_backward_template import stored_layers
+from .kernels.chain_backward_template import walks
 from .meta import tensor_info
 from .normalize import normalize
 from .plan import find_regions
@@ -110,7 +110,7 @@ def _training_note(gm: fx.GraphModule, region) -> str:
     reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
     if reason is not None:
         return _TRAINING_NOTE.format(reason=reason)
-    return _WALK_BACKWARD_NOTE if stored_layers(widths) else _FUSED_BACKWARD_NOTE
+    return _WALK_BACKWARD_NOTE if walks(widths) else _FUSED_BACKWARD_NOTE
 
 
 def _kernel_files(region) -> list[str]:

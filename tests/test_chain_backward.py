@@ -82,11 +82,11 @@ def test_backward_kernel_without_dx_and_with_strided_inputs():
     dx, gw, gb = run_chain_backward(xt, ws, bs, dyt, epilogues, need_dx=False, config=held)
     assert dx is None
     _check((None, gw, gb), _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
-    # The stored layers' outputs read back for ReLU's derivative; with every layer stored, the walk kernel (its
-    # variant that holds the weights).
+    # The walk (what nerf128 gets) on the same strided inputs, its variant that holds the weights.
     walk_held = triton.Config({**held.kwargs, "LOOP_STAGES": 1}, num_warps=4, num_stages=1)
-    for stored, config in (((0, 1, 2, 3), walk_held), ((1, 2), held)):
-        grads = run_chain_backward(xt, ws, bs, dyt, epilogues, config=config, stored=stored)
+    for need_dx in (True, False):
+        grads = run_chain_backward(xt, ws, bs, dyt, epilogues, need_dx=need_dx, config=walk_held, walk=True)
+        assert (grads[0] is None) == (not need_dx)
         _check(grads, _float64_grads(x, ws, bs, dyt, epilogues), 1e-5)
 
 
@@ -116,16 +116,14 @@ def test_report_says_which_backward_a_training_region_gets():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("epilogues,widths,has_bias", CHAINS)
-def test_stored_layers_match_float64_autograd(epilogues, widths, has_bias, dtype):
-    # Layers whose dW is a GEMM over the input and activation gradient the kernel writes (what nerf128 gets):
-    # all of them, the first (its input is x), the last (a last identity's gradient is dy) and a middle one.
+def test_walk_matches_float64_autograd(epilogues, widths, has_bias, dtype):
+    # What nerf128 gets: the forward storing every layer's input, the walk writing each activation gradient
+    # (ReLU, sigmoid, tanh from the stored output; GELU, SiLU from the pre-activation recomputed from the stored
+    # input), one dW GEMM per layer.
     x, ws, bs, dy = _inputs(widths, has_bias, dtype, 37)
-    ref = _float64_grads(x, ws, bs, dy, epilogues)
-    layers = len(epilogues)
-    for stored in {tuple(range(layers)), (0,), (layers - 1,), (layers // 2,)}:
-        grads = run_chain_backward(x, ws, bs, dy, epilogues, stored=stored)
-        assert [g.dtype for g in grads[1]] == [dtype] * layers
-        _check(grads, ref, TOL[dtype] if dtype != torch.float32 else 1e-5)
+    grads = run_chain_backward(x, ws, bs, dy, epilogues, walk=True)
+    assert grads[0].dtype == dtype and [g.dtype for g in grads[1]] == [dtype] * len(epilogues)
+    _check(grads, _float64_grads(x, ws, bs, dy, epilogues), TOL[dtype] if dtype != torch.float32 else 1e-5)
 
 
 def _train_steps(model, steps, x_requires_grad=True, device="cpu", dtype=torch.float32, tol=1e-5):
@@ -202,8 +200,8 @@ def test_backward_kernel_on_gpu(dtype, no_tf32):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for config in chain_backward_configs() if dtype == torch.float16 else [None]:
         _check(run_chain_backward(x, ws, bs, dy, epilogues, config=config), ref, tol, eager)
-    # nerf128's widths: every layer's dW through memory (stored_layers: the forward storing, the walk, the dW
-    # GEMMs), every walk config in fp16; 16-bit only (its fp32 weights do not fit on chip: backward_fits).
+    # nerf128's widths take the walk (walks: the forward storing, the walk kernel, the dW GEMMs), every walk
+    # config in fp16; 16-bit only (its fp32 weights do not fit on chip: backward_fits).
     epilogues, widths = ("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (64, 128, 128, 128, 64)
     x, ws, bs, dy = _inputs(widths, (True,) * 4, dtype, 3001, "cuda")
     ref, eager = _float64_grads(x, ws, bs, dy, epilogues), _float64_grads(x, ws, bs, dy, epilogues, dtype)

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from .. import codegen
-from .chain_backward_template import gradient_layout, stored_layers, stores_gradient
+from .chain_backward_template import gradient_layout, stores_gradient, walks
 from .chain_launch import _num_sms, run_chain
 from .chain_template import pad_width
 from .chain_walk_template import walk_inputs
@@ -28,49 +28,38 @@ ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional
 
 def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                        dy: torch.Tensor, epilogues: tuple[str, ...], need_dx: bool = True,
-                       config: Optional[triton.Config] = None,
-                       stored: Optional[Sequence[int]] = None) -> ChainGradients:
+                       config: Optional[triton.Config] = None, walk: Optional[bool] = None) -> ChainGradients:
     """Gradients of a narrow chain (``fused_chain``'s math): ``(dx, [dW_i], [db_i])``.
 
-    With no layer ``stored`` (the default where every padded dW fits in registers: :func:`stored_layers`), one
-    kernel recomputes the forward on chip from ``x`` and produces every gradient, so nothing but the op's
-    inputs needs saving. With every layer stored (wider chains), the fused forward writes each layer's input,
-    the walk kernel each layer's activation gradient, and each dW is one GEMM over the two (eager's dW,
-    computed the same way). A subset of layers (tests and probes) runs the one kernel writing just those. The
-    bias (and in-register weight) gradients are summed in fp32 (per program, then over programs:
-    deterministic) and returned in their parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s.
+    Where the padded weight gradients fit in registers (:func:`walks` is False for the widths), one kernel
+    recomputes the forward on chip from ``x`` and produces every gradient, so nothing but the op's inputs needs
+    saving. Otherwise (the walk) the fused forward writes each layer's input, the walk kernel each layer's
+    activation gradient, and each dW is one GEMM over the two (eager's dW, computed the same way). The bias (and
+    in-register weight) gradients are summed in fp32 (per program, then over programs: deterministic) and
+    returned in their parameter's dtype; ``dx`` (None unless ``need_dx``) in ``x``'s.
 
     Args:
         x: ``[M, D0]``, any strides; dy: ``[M, D_last]``, any strides, x's dtype.
         weights: one ``[D_{i+1}, D_i]`` weight per stage; biases: ``[D_{i+1}]`` or None per stage.
         epilogues: one canonical epilogue per stage, each a key of ``DERIVATIVES`` (see ``backward_fits``).
-        config: run this variant (one of ``chain_backward_configs()``, or of ``chain_walk_configs()`` when every
-            layer is stored) instead of the autotuned choice.
-        stored: the layers whose dW goes through memory (tests and probes; the default suits the widths).
+        config: run this variant (one of ``chain_backward_configs()``, or of ``chain_walk_configs()`` for the
+            walk) instead of the autotuned choice.
+        walk: take the walk (True) or the one kernel (False) whatever the widths (tests and probes).
 
     Example:
         >>> epilogues = ("relu(a0)", "a0")
         >>> dx, (dw1, dw2), (db1, db2) = run_chain_backward(x, [w1, w2], [b1, b2], dy, epilogues)  # doctest: +SKIP
     """
-    M = x.shape[0]
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
-    stored = tuple(sorted(set(stored_layers(dims) if stored is None else stored)))
-    if stored == tuple(range(len(weights))):
+    if walks(dims) if walk is None else walk:
         return _run_walk(x, weights, biases, dy, epilogues, need_dx, config)
-    off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases], stored)
-    kernel = codegen.generated_chain_backward_kernel(tuple(epilogues), stored).fused_chain_backward_kernel
+    off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
+    kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
     dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
     args["part_ptr"] = partials
-    # The stored layers' GEMM operands: h_i (x for layer 0) and d_i (dy for a last identity), [M, width].
-    inputs = {i: x if i == 0 else torch.empty((M, dims[i]), dtype=x.dtype, device=x.device) for i in stored}
-    grads = {i: torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device)
-             if stores_gradient(epilogues, i) else dy for i in stored}
-    args.update({f"hs{i}_ptr": inputs[i] for i in stored if i > 0})
-    args.update({f"ds{i}_ptr": grads[i] for i in stored if grads[i] is not dy})
     args.update({f"OFF_W{i}": o for i, o in enumerate(off_w)})
     sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
-    grad_w = [torch.mm(grads[i].t(), inputs[i]).to(w.dtype) if i in stored  # fp32 accumulation, like eager
-              else sums[o:o + w.numel()].view(w.shape).to(w.dtype) for i, (o, w) in enumerate(zip(off_w, weights))]
+    grad_w = [_in_dtype(sums[o:o + w.numel()].view(w.shape), w.dtype) for o, w in zip(off_w, weights)]
     return dx, grad_w, _bias_grads(sums, off_b, biases)
 
 
@@ -81,16 +70,19 @@ def _run_walk(x, weights, biases, dy, epilogues, need_dx, config) -> ChainGradie
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
     hidden = [torch.empty((M, d), dtype=x.dtype, device=x.device) for d in dims[1:-1]]
     inputs = [x, *hidden, run_chain(x, weights, biases, [[] for _ in weights], epilogues, hidden=hidden)]
+    reads = walk_inputs(epilogues)
+    if layers not in reads:
+        del inputs[-1]  # the chain's output: unread, so its memory is free for the walk's
     grads = [torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device) if stores_gradient(epilogues, i)
              else dy for i in range(layers)]
-    _, off_b, total = gradient_layout(dims, [b is not None for b in biases], range(layers))
+    _, off_b, total = gradient_layout(dims, [b is not None for b in biases], weights=False)
     kernel = codegen.generated_chain_walk_kernel(tuple(epilogues)).chain_backward_walk_kernel
     dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
     args["part_ptr"] = partials
-    args.update({f"hs{i}_ptr": inputs[i] for i in walk_inputs(epilogues) if i > 0})
+    args.update({f"hs{i}_ptr": inputs[i] for i in reads if i > 0})
     args.update({f"ds{i}_ptr": g for i, g in enumerate(grads) if g is not dy})
     sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
-    grad_w = [torch.mm(g.t(), h).to(w.dtype) for g, h, w in zip(grads, inputs, weights)]  # eager's dW
+    grad_w = [torch.mm(g.t(), h) for g, h in zip(grads, inputs)]  # eager's dW, in the (one) dtype
     return dx, grad_w, _bias_grads(sums, off_b, biases)
 
 
@@ -147,4 +139,9 @@ def _cast_once(sums: torch.Tensor, weights, biases) -> torch.Tensor:
 
 
 def _bias_grads(sums, off_b, biases) -> list:
-    return [None if b is None else sums[o:o + b.numel()].to(b.dtype) for o, b in zip(off_b, biases)]
+    return [None if b is None else _in_dtype(sums[o:o + b.numel()], b.dtype) for o, b in zip(off_b, biases)]
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A .to that changes nothing still costs a dispatch: a few µs of host each, on every training step.
+    return t if t.dtype == dtype else t.to(dtype)

@@ -15,10 +15,9 @@ gradient per program, where eager writes and reads every activation and its grad
 persistent (``PER_SM`` per SM) so each holds its weights and accumulators once.
 
 Wider chains do not fit: nerf128's 64-128-128-128-64 weights need 49152 fp32 accumulators, three times what a
-program's registers hold beside the intermediates. For the layers in ``stored`` the kernel instead writes the
-layer's input ``h_i`` (unless it is x) and its activation gradient ``d_i`` (unless it is dy) to memory in the
-dtype, and the launcher computes ``dW_i = d_i^T @ h_i`` with one GEMM, as eager does (and as tiny-cuda-nn's
-fully fused MLPs do); ``db_i`` and everything else stay on chip.
+program's registers hold beside the intermediates. Their backward (:func:`walks`) is the forward storing each
+layer's input, a walk kernel writing each activation gradient (:mod:`fxfuse.kernels.chain_walk_template`) and
+one dW GEMM per layer, as eager computes dW (and as tiny-cuda-nn's fully fused MLPs do).
 
 Activations with a derivative here (:data:`DERIVATIVES`): identity, relu (from its output, like eager's
 ``threshold_backward``), silu, sigmoid, tanh, gelu (erf and tanh forms; from the pre-activation rounded to
@@ -28,9 +27,6 @@ Example:
     >>> src = render_chain_backward(["relu(a0)", "a0"])
     >>> src.count("tl.dot(")  # forward: layer 0 (the identity's output is not needed); dW and dh of each layer
     5
-    >>> stored = render_chain_backward(["relu(a0)", "a0"], stored=(1,))  # dW1 = dy^T @ h1 by the launcher
-    >>> stored.count("tl.dot("), "hs1_ptr" in stored, "ds1_ptr" in stored
-    (4, True, False)
 """
 
 from __future__ import annotations
@@ -46,9 +42,9 @@ from .template import autotune_enabled
 from .template import interpreting as _interpreting
 
 __all__ = ["CHAIN_BACKWARD_TEMPLATE_VERSION", "DERIVATIVES", "MAX_BACKWARD_WIDTH", "backward_fits", "canonical",
-           "chain_backward_configs", "gradient_layout", "render_chain_backward", "stored_layers", "stores_gradient"]
+           "chain_backward_configs", "gradient_layout", "render_chain_backward", "stores_gradient", "walks"]
 
-CHAIN_BACKWARD_TEMPLATE_VERSION = 2
+CHAIN_BACKWARD_TEMPLATE_VERSION = 3
 
 # act'(a) times the incoming gradient g, as Triton on fp32 values. "out": from the activation's output h
 # (the dtype-rounded value the next layer reads); "pre": from the pre-activation a rounded to the dtype.
@@ -75,7 +71,7 @@ def _gelu_tanh_grad(a):
 '''
 
 # The fp32 dW accumulators of all layers live in registers for the whole program: at most this many elements
-# (nerf64's 32-64-64-64-16 chain holds 11264); a wider chain's layers go through memory (``stored_layers``).
+# (nerf64's 32-64-64-64-16 chain holds 11264); a wider chain's backward is the walk (``walks``).
 MAX_GRADIENT_ELEMENTS = 16 * 1024
 # The widest layer the backward kernel takes: its weight tiles and [BLOCK_M, width] intermediates live on
 # chip (a 256-wide layer's 128 KB fp16 weight tile would not).
@@ -90,7 +86,6 @@ _HEADER = '''\
 #
 #   layers:    {layers}
 #   epilogues: {epilogues}
-#   stored:    {stored} (layers whose input and activation gradient go to memory for a dW GEMM)
 #
 # Gradients of out = stage_{last}( ... stage_0(x) ... ), stage_i(h) = epilogue_i(h @ W_i^T + b_i): the forward
 # recomputed on chip, then dx, and per-program fp32 partial sums of every dW_i and db_i.
@@ -114,10 +109,7 @@ _DOC = '''\
     w{{i}}_ptr:  layer i weight ``[D{{i+1}}, D{{i}}]`` (``stride_w{{i}}n``, ``stride_w{{i}}k``); b{{i}}_ptr: its bias
                ``[D{{i+1}}]`` (``stride_b{{i}}``), read only if ``HAS_BIAS{{i}}``.
     part_ptr:  fp32 ``[programs, TOTAL]``, contiguous: this program's row gets dW_i (row-major ``[D{{i+1}}, D{{i}}]``)
-               at ``OFF_W{{i}}`` (layers not stored) and db_i at ``OFF_B{{i}}``, every element written.
-    hs{{i}}_ptr: (stored layers but the first) their input ``h_i``, ``[M, D{{i}}]`` contiguous, x's dtype, written.
-    ds{{i}}_ptr: (stored layers, unless the last is an identity: then d_i is dy) their activation gradient
-               ``d_i``, ``[M, D{{i+1}}]`` contiguous, x's dtype, written.
+               at ``OFF_W{{i}}`` and db_i at ``OFF_B{{i}}``, every element written.
     M:         rows; M_BUCKET: power-of-2 bucket of M (autotuning key only).
     D{{i}}:      true widths; P{{i}}: the same padded to a power of two >= 16 (tile sizes).
     INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs; BLOCK_M: rows per block;
@@ -148,22 +140,20 @@ def backward_fits(epilogues: Sequence[str], widths: Sequence[int], elem_size: in
         sum(a * b for a, b in zip(pads, pads[1:])) * elem_size <= MAX_BACKWARD_WEIGHT_BYTES
 
 
-def stored_layers(widths: Sequence[int]) -> tuple[int, ...]:
-    """The layers whose dW goes through memory (see the module docstring): none while every padded gradient
-    fits :data:`MAX_GRADIENT_ELEMENTS` registers, otherwise all of them.
+def walks(widths: Sequence[int]) -> bool:
+    """Whether a chain of these widths gets the walk backward (:mod:`fxfuse.kernels.chain_walk_template`): its
+    padded weight gradients pass :data:`MAX_GRADIENT_ELEMENTS`, too many for one kernel's registers.
 
     Example:
-        >>> stored_layers([32, 64, 64, 64, 16]), stored_layers([64, 128, 128, 128, 64])
-        ((), (0, 1, 2, 3))
+        >>> walks([32, 64, 64, 64, 16]), walks([64, 128, 128, 128, 64])
+        (False, True)
     """
     pads = [pad_width(d) for d in widths]
-    if sum(a * b for a, b in zip(pads, pads[1:])) <= MAX_GRADIENT_ELEMENTS:
-        return ()
-    return tuple(range(len(widths) - 1))
+    return sum(a * b for a, b in zip(pads, pads[1:])) > MAX_GRADIENT_ELEMENTS
 
 
 def stores_gradient(epilogues: Sequence[str], layer: int) -> bool:
-    """Whether a stored layer's activation gradient is written (False for a last identity: it is dy).
+    """Whether the walk writes a layer's activation gradient (False for a last identity: it is dy).
 
     Example:
         >>> stores_gradient(["relu(a0)", "a0"], 1), stores_gradient(["relu(a0)", "sigmoid(a0)"], 1)
@@ -178,29 +168,28 @@ def canonical(epilogue: str) -> str:
     return str(ep.parse(epilogue))
 
 
-def gradient_layout(widths: Sequence[int], has_bias: Sequence[bool], stored: Sequence[int] = ()) \
+def gradient_layout(widths: Sequence[int], has_bias: Sequence[bool], weights: bool = True) \
         -> tuple[list[int], list[int], int]:
-    """Offsets of each dW_i (-1 for a stored layer: not in the buffer) and db_i in a program's row of the
+    """Offsets of each dW_i (-1 without ``weights``: the walk's dW are GEMMs) and db_i in a program's row of the
     partial-sum buffer, and the row's length.
 
     Example:
         >>> gradient_layout([4, 8, 2], [True, False])
         ([0, 40], [32, 56], 56)
-        >>> gradient_layout([4, 8, 2], [True, False], stored=(0,))
-        ([-1, 8], [0, 24], 24)
+        >>> gradient_layout([4, 8, 2], [True, False], weights=False)
+        ([-1, -1], [0, 8], 8)
     """
     off_w, off_b, total = [], [], 0
-    for i, (d_in, d_out, bias) in enumerate(zip(widths, widths[1:], has_bias)):
-        off_w.append(-1 if i in stored else total)
-        total += 0 if i in stored else d_in * d_out
+    for d_in, d_out, bias in zip(widths, widths[1:], has_bias):
+        off_w.append(total if weights else -1)
+        total += d_in * d_out if weights else 0
         off_b.append(total)
         total += d_out if bias else 0
     return off_w, off_b, total
 
 
-def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) -> str:
-    """The backward kernel module source for a chain whose stage ``i`` applies ``epilogues[i]``; the layers in
-    ``stored`` write their input and activation gradient for the launcher's dW GEMM instead of accumulating dW.
+def render_chain_backward(epilogues: Sequence[str]) -> str:
+    """The backward kernel module source for a chain whose stage ``i`` applies ``epilogues[i]``.
 
     Raises:
         ValueError: an epilogue without a derivative in :data:`DERIVATIVES`.
@@ -210,14 +199,8 @@ def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) 
     if missing:
         raise ValueError(f"no fused backward for epilogue(s) {missing}; supported: {sorted(DERIVATIVES)}")
     layers = len(texts)
-    stored = sorted(set(stored))
-    if any(not 0 <= i < layers for i in stored):
-        raise ValueError(f"stored layers {stored} outside 0..{layers - 1}")
-    store_h = [i for i in stored if i > 0]
-    store_d = [i for i in stored if stores_gradient(texts, i)]
     params = ["x_ptr", *(p for i in range(layers) for p in (f"w{i}_ptr", f"b{i}_ptr")), "dy_ptr", "dx_ptr",
-              "part_ptr", *(f"hs{i}_ptr" for i in store_h), *(f"ds{i}_ptr" for i in store_d),
-              "M", "M_BUCKET", "stride_xm", "stride_xk"]
+              "part_ptr", "M", "M_BUCKET", "stride_xm", "stride_xk"]
     params += [p for i in range(layers) for p in (f"stride_w{i}n", f"stride_w{i}k", f"stride_b{i}")]
     params += ["stride_dym", "stride_dyn", "stride_dxm", "stride_dxk"]
     params += [f"D{i}: tl.constexpr" for i in range(layers + 1)]
@@ -228,7 +211,7 @@ def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) 
                "BLOCK_M: tl.constexpr", "RELOAD_WEIGHTS: tl.constexpr", "PER_SM: tl.constexpr"]
 
     src = _HEADER.format(version=CHAIN_BACKWARD_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
-                         last=layers - 1, epilogue_list=texts, stored=stored or "none")
+                         last=layers - 1, epilogue_list=texts)
     src += _HELPERS
     src += ('@autotune(configs=chain_backward_configs(), key=["M_BUCKET", "NEED_DX", '
             + ", ".join(f'"D{i}"' for i in range(layers + 1))
@@ -247,7 +230,7 @@ def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) 
             f"w{i}_mask = (n{i}[:, None] < D{i + 1}) & (k{i}[None, :] < D{i})",
             f"if HAS_BIAS{i}:",
             f"    bias{i} = tl.load(b{i}_ptr + n{i} * stride_b{i}, mask=n{i} < D{i + 1}, other=0.0).to(tl.float32)",
-            *([] if i in stored else [f"dw{i} = tl.zeros((P{i + 1}, P{i}), dtype=tl.float32)"]),
+            f"dw{i} = tl.zeros((P{i + 1}, P{i}), dtype=tl.float32)",
             f"db{i} = tl.zeros((P{i + 1},), dtype=tl.float32)",
         ]
         weights += [
@@ -275,35 +258,19 @@ def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) 
                  f"    a{i} += bias{i}[None, :]"]
         if i < layers - 1 or (kinds[i] == "out" and text != "a0"):
             loop += lines + [f"h{i + 1} = {result}.to(dtype)"]
-        if i + 1 in store_h:
-            loop += [f"tl.store(hs{i + 1}_ptr + offs_m[:, None] * D{i + 1} + n{i}[None, :], h{i + 1},",
-                     f"         mask=m_mask[:, None] & (n{i}[None, :] < D{i + 1}))"]
         if kinds[i] == "pre":  # the derivative reads the pre-activation as eager saved it: rounded
             loop.append(f"a{i} = a{i}.to(dtype).to(tl.float32)")
     loop += [
         f"g = tl.load(dy_ptr + offs_m[:, None] * stride_dym + n{layers - 1}[None, :] * stride_dyn,",
         f"            mask=m_mask[:, None] & (n{layers - 1}[None, :] < D{layers}), other=0.0).to(tl.float32)",
     ]
-    if store_h:
-        loop.append("tl.debug_barrier()  # this block's stored outputs, written by other threads, are visible")
     for i in reversed(range(layers)):
-        h_out = f"h{i + 1}"
-        if kinds[i] == "out" and i + 1 in store_h and texts[i] != "a0":
-            # A stored output comes back from memory (L2) for the derivative: holding every layer's output in
-            # registers until the walk back reaches it spilled (nerf128 4509 µs against 2410 read back).
-            h_out = "h_out"
-            loop += [f"h_out = tl.load(hs{i + 1}_ptr + offs_m[:, None] * D{i + 1} + n{i}[None, :],",
-                     f"                mask=m_mask[:, None] & (n{i}[None, :] < D{i + 1}), other=0.0)"]
-        grad = DERIVATIVES[texts[i]][1].format(g="g", h=f"{h_out}.to(tl.float32)", a=f"a{i}")
+        grad = DERIVATIVES[texts[i]][1].format(g="g", h=f"h{i + 1}.to(tl.float32)", a=f"a{i}")
         loop += [
             f"# layer {i}: {texts[i]}",
             f"d = ({grad}).to(dtype)  # eager's gradient of the activation, in the dtype",
         ]
-        if i in store_d:
-            loop += [f"tl.store(ds{i}_ptr + offs_m[:, None] * D{i + 1} + n{i}[None, :], d,",
-                     f"         mask=m_mask[:, None] & (n{i}[None, :] < D{i + 1}))"]
-        if i not in stored:
-            loop.append(f"dw{i} += tl.dot(tl.trans(d), h{i}, input_precision=INPUT_PRECISION)")
+        loop.append(f"dw{i} += tl.dot(tl.trans(d), h{i}, input_precision=INPUT_PRECISION)")
         loop += [
             f"db{i} += tl.sum(d.to(tl.float32), axis=0)",
         ]
@@ -321,8 +288,7 @@ def render_chain_backward(epilogues: Sequence[str], stored: Sequence[int] = ()) 
     body.append("# This program's partial sums: its row of the buffer, every element written (zeros without rows).")
     body.append("row = part_ptr + pid.to(tl.int64) * TOTAL")
     for i in range(layers):
-        if i not in stored:
-            body.append(f"tl.store(row + OFF_W{i} + n{i}[:, None] * D{i} + k{i}[None, :], dw{i}, mask=w{i}_mask)")
+        body.append(f"tl.store(row + OFF_W{i} + n{i}[:, None] * D{i} + k{i}[None, :], dw{i}, mask=w{i}_mask)")
         body += [
             f"if HAS_BIAS{i}:",
             f"    tl.store(row + OFF_B{i} + n{i}, db{i}, mask=n{i} < D{i + 1})",
@@ -339,11 +305,11 @@ def chain_backward_configs() -> list[triton.Config]:
     """Rows per block, warps, programs per SM, weights held or reloaded (one small config in the interpreter,
     with reloaded weights: the tests run that variant; the GPU tests run every config).
 
-    H200, fp16 at M = 2^20 (``benchmarks/probe_chain_backward.py --grid``, W^T as a view of W's tile), µs against
-    eager's backward: nerf64 (1216; dW in registers) 128 rows w8 held 540, 128 w8 reloaded 595, 64 w4 2/SM
-    reloaded 604, 64 w4 held 924; nerf128 (2443; every dW through memory) 64 w4 2/SM reloaded 2181, 128 w8
-    held 2193, 64 w4 held 2282, 128 w8 reloaded 2411. Every variant spills: the fp32 dW accumulators (nerf64)
-    or the 128-wide intermediates (nerf128) and the weight tiles are live at once.
+    H200, nerf64 fp16 at M = 2^20 (``benchmarks/probe_chain_backward.py``, W^T as a view of W's tile), µs against
+    eager's backward (1211-1216): 128 rows w8 held 515-540, 128 w8 reloaded 566-595, 64 w4 2/SM reloaded
+    567-604, 64 w4 held 892-924. Every variant spills: the fp32 dW accumulators and the weight tiles are live at
+    once. (nerf128's gradients in this kernel, written to memory for dW GEMMs, took 2172-2411 µs with the
+    GEMMs; its walk backward takes 1774.)
     """
     if _interpreting():
         return [_config(16, 4, 1, True)]
