@@ -188,8 +188,17 @@ def gradient_layout(widths: Sequence[int], has_bias: Sequence[bool], weights: bo
     return off_w, off_b, total
 
 
-def render_chain_backward(epilogues: Sequence[str]) -> str:
-    """The backward kernel module source for a chain whose stage ``i`` applies ``epilogues[i]``.
+# The input gradient from the first layer's activation gradient d (both backward kernels end their walk so).
+DX_LINES = [
+    "if NEED_DX:",
+    "    dx = tl.dot(d, w0, input_precision=INPUT_PRECISION).to(dx_ptr.dtype.element_ty)",
+    "    tl.store(dx_ptr + offs_m[:, None] * stride_dxm + k0[None, :] * stride_dxk, dx,",
+    "             mask=m_mask[:, None] & (k0[None, :] < D0))",
+]
+
+
+def backward_texts(epilogues: Sequence[str]) -> list[str]:
+    """The canonical epilogue texts of a chain both backward kernels take.
 
     Raises:
         ValueError: an epilogue without a derivative in :data:`DERIVATIVES`.
@@ -198,25 +207,51 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
     missing = [t for t in texts if t not in DERIVATIVES]
     if missing:
         raise ValueError(f"no fused backward for epilogue(s) {missing}; supported: {sorted(DERIVATIVES)}")
-    layers = len(texts)
+    return texts
+
+
+def backward_params(layers: int, tensors: Sequence[str] = ()) -> list[str]:
+    """The parameters both backward kernels take, in order: x, each layer's weight and bias, dy, dx, the
+    partial sums, then ``tensors`` (a kernel's own pointers), the row count, strides, widths and bias flags."""
     params = ["x_ptr", *(p for i in range(layers) for p in (f"w{i}_ptr", f"b{i}_ptr")), "dy_ptr", "dx_ptr",
-              "part_ptr", "M", "M_BUCKET", "stride_xm", "stride_xk"]
+              "part_ptr", *tensors, "M", "M_BUCKET", "stride_xm", "stride_xk"]
     params += [p for i in range(layers) for p in (f"stride_w{i}n", f"stride_w{i}k", f"stride_b{i}")]
     params += ["stride_dym", "stride_dyn", "stride_dxm", "stride_dxk"]
     params += [f"D{i}: tl.constexpr" for i in range(layers + 1)]
     params += [f"P{i}: tl.constexpr" for i in range(layers + 1)]
-    params += [f"HAS_BIAS{i}: tl.constexpr" for i in range(layers)]
+    return params + [f"HAS_BIAS{i}: tl.constexpr" for i in range(layers)]
+
+
+def backward_head(header: str, version: int, texts: Sequence[str], tuner: str, name: str, params: Sequence[str],
+                  doc: str) -> str:
+    """A backward kernel module's source up to the kernel's body: ``header``, the helpers, the autotuned
+    signature of ``name`` (its configs from ``{tuner}_configs()``, pruned by ``prune_{tuner}_configs()``, keyed
+    by the row bucket, dx and the widths) and ``doc``."""
+    layers = len(texts)
+    src = header.format(version=version, layers=layers, epilogues=" ; ".join(texts), last=layers - 1,
+                        epilogue_list=list(texts))
+    src += _HELPERS
+    src += (f'@autotune(configs={tuner}_configs(), key=["M_BUCKET", "NEED_DX", '
+            + ", ".join(f'"D{i}"' for i in range(layers + 1))
+            + f"], prune_configs_by=prune_{tuner}_configs())\n@triton.jit\ndef {name}(\n")
+    return src + "".join(f"    {p},\n" for p in params) + "):\n" + doc.format(layers=layers)
+
+
+def render_chain_backward(epilogues: Sequence[str]) -> str:
+    """The backward kernel module source for a chain whose stage ``i`` applies ``epilogues[i]``.
+
+    Raises:
+        ValueError: an epilogue without a derivative in :data:`DERIVATIVES`.
+    """
+    texts = backward_texts(epilogues)
+    layers = len(texts)
+    params = backward_params(layers)
     params += [f"OFF_W{i}: tl.constexpr" for i in range(layers)] + [f"OFF_B{i}: tl.constexpr" for i in range(layers)]
     params += ["TOTAL: tl.constexpr", "NEED_DX: tl.constexpr", "INPUT_PRECISION: tl.constexpr",
                "BLOCK_M: tl.constexpr", "RELOAD_WEIGHTS: tl.constexpr", "PER_SM: tl.constexpr"]
 
-    src = _HEADER.format(version=CHAIN_BACKWARD_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
-                         last=layers - 1, epilogue_list=texts)
-    src += _HELPERS
-    src += ('@autotune(configs=chain_backward_configs(), key=["M_BUCKET", "NEED_DX", '
-            + ", ".join(f'"D{i}"' for i in range(layers + 1))
-            + "], prune_configs_by=prune_chain_backward_configs())\n@triton.jit\ndef fused_chain_backward_kernel(\n")
-    src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers)
+    src = backward_head(_HEADER, CHAIN_BACKWARD_TEMPLATE_VERSION, texts, "chain_backward",
+                        "fused_chain_backward_kernel", params, _DOC)
 
     body = ["pid = tl.program_id(0)", "dtype = x_ptr.dtype.element_ty",
             "# The fp32 gradient accumulators stay in registers across all of the program's row blocks. Each",
@@ -277,12 +312,7 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
         if i > 0:
             loop.append(f"g = tl.dot(d, w{i}, input_precision=INPUT_PRECISION).to(dtype).to(tl.float32)")
         else:
-            loop += [
-                "if NEED_DX:",
-                "    dx = tl.dot(d, w0, input_precision=INPUT_PRECISION).to(dx_ptr.dtype.element_ty)",
-                "    tl.store(dx_ptr + offs_m[:, None] * stride_dxm + k0[None, :] * stride_dxk, dx,",
-                "             mask=m_mask[:, None] & (k0[None, :] < D0))",
-            ]
+            loop += DX_LINES
     body += ["num_tiles = tl.cdiv(M, BLOCK_M)", "for tile in range(pid, num_tiles, tl.num_programs(0)):"]
     body += ["    " + line for line in loop]
     body.append("# This program's partial sums: its row of the buffer, every element written (zeros without rows).")

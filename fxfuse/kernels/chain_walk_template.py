@@ -28,7 +28,15 @@ from collections.abc import Sequence
 
 import triton
 
-from .chain_backward_template import _HELPERS, DERIVATIVES, canonical, stores_gradient
+from .chain_backward_template import (
+    DERIVATIVES,
+    DX_LINES,
+    backward_head,
+    backward_params,
+    backward_texts,
+    canonical,
+    stores_gradient,
+)
 from .template import autotune_enabled
 from .template import interpreting as _interpreting
 
@@ -104,34 +112,19 @@ def render_chain_walk(epilogues: Sequence[str]) -> str:
     Raises:
         ValueError: an epilogue without a derivative in :data:`~fxfuse.kernels.chain_backward_template.DERIVATIVES`.
     """
-    texts = [canonical(e) for e in epilogues]
-    missing = [t for t in texts if t not in DERIVATIVES]
-    if missing:
-        raise ValueError(f"no fused backward for epilogue(s) {missing}; supported: {sorted(DERIVATIVES)}")
+    texts = backward_texts(epilogues)
     layers = len(texts)
     reads = [i for i in walk_inputs(texts) if i > 0]
     store_d = [i for i in range(layers) if stores_gradient(texts, i)]
     kinds = [DERIVATIVES[t][0] for t in texts]
-    params = ["x_ptr", *(p for i in range(layers) for p in (f"w{i}_ptr", f"b{i}_ptr")), "dy_ptr", "dx_ptr",
-              "part_ptr", *(f"hs{i}_ptr" for i in reads), *(f"ds{i}_ptr" for i in store_d),
-              "M", "M_BUCKET", "stride_xm", "stride_xk"]
-    params += [p for i in range(layers) for p in (f"stride_w{i}n", f"stride_w{i}k", f"stride_b{i}")]
-    params += ["stride_dym", "stride_dyn", "stride_dxm", "stride_dxk"]
-    params += [f"D{i}: tl.constexpr" for i in range(layers + 1)]
-    params += [f"P{i}: tl.constexpr" for i in range(layers + 1)]
-    params += [f"HAS_BIAS{i}: tl.constexpr" for i in range(layers)]
+    params = backward_params(layers, [*(f"hs{i}_ptr" for i in reads), *(f"ds{i}_ptr" for i in store_d)])
     params += [f"OFF_B{i}: tl.constexpr" for i in range(layers)]
     params += ["TOTAL: tl.constexpr", "NEED_DX: tl.constexpr", "INPUT_PRECISION: tl.constexpr",
                "BLOCK_M: tl.constexpr", "RELOAD_WEIGHTS: tl.constexpr", "LOOP_STAGES: tl.constexpr",
                "PER_SM: tl.constexpr"]
 
-    src = _HEADER.format(version=CHAIN_WALK_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
-                         last=layers - 1, epilogue_list=texts)
-    src += _HELPERS
-    src += ('@autotune(configs=chain_walk_configs(), key=["M_BUCKET", "NEED_DX", '
-            + ", ".join(f'"D{i}"' for i in range(layers + 1))
-            + "], prune_configs_by=prune_chain_walk_configs())\n@triton.jit\ndef chain_backward_walk_kernel(\n")
-    src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers)
+    src = backward_head(_HEADER, CHAIN_WALK_TEMPLATE_VERSION, texts, "chain_walk", "chain_backward_walk_kernel",
+                        params, _DOC)
 
     body = ["pid = tl.program_id(0)", "dtype = dy_ptr.dtype.element_ty"]
     weights = []
@@ -181,12 +174,7 @@ def render_chain_walk(epilogues: Sequence[str]) -> str:
         if i > 0:
             loop.append(f"g = tl.dot(d, w{i}, input_precision=INPUT_PRECISION).to(dtype)  # rounded, as eager's")
         else:
-            loop += [
-                "if NEED_DX:",
-                "    dx = tl.dot(d, w0, input_precision=INPUT_PRECISION).to(dx_ptr.dtype.element_ty)",
-                "    tl.store(dx_ptr + offs_m[:, None] * stride_dxm + k0[None, :] * stride_dxk, dx,",
-                "             mask=m_mask[:, None] & (k0[None, :] < D0))",
-            ]
+            loop += DX_LINES
     body += ["num_tiles = tl.cdiv(M, BLOCK_M)",
              "for tile in tl.range(pid, num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):"]
     body += ["    " + line for line in loop]
