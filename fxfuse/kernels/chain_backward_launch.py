@@ -56,7 +56,6 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
     kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
     dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
-    args["part_ptr"] = partials
     args.update({f"OFF_W{i}": o for i, o in enumerate(off_w)})
     sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
     grad_w = [_in_dtype(sums[o:o + w.numel()].view(w.shape), w.dtype) for o, w in zip(off_w, weights)]
@@ -78,7 +77,6 @@ def _run_walk(x, weights, biases, dy, epilogues, need_dx, config) -> ChainGradie
     _, off_b, total = gradient_layout(dims, [b is not None for b in biases], weights=False)
     kernel = codegen.generated_chain_walk_kernel(tuple(epilogues)).chain_backward_walk_kernel
     dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
-    args["part_ptr"] = partials
     args.update({f"hs{i}_ptr": inputs[i] for i in reads if i > 0})
     args.update({f"ds{i}_ptr": g for i, g in enumerate(grads) if g is not dy})
     sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
@@ -92,7 +90,7 @@ def _common_args(x, weights, biases, dy, dims, off_b, total, need_dx):
     max_programs = max(1, min(triton.cdiv(M, 16), _num_sms(x.device) * 4))  # the grid's bound over all configs
     partials = torch.empty((max_programs, total), dtype=torch.float32, device=x.device)
     dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
-    args: dict = {"x_ptr": x, "dy_ptr": dy, "dx_ptr": dx if need_dx else x, "M": M,
+    args: dict = {"x_ptr": x, "dy_ptr": dy, "dx_ptr": dx if need_dx else x, "part_ptr": partials, "M": M,
                   "M_BUCKET": m_bucket(M), "stride_xm": x.stride(0), "stride_xk": x.stride(1),
                   "stride_dym": dy.stride(0), "stride_dyn": dy.stride(1),
                   "stride_dxm": dx.stride(0) if need_dx else 0, "stride_dxk": dx.stride(1) if need_dx else 0,
