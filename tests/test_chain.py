@@ -7,6 +7,7 @@ import torch
 from test_ops import TOL, f64, make_args, mlp, rel_err
 
 from fxfuse import codegen, ops
+from fxfuse import epilogue as ep
 from fxfuse.kernels import run_chain
 from fxfuse.ops import reference_mlp
 from fxfuse.spec import MLPSpec
@@ -34,6 +35,27 @@ def test_chain_kernel_matches_float64_reference(spec, dims, dtype):
     assert out.shape == (37, dims[-1]) and out.dtype == dtype
     assert rel_err(out, reference_mlp(*f64(args))) < TOL[dtype]
     assert rel_err(mlp(*args), reference_mlp(*f64(args))) < TOL[dtype]  # the op routes here too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chain_kernel_stores_every_layer_input_for_the_backward(dtype):
+    # STORE_HIDDEN (the wide-chain backward's forward): each layer's input as eager computes it (rounded to the
+    # dtype), the same output as without the stores; poisoned buffers catch unwritten elements.
+    spec, dims = CHAINS[1]
+    x, w, b, o, _ = make_args(spec, dims, dtype, lead=(37,))
+    parsed = MLPSpec.loads(spec)
+    biases, epilogues = ops.expand_biases(b, parsed), tuple(s.epilogue for s in parsed.stages)
+    per_stage_ops = [[], o, []]
+    hidden = [torch.full((37, d), float("nan"), dtype=dtype) for d in dims[1:-1]]
+    out = run_chain(x, w, biases, per_stage_ops, epilogues, hidden=hidden)
+    assert torch.equal(out, run_chain(x, w, biases, per_stage_ops, epilogues))
+    h = x
+    for stage, weight, bias, operands, stored in zip(parsed.stages, w, biases, per_stage_ops, hidden):
+        h = ep.evaluate(stage.expr, [torch.nn.functional.linear(h.double(), weight.double(),
+                                                                None if bias is None else bias.double())],
+                        [t.double() for t in operands]).to(dtype)
+        assert not stored.isnan().any() and rel_err(stored, h) < TOL[dtype]
+        h = stored  # the next layer reads what was stored, as the kernel does
 
 
 def test_chain_kernel_takes_transposed_input_and_writes_one_file():
