@@ -15,7 +15,8 @@ gradient, input gradient included, parameter gradients reset to None) is timed w
 Also timed: the forward alone with gradients recorded but never used (inference without ``torch.no_grad()``),
 which stays fused. Variants are timed in interleaved rounds (median). Gradients are checked against eager in
 float64 terms (relative error of every gradient). Peak memory of one step is the allocator's high-water mark
-above what was allocated before it.
+above what was allocated before it. Host µs per step (eager and fxfuse: 20 steps issued back to back, best of
+5) says whether a step that reads slower than its kernels is host-bound.
 
     python3 benchmarks/bench_training.py --out DIR [--only seed_geglu,gpt2_mlp] [--rounds 3]
 """
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import host_us  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
@@ -132,6 +134,8 @@ def bench_row(w, rounds: int, log) -> dict:
         row[f"{name} step us"] = statistics.median(ts)
     for name, ts in fwd_times.items():
         row[f"{name} grad-recording forward us"] = statistics.median(ts)
+    for name in ("eager", "fxfuse"):  # a step slower than its kernels: is it the host?
+        row[f"{name} host us"] = host_us(steps[name], calls=20, loops=5)
     row["eager peak MiB"] = _peak_mib(steps["eager"])
     row["fxfuse peak MiB"] = _peak_mib(steps["fxfuse"])
     row["fxfuse recompute peak MiB"] = _peak_mib(steps["fxfuse recompute"])
@@ -141,7 +145,7 @@ def bench_row(w, rounds: int, log) -> dict:
 def table(rows: list[dict]) -> str:
     head = ("| name | M | dims | dtype | eager step µs | fxfuse step µs | vs eager | fxfuse recompute step µs "
             "| compile default step µs | compile fxfuse backend step µs | grad-recording forward µs (eager / fxfuse) "
-            "| peak MiB (eager / fxfuse / recompute) | max grad rel err vs eager |")
+            "| peak MiB (eager / fxfuse / recompute) | host µs per step (eager / fxfuse) | max grad rel err vs eager |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         err = max(r[k] for k in r if k.endswith("grad rel err"))
@@ -152,7 +156,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['compile fxfuse backend step us']:.0f} "
             f"| {r['eager grad-recording forward us']:.0f} / {r['fxfuse grad-recording forward us']:.0f} "
             f"| {r['eager peak MiB']:.0f} / {r['fxfuse peak MiB']:.0f} / {r['fxfuse recompute peak MiB']:.0f} "
-            f"| {err:.1e} |")
+            f"| {r['eager host us']:.0f} / {r['fxfuse host us']:.0f} | {err:.1e} |")
     return "\n".join(lines)
 
 
