@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   # optimize three MLPs, print the report, the agreement and (on a GPU) the speed-ups
-#   make test   # ruff + the test suite (GPU tests skip without CUDA)
+#   make test   # ruff + the test suite + the docstrings' examples (GPU tests skip without CUDA)
 # On a machine whose python3 already has torch/triton/networkx (the GPU machine), NO_VENV=1 uses it.
 
 VENV ?= .venv
@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q --doctest-modules fxfuse  # the docstrings' examples (GPU-only ones are skipped)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_workloads.py

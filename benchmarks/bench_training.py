@@ -120,12 +120,14 @@ def bench_row(w, rounds: int, log) -> dict:
         got = _grads(steps[name], x, params)
         row[f"{name} grad rel err"] = max(_rel(g, r) for g, r in zip(got, ref))
     fxfuse.ops._trained.clear()
+    fxfuse.ops._walked.clear()
     fast(x)  # an untrained region's gradient-recording forward: fused
     log(f"{w.name}: built and checked in {time.perf_counter() - t0:.1f}s")
     times: dict[str, list[float]] = {k: [] for k in steps}
     fwd_times: dict[str, list[float]] = {k: [] for k in forwards}
     for _ in range(rounds):
         fxfuse.ops._trained.clear()
+        fxfuse.ops._walked.clear()  # a forward whose gradients nobody asks for: no stores for the walk
         for name in forwards:  # before any backward of this round: the fxfuse forward runs fused
             fwd_times[name].append(do_bench(forwards[name], warmup=25, rep=100, return_mode="median") * 1e3)
         for name, run in steps.items():

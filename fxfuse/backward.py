@@ -32,14 +32,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels.chain_backward_template import DERIVATIVES, MAX_BACKWARD_WIDTH, backward_fits
+from .kernels.chain_backward_template import DERIVATIVES, MAX_BACKWARD_WIDTH, backward_fits, walks
+from .kernels.chain_walk_template import walk_inputs
 from .kernels.template import interpreting
 from .spec import MLPSpec
 
-__all__ = ["fused_backward_enabled", "fused_backward_reason", "fused_chain_gradients"]
+__all__ = ["forward_for_walk", "fused_backward_enabled", "fused_backward_reason", "fused_chain_gradients",
+           "walk_reads_output"]
 
 log = logging.getLogger(__name__)
-_failed: set[tuple[str, str]] = set()
+_failed: set[tuple[str, str, str]] = set()
 
 
 def fused_backward_enabled() -> bool:
@@ -66,17 +68,13 @@ def fused_backward_reason(spec: str, widths: tuple[int, ...], elem_size: int = 2
     return None
 
 
-def fused_chain_gradients(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                          grad: Tensor, need_dx: bool) -> Optional[tuple[Optional[Tensor], list, list]]:
-    """``(dx, [dW_i], [db_i])`` of the region from the fused kernel, or None when the caller must use the
-    generic backward (not a chain the kernel takes, tensors it does not take, a second-order backward,
-    or the kernel failed).
-
-    ``biases`` has one entry per stage (None where there is none); ``x`` and ``grad`` any leading shape.
-    """
-    if not fused_backward_enabled() or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None  # create_graph=True needs a differentiable backward; tracing needs the traced ops
-    if type(x) is not Tensor or type(grad) is not Tensor or x.numel() == 0:
+def _fused_widths(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                  extra: Sequence[Tensor] = ()) -> Optional[tuple[int, ...]]:
+    """The chain's widths when the fused backward takes these tensors (``extra``: more tensors that must match
+    x's dtype and device, e.g. the output gradient), else None."""
+    if not fused_backward_enabled() or torch.compiler.is_compiling():
+        return None  # tracing needs the traced ops
+    if type(x) is not Tensor or any(type(t) is not Tensor for t in extra) or x.numel() == 0:
         return None
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     if x.numel() // widths[0] * max(widths) >= 2**31:  # the kernel forms int32 offsets into [M, width] tiles
@@ -84,25 +82,90 @@ def fused_chain_gradients(spec: str, x: Tensor, weights: Sequence[Tensor], biase
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
         return None
     dtype = x.dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or grad.dtype != dtype or any(
-            t is not None and (t.dtype != dtype or t.device != x.device) for t in (*weights, *biases, grad)):
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(
+            t is not None and (t.dtype != dtype or t.device != x.device) for t in (*weights, *biases, *extra)):
         return None
-    reason = fused_backward_reason(spec, widths, x.element_size())
-    if reason is not None:
+    return widths if fused_backward_reason(spec, widths, x.element_size()) is None else None
+
+
+def forward_for_walk(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]]) \
+        -> Optional[tuple[Tensor, list[Tensor]]]:
+    """The region's output and every layer's input after the first (``[M, D_i]``), from the fused forward
+    storing them, for a chain whose backward is the walk (:func:`fxfuse.kernels.chain_backward_template.walks`);
+    None for any other chain or tensors (the caller runs its usual forward). Handing them to
+    :func:`fused_chain_gradients` spares the backward its own forward.
+    """
+    widths = _fused_widths(spec, x, weights, biases)
+    if widths is None or not walks(widths):
+        return None
+    from .kernels.chain_launch import run_chain
+
+    m = x.numel() // widths[0]
+    hidden = [torch.empty((m, d), dtype=x.dtype, device=x.device) for d in widths[1:-1]]
+    try:
+        out = run_chain(x.reshape(m, widths[0]), weights, biases, [[] for _ in weights], _epilogues(spec),
+                        hidden=hidden)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # never expected: the caller's forward still runs
+        _log_failure(spec, err, "forward storing the layer inputs")
+        return None
+    return out.reshape(*x.shape[:-1], widths[-1]), hidden
+
+
+def fused_chain_gradients(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+                          grad: Tensor, need_dx: bool, stored: Optional[Sequence[Tensor]] = None) \
+        -> Optional[tuple[Optional[Tensor], list, list]]:
+    """``(dx, [dW_i], [db_i])`` of the region from the fused kernels, or None when the caller must use the
+    generic backward (not a chain the kernels take, tensors they do not take, a second-order backward,
+    or a kernel failed).
+
+    ``biases`` has one entry per stage (None where there is none); ``x`` and ``grad`` any leading shape.
+    ``stored``: for a walk chain, what its forward stored (:func:`forward_for_walk`): the layer inputs
+    ``h_1 .. h_{L-1}``, then the output where :func:`walk_reads_output`.
+    """
+    if torch.is_grad_enabled():
+        return None  # create_graph=True needs a differentiable backward
+    widths = _fused_widths(spec, x, weights, biases, (grad,))
+    if widths is None:
         return None
     from .kernels.chain_backward_launch import run_chain_backward
 
-    epilogues = tuple(s.epilogue for s in MLPSpec.loads(spec).stages)
+    saved = list(stored) if stored else None
+    if saved and len(saved) == len(weights):  # the output too, in the [M, D_last] shape of the rest
+        saved[-1] = saved[-1].reshape(-1, widths[-1])
     try:
         dx, grad_w, grad_b = run_chain_backward(x.reshape(-1, widths[0]), weights, biases,
-                                                grad.reshape(-1, widths[-1]), epilogues, need_dx)
+                                                grad.reshape(-1, widths[-1]), _epilogues(spec), need_dx,
+                                                saved=saved)
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # never expected: the generic backward still gives the right gradients
-        where = (spec, type(err).__name__)
-        if where not in _failed:
-            _failed.add(where)
-            log.warning("fxfuse: the fused backward of %s failed (%s: %s); using the original ops' gradients",
-                        spec, type(err).__name__, err)
+        _log_failure(spec, err, "backward")
         return None
     return (None if dx is None else dx.reshape(x.shape)), grad_w, grad_b
+
+
+@functools.lru_cache(maxsize=1024)
+def walk_reads_output(spec: str) -> bool:
+    """Whether the walk reads the chain's output (a last activation whose derivative comes from its output:
+    sigmoid, tanh, ReLU), so the forward must keep it for the backward.
+
+    Example:
+        >>> walk_reads_output("1b:relu(a0);1b:a0"), walk_reads_output("1b:relu(a0);1b:sigmoid(a0)")
+        (False, True)
+    """
+    epilogues = _epilogues(spec)
+    return len(epilogues) in walk_inputs(epilogues)
+
+
+def _epilogues(spec: str) -> tuple[str, ...]:
+    return tuple(s.epilogue for s in MLPSpec.loads(spec).stages)
+
+
+def _log_failure(spec: str, err: Exception, what: str) -> None:
+    where = (spec, what, type(err).__name__)
+    if where not in _failed:
+        _failed.add(where)
+        log.warning("fxfuse: the fused %s of %s failed (%s: %s); using the original ops' path", what, spec,
+                    type(err).__name__, err)

@@ -17,7 +17,7 @@ Registered with ``torch.library.triton_op`` so torch.compile and torch.export un
 Example:
     >>> import torch, fxfuse.ops
     >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
-    >>> y = torch.ops.fxfuse.mlp(x, [w1, w2], [None, None], [], "1:relu(a0);1:a0")
+    >>> y = torch.ops.fxfuse.mlp(x, [w1, w2], [], [], "1:relu(a0);1:a0")  # biases: only those that exist
     >>> torch.allclose(y, torch.relu(x @ w1.T) @ w2.T, atol=1e-5)
     True
 """
@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from . import replay
-from .backward import fused_chain_gradients
+from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
+from .kernels.chain_backward_template import walks
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
 from .strategy import (
@@ -299,6 +300,10 @@ def _records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
 
 # Specs whose op backward has run: their regions are being trained (see ``fused_mlp``).
 _trained: set[str] = set()
+# Specs whose backward was the walk (wide narrow chains, fxfuse.backward): from then on their gradient-recording
+# forwards store the layer inputs the walk reads, so its backward does not run the forward again. (Not before:
+# a forward whose gradients nobody asks for would pay the stores for nothing.)
+_walked: set[str] = set()
 
 
 def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
@@ -331,7 +336,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         # list arguments on every call and in the backward (~0.3 ms of host time per training step on the
         # H200 machine, more than nerf64's fused backward kernel leaves the host).
         sizes = (1, len(weights), len(biases), len(operands))
-        return _FusedMLPFunction.apply(spec, sizes, x, *weights, *biases, *operands)
+        return _FusedMLPFunction.apply(spec, sizes, x, *weights, *biases, *operands)[0]
     return _dispatch(x, weights, biases, operands, spec)
 
 
@@ -357,12 +362,21 @@ def _mlp_fake(x, weights, biases, operands, spec):
     return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
 
 
-def _save_inputs(ctx, spec: str, sizes: tuple[int, ...], flat: Sequence[Tensor]) -> None:
+def _save_inputs(ctx, spec: str, sizes: tuple[int, ...], flat: Sequence[Tensor],
+                 stored: Sequence[Tensor] = ()) -> None:
     """What ``_backward`` reads: the spec, how ``flat`` splits into (x, weights, biases, operands), which of
-    them want gradients, and the tensors themselves (only the inputs are saved)."""
-    ctx.spec, ctx.sizes = spec, sizes
+    them want gradients, and the tensors themselves: the inputs, and ``stored`` (what the walk reads from the
+    forward: :func:`fxfuse.backward.forward_for_walk`'s layer inputs, and its output where the walk reads it)."""
+    ctx.spec, ctx.sizes, ctx.num_stored = spec, sizes, len(stored)
     ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
-    ctx.save_for_backward(*flat)
+    ctx.save_for_backward(*flat, *stored)
+
+
+def _saved(ctx) -> tuple[list[Tensor], list[Tensor]]:
+    """The saved inputs (flat) and what the forward stored for the walk."""
+    saved = list(ctx.saved_tensors)
+    n = len(saved) - ctx.num_stored
+    return saved[:n], saved[n:]
 
 
 def _setup_context(ctx, inputs, output):
@@ -380,14 +394,16 @@ def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
 
 def _fused_backward(ctx, grad) -> Optional[tuple]:
     """The op's gradients from the fused chain backward kernel (:mod:`fxfuse.backward`), or None."""
-    flat = list(ctx.saved_tensors)
+    flat, stored = _saved(ctx)
     (x,), weights, biases, operands = _split(flat, ctx.sizes)
     if operands:
         return None
     result = fused_chain_gradients(ctx.spec, x, weights, expand_biases(biases, MLPSpec.loads(ctx.spec)), grad,
-                                   need_dx=0 in ctx.wanted)
+                                   need_dx=0 in ctx.wanted, stored=stored)
     if result is None:
         return None
+    if not stored and not torch.compiler.is_compiling() and walks((x.shape[-1], *(w.shape[0] for w in weights))):
+        _walked.add(ctx.spec)
     dx, grad_w, grad_b = result
     wanted = set(ctx.wanted)
     gw = [g if 1 + i in wanted else None for i, g in enumerate(grad_w)]
@@ -407,7 +423,7 @@ def _backward(ctx, grad):
         log.info("fxfuse: a region %s is being trained; from now on its calls that record gradients run the "
                  "original ops, which keep the intermediates the backward needs (calls without gradients stay "
                  "fused)", ctx.spec)
-    flat = list(ctx.saved_tensors)
+    flat, _ = _saved(ctx)
     wanted = ctx.wanted  # differentiate only what needs it; the rest is closed over as constants
 
     def f(*diff):
@@ -429,23 +445,48 @@ def _backward(ctx, grad):
 mlp.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _not_a_view(out: Tensor) -> Tensor:
+    # The kernels' [M, N] result reshaped to x's leading dims is a view, and autograd forbids modifying in place
+    # a view made inside a custom Function's forward; eager's linear output may be (``out += residual``). The
+    # same memory as a plain tensor.
+    return out.detach() if out._is_view() else out
+
+
 class _FusedMLPFunction(torch.autograd.Function):
     """The op's forward and backward for eager calls that record gradients (see :func:`fused_mlp`): the same
-    ``_dispatch`` and ``_backward``, with the tensors as flat arguments (``sizes`` splits them back)."""
+    ``_dispatch`` and ``_backward``, with the tensors as flat arguments (``sizes`` splits them back).
+
+    Returns ``(out, *stored)``: for a region in ``_walked``, the forward is the chain kernel storing every layer's
+    input (:func:`fxfuse.backward.forward_for_walk`), returned as outputs (non-differentiable, never
+    materialized as gradients) so ``setup_context`` can save them; otherwise just ``(out,)``.
+    """
 
     @staticmethod
-    def forward(spec: str, sizes: tuple[int, ...], *flat: Tensor) -> Tensor:
+    def forward(spec: str, sizes: tuple[int, ...], *flat: Tensor) -> tuple[Tensor, ...]:
         (x,), weights, biases, operands = _split(list(flat), sizes)
-        return _dispatch(x, weights, biases, operands, spec)
+        if spec in _walked and not operands:
+            stored = forward_for_walk(spec, x, weights, expand_biases(biases, MLPSpec.loads(spec)))
+            if stored is not None:
+                return (_not_a_view(stored[0]), *stored[1])
+        return (_not_a_view(_dispatch(x, weights, biases, operands, spec)),)
 
     @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # (a separate method: torch.func can use it)
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # (a separate method: torch.func can use it)
         spec, sizes, *flat = inputs
-        _save_inputs(ctx, spec, sizes, flat)
+        stored = output[1:]
+        if stored and walk_reads_output(spec):  # saved only then: eager lets a user modify it in place
+            stored = (*stored, output[0])
+        _save_inputs(ctx, spec, sizes, flat, stored)
+        if len(output) > 1:
+            ctx.mark_non_differentiable(*output[1:])
+            ctx.set_materialize_grads(False)  # no [M, width] zeros for the stored tensors' "gradients"
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple:
+    def backward(ctx, grad: Optional[Tensor], *_unused) -> tuple:
+        if grad is None:  # (with set_materialize_grads(False): the output took no part in the loss)
+            return (None,) * (2 + sum(ctx.sizes))
         gx, gw, gb, gops, _ = _backward(ctx, grad)
         return (None, None, gx, *gw, *gb, *gops)
+
 
 FUSED_TARGETS = (fused_mlp, torch.ops.fxfuse.mlp.default)

@@ -2,7 +2,9 @@
 
 Example:
     >>> regions, rejections = find_regions(gm)      # doctest: +SKIP
-    >>> replace_regions(gm, regions)                # gm now calls torch.ops.fxfuse.mlp
+    >>> replace_regions(gm, regions)                # doctest: +SKIP
+
+``gm`` then calls ``torch.ops.fxfuse.mlp`` where each region was.
 """
 
 from __future__ import annotations

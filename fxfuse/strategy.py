@@ -24,7 +24,7 @@ Example:
     >>> choose_strategy(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (768, 3072, 768))
     'gemm_epilogue'
     >>> kernel_candidates(MLPSpec.loads("1b:gelu_tanh(a0);1b:a0"), (1024, 4096, 1024), m=1)
-    ['gemm_epilogue', 'decode_split_hidden']
+    ['gemm_epilogue', 'decode_grid_sync']
 """
 
 from __future__ import annotations

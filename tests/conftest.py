@@ -45,11 +45,14 @@ def no_tf32():
 
 @pytest.fixture
 def untrained_specs():
-    """A fresh record of which region specs have run a backward (fxfuse.ops keeps it per process)."""
+    """A fresh record of which region specs have run a backward, and which the walk (fxfuse.ops keeps them per
+    process)."""
     import fxfuse.ops
 
-    saved = set(fxfuse.ops._trained)
+    saved = set(fxfuse.ops._trained), set(fxfuse.ops._walked)
     fxfuse.ops._trained.clear()
+    fxfuse.ops._walked.clear()
     yield
-    fxfuse.ops._trained.clear()
-    fxfuse.ops._trained.update(saved)
+    for marks, before in zip((fxfuse.ops._trained, fxfuse.ops._walked), saved):
+        marks.clear()
+        marks.update(before)

@@ -162,6 +162,58 @@ def test_a_trained_chain_stays_fused_with_eager_gradients(untrained_specs):
     assert not fxfuse.ops._trained
 
 
+@pytest.mark.parametrize("last", ["a0", "sigmoid(a0)"])
+def test_a_walk_chain_stores_its_layer_inputs_once_it_has_trained(untrained_specs, monkeypatch, last):
+    # A chain wide enough for the walk (padded dW > 16384 elements): its first backward runs the forward again,
+    # storing the layer inputs; from then on the gradient-recording forward stores them (and the output, where
+    # the walk reads it: a last sigmoid) and the backward reads them. Gradients match float64 in every step.
+    from fxfuse.kernels import chain_backward_launch
+
+    recomputed = []
+    run_chain = chain_backward_launch.run_chain
+    monkeypatch.setattr(chain_backward_launch, "run_chain", lambda *a, **k: recomputed.append(1) or run_chain(*a, **k))
+    epilogues, widths = ("relu(a0)", "relu(a0)", last), (64, 128, 128, 8)
+    spec = ";".join(f"1b:{e}" for e in epilogues)
+    steps = []
+    for _ in range(3):
+        x, ws, bs, dy = _inputs(widths, (True,) * 3, torch.float32, 21)
+        dx, gw, gb = _float64_grads(x, ws, bs, dy, epilogues)
+        params = [t.requires_grad_() for t in (x, *ws, *bs)]
+        before = len(recomputed)
+        out = fxfuse.ops.fused_mlp(x, ws, bs, [], spec)
+        saved = len(out.grad_fn.saved_tensors)
+        out.backward(dy)
+        steps.append((len(recomputed) - before, saved))
+        for got, ref in zip((p.grad for p in params), (dx, *gw, *gb)):
+            assert rel_err(got, ref) < 1e-5
+    # saved: x, 3 weights, 3 biases; then the two hidden layer inputs, and the output where the walk reads it
+    stored = 2 + (last != "a0")
+    assert steps == [(1, 7), (0, 7 + stored), (0, 7 + stored)]
+    assert fxfuse.ops._walked == {spec} and not fxfuse.ops._trained
+    if last == "a0":
+        out = fxfuse.ops.fused_mlp(x, ws, bs, [], spec)
+        out.mul_(2)  # as in eager, the output of a last linear may be modified in place before the backward
+        out.backward(dy)
+
+
+def test_a_fused_output_may_be_modified_in_place_as_in_eager(untrained_specs):
+    # ``out += residual`` after an MLP: eager allows it (a linear's output is not saved); so must fxfuse.
+    model = nerf_mlp((16, 32, 32, 8)).train()
+    eager = copy.deepcopy(model)
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 7, 16)
+    outs = []
+    for net in (fast, eager):
+        out = net(x)
+        out += 1.0
+        out.square().sum().backward()
+        outs.append(out)
+    assert _runs_fused_op(outs[0])
+    assert rel_err(outs[0], outs[1]) < 1e-5
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-5
+
+
 def test_fused_backward_with_frozen_layers_and_no_input_gradient(untrained_specs):
     model = nerf_mlp((16, 32, 32, 8)).train()
     model[0].weight.requires_grad_(False)

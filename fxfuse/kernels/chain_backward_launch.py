@@ -28,7 +28,8 @@ ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional
 
 def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                        dy: torch.Tensor, epilogues: tuple[str, ...], need_dx: bool = True,
-                       config: Optional[triton.Config] = None, walk: Optional[bool] = None) -> ChainGradients:
+                       config: Optional[triton.Config] = None, walk: Optional[bool] = None,
+                       saved: Optional[Sequence[torch.Tensor]] = None) -> ChainGradients:
     """Gradients of a narrow chain (``fused_chain``'s math): ``(dx, [dW_i], [db_i])``.
 
     Where the padded weight gradients fit in registers (:func:`walks` is False for the widths), one kernel
@@ -45,6 +46,9 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
         config: run this variant (one of ``chain_backward_configs()``, or of ``chain_walk_configs()`` for the
             walk) instead of the autotuned choice.
         walk: take the walk (True) or the one kernel (False) whatever the widths (tests and probes).
+        saved: for the walk, the forward's stored layer inputs ``h_1 .. h_{L-1}`` (``run_chain(..., hidden=...)``)
+            and, where the walk reads it (``walk_inputs``), its output, all ``[M, D_i]`` in x's dtype: then the
+            walk does not run the forward again.
 
     Example:
         >>> epilogues = ("relu(a0)", "a0")
@@ -52,7 +56,7 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     """
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
     if walks(dims) if walk is None else walk:
-        return _run_walk(x, weights, biases, dy, epilogues, need_dx, config)
+        return _run_walk(x, weights, biases, dy, epilogues, need_dx, config, saved)
     off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
     kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
     dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
@@ -62,16 +66,18 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     return dx, grad_w, _bias_grads(sums, off_b, biases)
 
 
-def _run_walk(x, weights, biases, dy, epilogues, need_dx, config) -> ChainGradients:
+def _run_walk(x, weights, biases, dy, epilogues, need_dx, config, saved=None) -> ChainGradients:
     """A wide chain's gradients (:mod:`fxfuse.kernels.chain_walk_template`): the fused forward storing every
-    layer's input, the walk writing every activation gradient, then one dW GEMM per layer."""
+    layer's input (unless ``saved`` has them), the walk writing every activation gradient, then one dW GEMM per
+    layer."""
     M, layers = x.shape[0], len(weights)
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
-    hidden = [torch.empty((M, d), dtype=x.dtype, device=x.device) for d in dims[1:-1]]
-    inputs = [x, *hidden, run_chain(x, weights, biases, [[] for _ in weights], epilogues, hidden=hidden)]
     reads = walk_inputs(epilogues)
-    if layers not in reads:
-        del inputs[-1]  # the chain's output: unread, so its memory is free for the walk's
+    if saved is None:
+        hidden = [torch.empty((M, d), dtype=x.dtype, device=x.device) for d in dims[1:-1]]
+        out = run_chain(x, weights, biases, [[] for _ in weights], epilogues, hidden=hidden)
+        saved = [*hidden, out] if layers in reads else hidden  # unread, the output's memory is the walk's
+    inputs = [x, *saved]
     grads = [torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device) if stores_gradient(epilogues, i)
              else dy for i in range(layers)]
     _, off_b, total = gradient_layout(dims, [b is not None for b in biases], weights=False)
