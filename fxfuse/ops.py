@@ -275,7 +275,7 @@ def mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[T
 
     ``biases`` holds only the biases that exist, in the order of ``spec``'s bias flags.
     """
-    return _dispatch(x, weights, biases, operands, spec)
+    return _not_a_view(_dispatch(x, weights, biases, operands, spec))
 
 
 def _traced_or_watched(x: Tensor) -> bool:
@@ -354,7 +354,7 @@ def _mlp_cpu(x, weights, biases, operands, spec):
     from torch._library.triton import set_wrap_triton_enabled
 
     with set_wrap_triton_enabled(False):  # plain tensors: launch directly, as triton_op does on CUDA
-        return _dispatch(x, weights, biases, operands, spec)
+        return _not_a_view(_dispatch(x, weights, biases, operands, spec))
 
 
 @mlp.register_fake
@@ -447,9 +447,9 @@ mlp.register_autograd(_backward, setup_context=_setup_context)
 
 def _not_a_view(out: Tensor) -> Tensor:
     # The kernels' [M, N] result reshaped to x's leading dims is a view, and autograd forbids modifying in place
-    # a view made inside a custom Function's forward; eager's linear output may be (``out += residual``). The
-    # same memory as a plain tensor.
-    return out.detach() if out._is_view() else out
+    # a view made inside a custom Function's forward (the op's autograd or _FusedMLPFunction); eager's linear
+    # output may be (``out += residual``). The same memory as a plain tensor. (Traced values stay as they are.)
+    return out.detach() if type(out) is Tensor and out._is_view() else out
 
 
 class _FusedMLPFunction(torch.autograd.Function):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -196,17 +197,27 @@ def test_a_walk_chain_stores_its_layer_inputs_once_it_has_trained(untrained_spec
         out.backward(dy)
 
 
-def test_a_fused_output_may_be_modified_in_place_as_in_eager(untrained_specs):
-    # ``out += residual`` after an MLP: eager allows it (a linear's output is not saved); so must fxfuse.
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A mode that watches torch calls (as profilers and tracers do): the optimized model then calls the op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_fused_output_may_be_modified_in_place_as_in_eager(untrained_specs, watched):
+    # ``out += residual`` after an MLP: eager allows it (a linear's output is not saved); so must fxfuse, through
+    # its gradient-recording Function and through the op's own autograd (under a watching mode).
     model = nerf_mlp((16, 32, 32, 8)).train()
     eager = copy.deepcopy(model)
     fast = fxfuse.optimize(model)
     x = torch.randn(3, 7, 16)
     outs = []
     for net in (fast, eager):
-        out = net(x)
-        out += 1.0
-        out.square().sum().backward()
+        with _PassThrough() if watched else contextlib.nullcontext():
+            out = net(x)
+            out += 1.0
+            out.square().sum().backward()
         outs.append(out)
     assert _runs_fused_op(outs[0])
     assert rel_err(outs[0], outs[1]) < 1e-5
