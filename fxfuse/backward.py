@@ -9,7 +9,9 @@ than 128 and weights that fit on chip, instead runs
 * where the weight gradients fit in registers (nerf64), one kernel recomputes the forward on chip and produces
   every gradient; no intermediate reaches memory;
 * wider chains (nerf128) run the fused forward storing each layer's input, a walk kernel writing each layer's
-  activation gradient (:mod:`fxfuse.kernels.chain_walk_template`), and one dW GEMM per layer.
+  activation gradient (:mod:`fxfuse.kernels.chain_walk_template`), and one dW GEMM per layer. Once a region's
+  walk has run, :mod:`fxfuse.ops` runs its gradient-recording forwards through :func:`forward_for_walk`, which
+  stores the layer inputs then and there, and the backward skips its forward.
 
 Anything else, and any failure of the kernel (logged once), keeps the vjp path, so gradients are always
 those of the original ops within rounding. ``FXFUSE_FUSED_BACKWARD=0`` turns the kernel off.
