@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -103,7 +104,7 @@ def main() -> None:
     _, off_b, total = gradient_layout(widths, [True] * len(ws), weights=False)
     dx, partials, kargs = launch._common_args(x, ws, bs, dy, widths, off_b, total, True)
     # Room for one row per block: the "db per block to memory" variant writes there.
-    kargs["part_ptr"] = torch.empty(triton_cdiv(M, 16), total, device=dev, dtype=torch.float32)
+    kargs["part_ptr"] = torch.empty(triton.cdiv(M, 16), total, device=dev, dtype=torch.float32)
     kargs.update({f"hs{i}_ptr": inputs[i] for i in walk_inputs(EPILOGUES) if i > 0})
     kargs.update({f"ds{i}_ptr": g for i, g in enumerate(grads)})
     moved = (dy.numel() + sum(h.numel() for h in hidden) + sum(g.numel() for g in grads) + dx.numel()) * 2
@@ -123,7 +124,7 @@ def main() -> None:
         kernel = module.chain_backward_walk_kernel.fn
         for cfg in CONFIGS:
             config = _config(*cfg)
-            programs = max(1, min(triton_cdiv(M, cfg[0]), 132 * cfg[2]))
+            programs = max(1, min(triton.cdiv(M, cfg[0]), 132 * cfg[2]))
             label = f"{name:26s} BLOCK_M {cfg[0]} w{cfg[1]} {cfg[2]}/SM s{config.kwargs['LOOP_STAGES']}"
             try:
                 fn = lambda k=kernel, p=programs, c=config: k[(p,)](**kargs, **c.all_kwargs())  # noqa: E731
@@ -137,10 +138,6 @@ def main() -> None:
                       flush=True)
             except Exception as e:
                 print(f"  {label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":
