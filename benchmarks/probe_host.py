@@ -1,12 +1,14 @@
 """Host µs per call of each layer of an optimized module's call path, outermost to innermost.
 
-    python3 benchmarks/probe_host.py [--profile] [names...]     (default: nerf64 gpt2m_mlp_m1 gpt2_mlp)
+    python3 benchmarks/probe_host.py [--profile | --grad] [names...]     (default: nerf64 gpt2m_mlp_m1 gpt2_mlp)
 
 For each workload: ``opt(x)`` (the module), ``fused_mlp`` (what the graph calls), ``_dispatch`` (checks and the
 cached choice), ``_run_kernels`` (the chosen kernels), the replay key, the replay and each of its steps alone, one
 ``torch.empty`` and eager, each as host time per call of 50 calls issued
 back to back (no synchronization inside; the GPU queue never fills at this count), best of 20 loops.
 With ``--profile``, also the stage choices and the cProfile top of the module call (by own time).
+With ``--grad``, the calls that record gradients instead (inference without ``torch.no_grad()``, and a training
+step after the region is marked trained), against eager's, each with its cProfile top.
 """
 
 from __future__ import annotations
@@ -88,11 +90,39 @@ def launch_pieces(label: str, step, h, out) -> dict:
     return {f"{label} bound launch": host_us(lambda: bound(h, out))}
 
 
+def probe_grad(name: str) -> None:
+    """Host µs of the calls that record gradients: the forward alone (fused, before any backward), then the
+    training step (forward and backward; fused chain backward, or the original ops once marked trained)."""
+    mod, x, opt, args, m = optimized_row(name)
+    params = list(mod.parameters())
+    go = torch.randn_like(mod(x).detach())
+
+    def step(module):
+        def run():
+            for p in params:
+                p.grad = None
+            module(x).backward(go)
+        return run
+
+    ops._trained.clear()
+    ops._walked.clear()
+    row = {"forward eager": host_us(lambda: mod(x)), "forward fxfuse": host_us(lambda: opt(x))}
+    fwd_profile = profile_top(lambda: opt(x), lines=20)
+    step(opt)()  # marks the region trained, or a walk chain walked
+    row["step eager"] = host_us(step(mod), calls=20, loops=5)
+    row["step fxfuse"] = host_us(step(opt), calls=20, loops=5)
+    row["forward fxfuse after backward"] = host_us(lambda: opt(x))
+    print(f"{name} (grad; trained={sorted(ops._trained)}, walked={sorted(ops._walked)}): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " us/call (host)")
+    print("  forward fxfuse, untrained:\n" + fwd_profile)
+    print("  step fxfuse:\n" + profile_top(step(opt), calls=50, lines=25))
+
+
 def main() -> None:
     args = sys.argv[1:]
-    profile = "--profile" in args
-    for name in [a for a in args if a != "--profile"] or ["nerf64", "gpt2m_mlp_m1", "gpt2_mlp"]:
-        probe(name, profile)
+    profile, grad = "--profile" in args, "--grad" in args
+    for name in [a for a in args if not a.startswith("--")] or ["nerf64", "gpt2m_mlp_m1", "gpt2_mlp"]:
+        probe_grad(name) if grad else probe(name, profile)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -460,6 +461,15 @@ class _FusedMLPFunction(torch.autograd.Function):
     input (:func:`fxfuse.backward.forward_for_walk`), returned as outputs (non-differentiable, never
     materialized as gradients) so ``setup_context`` can save them; otherwise just ``(out,)``.
     """
+
+    @classmethod
+    def apply(cls, *args):
+        # ``Function.apply`` binds the arguments to ``forward``'s signature through ``inspect`` on every call when
+        # the Function has a ``setup_context`` (for functorch): 56 instead of 17 µs of host per call on this
+        # project's CPU machine. Outside functorch transforms that apply ends in the base class's, called here.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
     @staticmethod
     def forward(spec: str, sizes: tuple[int, ...], *flat: Tensor) -> tuple[Tensor, ...]:
