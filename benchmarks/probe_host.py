@@ -114,8 +114,62 @@ def probe_grad(name: str) -> None:
     row["forward fxfuse after backward"] = host_us(lambda: opt(x))
     print(f"{name} (grad; trained={sorted(ops._trained)}, walked={sorted(ops._walked)}): "
           + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " us/call (host)")
+    if ops._walked:
+        walk_pieces(name, args)
     print("  forward fxfuse, untrained:\n" + fwd_profile)
     print("  step fxfuse:\n" + profile_top(step(opt), calls=50, lines=25))
+
+
+def walk_pieces(name: str, args: tuple) -> None:
+    """Host µs of each piece of a walk chain's training step (:mod:`fxfuse.backward`), at the row's M and at
+    M/4 (the whole step there, GPU median beside host, for eager and fxfuse)."""
+    from triton.testing import do_bench
+
+    from fxfuse import backward
+    from fxfuse.kernels import chain_backward_launch as launch
+    from fxfuse.kernels.chain_launch import run_chain
+    from fxfuse.spec import MLPSpec
+
+    x, weights, biases, _, spec = args
+    biases = ops.expand_biases(biases, MLPSpec.loads(spec))
+    epilogues = backward._epilogues(spec)
+    m, widths = x.shape[0], (x.shape[1], *(w.shape[0] for w in weights))
+    dy = torch.randn(m, widths[-1], dtype=x.dtype, device=x.device)
+    hidden = [torch.empty(m, d, dtype=x.dtype, device=x.device) for d in widths[1:-1]]
+    _, stored = backward.forward_for_walk(spec, x, weights, biases)
+    grads = [torch.empty(m, d, dtype=x.dtype, device=x.device) for d in widths[1:-1]]
+    with torch.no_grad():
+        row = {
+            "forward_for_walk": host_us(lambda: backward.forward_for_walk(spec, x, weights, biases)),
+            "run_chain storing": host_us(lambda: run_chain(x, weights, biases, [[] for _ in weights], epilogues,
+                                                           hidden=hidden)),
+            "torch.empty": host_us(lambda: torch.empty(m, widths[1], dtype=x.dtype, device=x.device)),
+            "fused_chain_gradients": host_us(lambda: backward.fused_chain_gradients(
+                spec, x, weights, biases, dy, need_dx=True, stored=stored)),
+            "run_chain_backward": host_us(lambda: launch.run_chain_backward(x, weights, biases, dy, epilogues,
+                                                                            saved=stored)),
+            "one dW mm": host_us(lambda: torch.mm(grads[0].t(), stored[0])),
+        }
+    print(f"{name} walk pieces: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) + " us/call (host)")
+    mod = build_module(next(w for w in WORKLOADS if w.name == name))
+    opt = fxfuse.optimize(mod)
+    small = make_input(next(w for w in WORKLOADS if w.name == name), m=m // 4).requires_grad_(True)
+    go = torch.randn(m // 4, widths[-1], dtype=x.dtype, device=x.device)
+    params = list(mod.parameters())
+
+    def step(module):
+        def run():
+            for p in params:
+                p.grad = None
+            small.grad = None
+            module(small).backward(go)
+        return run
+
+    step(opt)()
+    for label, module in (("eager", mod), ("fxfuse", opt)):
+        gpu = do_bench(step(module), warmup=25, rep=100, return_mode="median") * 1e3
+        print(f"{name} step at M={m // 4} {label}: GPU median {gpu:.0f} us, host {host_us(step(module), 20, 5):.0f}"
+              " us/step")
 
 
 def main() -> None:

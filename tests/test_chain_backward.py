@@ -15,6 +15,7 @@ from test_ops import TOL, rel_err
 import fxfuse
 from fxfuse import epilogue as ep
 from fxfuse.backward import fused_backward_reason
+from fxfuse.kernels import chain_backward_launch
 from fxfuse.kernels.chain_backward_launch import run_chain_backward
 from fxfuse.kernels.chain_backward_template import chain_backward_configs
 from fxfuse.kernels.chain_walk_template import chain_walk_configs
@@ -282,7 +283,14 @@ def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     # dW in registers / through memory (bf16; in fp32 nerf128 keeps the generic backward, and the original ops
     # from its second step).
+    # A walk chain's later steps launch bound (the storing forward from the third step, the walk from the
+    # second): one binding each, reused, and the gradients are checked at every step.
+    storing, walks = fxfuse.backward._storing_steps, chain_backward_launch._bound_walks
+    storing.clear()
+    walks.clear()
     for widths in ((32, 64, 64, 64, 16), (64, 128, 128, 128, 64)):
         model = nerf_mlp(widths).cuda().to(dtype).train()
         fused = [True] * 3 if dtype != torch.float32 or widths[1] < 128 else [True, False, False]
         assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == fused
+    bound = 0 if dtype == torch.float32 else 1
+    assert (len(storing), len(walks)) == (bound, bound)

@@ -5,13 +5,14 @@ on chip (:mod:`fxfuse.kernels.chain_backward_template`), and a wide chain's forw
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
 import triton
 
 from .. import codegen
+from . import fastlaunch
 from .chain_backward_template import gradient_layout, stores_gradient, walks
 from .chain_launch import _num_sms, run_chain
 from .chain_template import pad_width
@@ -22,6 +23,10 @@ from .template import m_bucket
 __all__ = ["ChainGradients", "run_chain_backward"]
 
 logger = logging.getLogger(__name__)
+
+# Walk launches bound to all but their per-call tensors, with their program count, by :func:`_walk_key`.
+_bound_walks: dict[tuple, tuple[Callable[..., None], int]] = {}
+_MAX_BOUND_WALKS = 256  # past it, all are dropped (bound again on the next call of each)
 
 ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]
 
@@ -61,7 +66,8 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
     dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
     args.update({f"OFF_W{i}": o for i, o in enumerate(off_w)})
-    sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
+    grid, programs = _persistent_grid(x.shape[0], x.device, partials.shape[0])
+    sums = _cast_once(_launch(kernel, grid, programs, args, config, x, partials), weights, biases)
     grad_w = [_in_dtype(sums[o:o + w.numel()].view(w.shape), w.dtype) for o, w in zip(off_w, weights)]
     return dx, grad_w, _bias_grads(sums, off_b, biases)
 
@@ -81,13 +87,43 @@ def _run_walk(x, weights, biases, dy, epilogues, need_dx, config, saved=None) ->
     grads = [torch.empty((M, dims[i + 1]), dtype=x.dtype, device=x.device) if stores_gradient(epilogues, i)
              else dy for i in range(layers)]
     _, off_b, total = gradient_layout(dims, [b is not None for b in biases], weights=False)
-    kernel = codegen.generated_chain_walk_kernel(tuple(epilogues)).chain_backward_walk_kernel
-    dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
-    args.update({f"hs{i}_ptr": inputs[i] for i in reads if i > 0})
-    args.update({f"ds{i}_ptr": g for i, g in enumerate(grads) if g is not dy})
-    sums = _cast_once(_launch(kernel, args, config, x, partials), weights, biases)
+    stores = {f"hs{i}_ptr": inputs[i] for i in reads if i > 0}
+    stores.update({f"ds{i}_ptr": g for i, g in enumerate(grads) if g is not dy})
+    # After the first launch at a layout, the walk bound to all but its tensors that change from call to call
+    # (the argument dict, signature and lookup cost ~80 µs of host per step on the H200 machine).
+    key = _walk_key(x, weights, biases, dy, epilogues, need_dx, stores.values()) if config is None else None
+    bound = _bound_walks.get(key) if key is not None else None
+    if bound is not None:
+        launch, programs = bound
+        partials = torch.empty((programs, total), dtype=torch.float32, device=x.device)
+        dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
+        launch(x, dy, x if dx is None else dx, partials, *stores.values())
+        sums = partials.sum(0)
+    else:
+        kernel = codegen.generated_chain_walk_kernel(tuple(epilogues)).chain_backward_walk_kernel
+        dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
+        args.update(stores)
+        grid, programs = _persistent_grid(M, x.device, partials.shape[0])
+        sums = _launch(kernel, grid, programs, args, config, x, partials)
+        if key is not None:
+            launch = fastlaunch.bind(kernel, grid, args, ("x_ptr", "dy_ptr", "dx_ptr", "part_ptr", *stores))
+            if launch is not None:
+                if len(_bound_walks) >= _MAX_BOUND_WALKS:
+                    _bound_walks.clear()
+                _bound_walks[key] = (launch, programs[0])
+    sums = _cast_once(sums, weights, biases)
     grad_w = [torch.mm(g.t(), h) for g, h in zip(grads, inputs)]  # eager's dW, in the (one) dtype
     return dx, grad_w, _bias_grads(sums, off_b, biases)
+
+
+def _walk_key(x, weights, biases, dy, epilogues, need_dx, stores) -> Optional[tuple]:
+    """What a bound walk launch depends on (:func:`.fastlaunch.bound_key`, with dy's layout and the other tensors'
+    alignment), or None where launches are not bound (off the GPU, a launch hook, a CUDA graph capture)."""
+    if not (x.is_cuda and fastlaunch.lean_launch_enabled()) or torch.cuda.is_current_stream_capturing():
+        return None
+    tag = ("walk", epilogues, need_dx, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16 == 0,
+           tuple(t.data_ptr() % 16 == 0 for t in stores))
+    return fastlaunch.bound_key(tag, x, weights, biases)
 
 
 def _common_args(x, weights, biases, dy, dims, off_b, total, need_dx):
@@ -113,18 +149,23 @@ def _common_args(x, weights, biases, dy, dims, off_b, total, need_dx):
     return dx, partials, args
 
 
-def _launch(kernel, args: dict, config: Optional[triton.Config], x: torch.Tensor, partials: torch.Tensor):
-    """Launch a persistent backward kernel (``config``, or the autotuned choice); the fp32 sums of its partials."""
-    M = x.shape[0]
-    programs = [partials.shape[0]]
+def _persistent_grid(M: int, device: torch.device, max_programs: int):
+    """A persistent backward kernel's grid, and a list whose one item is the program count of its last use."""
+    programs = [max_programs]
 
     def grid(meta):
         # Persistent: PER_SM programs per SM, at most one per block of rows. Each writes its row of partials,
         # so only the rows of the launch that ran (the autotuner's last) are summed.
-        programs[0] = max(1, min(triton.cdiv(M, meta["BLOCK_M"]), _num_sms(x.device) * meta["PER_SM"],
-                                 partials.shape[0]))
+        programs[0] = max(1, min(triton.cdiv(M, meta["BLOCK_M"]), _num_sms(device) * meta["PER_SM"], max_programs))
         return (programs[0],)
 
+    return grid, programs
+
+
+def _launch(kernel, grid, programs: list[int], args: dict, config: Optional[triton.Config], x: torch.Tensor,
+            partials: torch.Tensor):
+    """Launch a persistent backward kernel (``config``, or the autotuned choice) on ``grid``
+    (:func:`_persistent_grid`); the fp32 sums of its partials."""
     if config is not None:  # one variant, bypassing the autotuner (tests and probes)
         compiled = kernel.fn[grid](**args, **config.all_kwargs())
         logger.debug("chain backward %s: %s registers, %s spilled, %s B shared memory", config,

@@ -20,7 +20,7 @@ from .chain_template import pad_width
 from .launch import _input_precision, launch_kernel, operand_args
 from .template import m_bucket
 
-__all__ = ["run_chain"]
+__all__ = ["run_chain", "storing_step"]
 
 
 def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
@@ -37,7 +37,8 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         epilogues: one canonical epilogue text per stage, over ``a0`` (see :mod:`fxfuse.epilogue`).
         config: run this variant (one of ``chain_configs()``) instead of the autotuned choice.
         hidden: contiguous ``[M, D_i]`` tensors in x's dtype, one per layer after the first, that receive each
-            layer's input as the kernel computes it (the wide-chain backward's forward); not recorded for replay.
+            layer's input as the kernel computes it (the wide-chain backward's forward). A recording then keeps
+            a :func:`storing_step` (``x -> (out, hidden)``), not a region replay step.
 
     The caller (``torch.ops.fxfuse.mlp``) has checked shapes, dtypes and devices.
 
@@ -74,12 +75,30 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         kernel.fn[grid](**args, **config.all_kwargs())
         return out
     launch_kernel(kernel, grid, args, x)
-    if hidden is None and fastlaunch.recording_open() and x.is_cuda and type(x) is torch.Tensor:
-        # A region replay (fxfuse.replay) keeps this launch bound to all but x and out: its key fixes x's
-        # shape and strides, so M, the grid and the fresh output's strides stay those bound here.
-        bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
-        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, dims[-1], x.dtype, x.device))
+    if fastlaunch.recording_open() and x.is_cuda and type(x) is torch.Tensor:
+        # A region replay (fxfuse.replay) keeps this launch bound to all but x and out (and the stores): its key
+        # fixes x's shape and strides, so M, the grid and the fresh outputs' strides stay those bound here.
+        if hidden is None:
+            bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
+            fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, dims[-1], x.dtype,
+                                                                                x.device))
+        else:
+            stores = tuple(f"hs{i}_ptr" for i in range(1, len(weights)))
+            bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr", *stores))
+            fastlaunch.record(None if bound is None else storing_step(bound, M, dims, x.dtype, x.device))
     return out
+
+
+def storing_step(bound, rows: int, dims: Sequence[int], dtype: torch.dtype, device: torch.device):
+    """The forward storing the layer inputs, bound (:func:`.fastlaunch.bind`) to all but x, out and the stores:
+    ``x -> (out, [h_1 .. h_{L-1}])``, fresh outputs each call."""
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = fastlaunch.new_output(rows, dims[-1], dtype, device)
+        hidden = [fastlaunch.new_output(rows, d, dtype, device) for d in dims[1:-1]]
+        bound(x, out, *hidden)
+        return out, hidden
+
+    return step
 
 
 @functools.lru_cache(maxsize=16)
