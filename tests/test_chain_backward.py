@@ -283,14 +283,14 @@ def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     # dW in registers / through memory (bf16; in fp32 nerf128 keeps the generic backward, and the original ops
     # from its second step).
-    # A walk chain's later steps launch bound (the storing forward from the third step, the walk from the
-    # second): one binding each, reused, and the gradients are checked at every step.
-    storing, walks = fxfuse.backward._storing_steps, chain_backward_launch._bound_walks
+    # Later steps launch bound (the backward kernel from the second step; a walk chain's storing forward from
+    # the third): one binding per kernel and layout, reused, and the gradients are checked at every step.
+    storing, launches = fxfuse.backward._storing_steps, chain_backward_launch._bound_launches
     storing.clear()
-    walks.clear()
+    launches.clear()
     for widths in ((32, 64, 64, 64, 16), (64, 128, 128, 128, 64)):
         model = nerf_mlp(widths).cuda().to(dtype).train()
         fused = [True] * 3 if dtype != torch.float32 or widths[1] < 128 else [True, False, False]
         assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == fused
-    bound = 0 if dtype == torch.float32 else 1
-    assert (len(storing), len(walks)) == (bound, bound)
+    walked = dtype != torch.float32  # (fp32 nerf128 keeps the generic backward)
+    assert (len(storing), len(launches)) == (int(walked), 1 + walked)

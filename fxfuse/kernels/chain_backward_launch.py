@@ -24,9 +24,9 @@ __all__ = ["ChainGradients", "run_chain_backward"]
 
 logger = logging.getLogger(__name__)
 
-# Walk launches bound to all but their per-call tensors, with their program count, by :func:`_walk_key`.
-_bound_walks: dict[tuple, tuple[Callable[..., None], int]] = {}
-_MAX_BOUND_WALKS = 256  # past it, all are dropped (bound again on the next call of each)
+# Backward launches bound to all but their per-call tensors, with their program count, by :func:`_bound_key`.
+_bound_launches: dict[tuple, tuple[Callable[..., None], int]] = {}
+_MAX_BOUND_LAUNCHES = 256  # past it, all are dropped (bound again on the next call of each)
 
 ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]
 
@@ -60,14 +60,15 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
         >>> dx, (dw1, dw2), (db1, db2) = run_chain_backward(x, [w1, w2], [b1, b2], dy, epilogues)  # doctest: +SKIP
     """
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
+    epilogues = tuple(epilogues)
     if walks(dims) if walk is None else walk:
         return _run_walk(x, weights, biases, dy, epilogues, need_dx, config, saved)
     off_w, off_b, total = gradient_layout(dims, [b is not None for b in biases])
-    kernel = codegen.generated_chain_backward_kernel(tuple(epilogues)).fused_chain_backward_kernel
-    dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
-    args.update({f"OFF_W{i}": o for i, o in enumerate(off_w)})
-    grid, programs = _persistent_grid(x.shape[0], x.device, partials.shape[0])
-    sums = _cast_once(_launch(kernel, grid, programs, args, config, x, partials), weights, biases)
+    offsets = {f"OFF_W{i}": o for i, o in enumerate(off_w)}
+    dx, sums = _backward_sums(lambda: codegen.generated_chain_backward_kernel(epilogues).fused_chain_backward_kernel,
+                              "one kernel", x, weights, biases, dy, epilogues, dims, off_b, total, need_dx, offsets,
+                              config)
+    sums = _cast_once(sums, weights, biases)
     grad_w = [_in_dtype(sums[o:o + w.numel()].view(w.shape), w.dtype) for o, w in zip(off_w, weights)]
     return dx, grad_w, _bias_grads(sums, off_b, biases)
 
@@ -89,40 +90,54 @@ def _run_walk(x, weights, biases, dy, epilogues, need_dx, config, saved=None) ->
     _, off_b, total = gradient_layout(dims, [b is not None for b in biases], weights=False)
     stores = {f"hs{i}_ptr": inputs[i] for i in reads if i > 0}
     stores.update({f"ds{i}_ptr": g for i, g in enumerate(grads) if g is not dy})
-    # After the first launch at a layout, the walk bound to all but its tensors that change from call to call
-    # (the argument dict, signature and lookup cost ~80 µs of host per step on the H200 machine).
-    key = _walk_key(x, weights, biases, dy, epilogues, need_dx, stores.values()) if config is None else None
-    bound = _bound_walks.get(key) if key is not None else None
-    if bound is not None:
-        launch, programs = bound
-        partials = torch.empty((programs, total), dtype=torch.float32, device=x.device)
-        dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
-        launch(x, dy, x if dx is None else dx, partials, *stores.values())
-        sums = partials.sum(0)
-    else:
-        kernel = codegen.generated_chain_walk_kernel(tuple(epilogues)).chain_backward_walk_kernel
-        dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
-        args.update(stores)
-        grid, programs = _persistent_grid(M, x.device, partials.shape[0])
-        sums = _launch(kernel, grid, programs, args, config, x, partials)
-        if key is not None:
-            launch = fastlaunch.bind(kernel, grid, args, ("x_ptr", "dy_ptr", "dx_ptr", "part_ptr", *stores))
-            if launch is not None:
-                if len(_bound_walks) >= _MAX_BOUND_WALKS:
-                    _bound_walks.clear()
-                _bound_walks[key] = (launch, programs[0])
+    dx, sums = _backward_sums(lambda: codegen.generated_chain_walk_kernel(epilogues).chain_backward_walk_kernel,
+                              "walk", x, weights, biases, dy, epilogues, dims, off_b, total, need_dx, stores, config)
     sums = _cast_once(sums, weights, biases)
     grad_w = [torch.mm(g.t(), h) for g, h in zip(grads, inputs)]  # eager's dW, in the (one) dtype
     return dx, grad_w, _bias_grads(sums, off_b, biases)
 
 
-def _walk_key(x, weights, biases, dy, epilogues, need_dx, stores) -> Optional[tuple]:
-    """What a bound walk launch depends on (:func:`.fastlaunch.bound_key`, with dy's layout and the other tensors'
-    alignment), or None where launches are not bound (off the GPU, a launch hook, a CUDA graph capture)."""
+def _backward_sums(kernel_of, kind: str, x, weights, biases, dy, epilogues, dims, off_b, total, need_dx,
+                   extra: dict, config) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """Launch a persistent backward kernel (``kernel_of()``; ``extra``: its arguments besides the common ones):
+    ``(dx or None, the fp32 sums of its partials)``.
+
+    After the first launch at a layout, the launch bound to all but its tensors that change from call to call
+    (:func:`.fastlaunch.bind`): the argument dict of ~60 entries, the signature and the lookup cost ~80 µs of
+    host per step on the H200 machine, more than nerf64's step leaves the host on a slow one.
+    """
+    moving = {k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}
+    key = _bound_key(kind, x, weights, biases, dy, epilogues, need_dx, moving.values()) if config is None else None
+    bound = _bound_launches.get(key) if key is not None else None
+    M = x.shape[0]
+    if bound is not None:
+        launch, programs = bound
+        partials = torch.empty((programs, total), dtype=torch.float32, device=x.device)
+        dx = torch.empty((M, dims[0]), dtype=x.dtype, device=x.device) if need_dx else None
+        launch(x, dy, x if dx is None else dx, partials, *moving.values())
+        return dx, partials.sum(0)
+    kernel = kernel_of()
+    dx, partials, args = _common_args(x, weights, biases, dy, dims, off_b, total, need_dx)
+    args.update(extra)
+    grid, programs = _persistent_grid(M, x.device, partials.shape[0])
+    sums = _launch(kernel, grid, programs, args, config, x, partials)
+    if key is not None:
+        launch = fastlaunch.bind(kernel, grid, args, ("x_ptr", "dy_ptr", "dx_ptr", "part_ptr", *moving))
+        if launch is not None:  # (binding ran the grid with the chosen config: programs is its count)
+            if len(_bound_launches) >= _MAX_BOUND_LAUNCHES:
+                _bound_launches.clear()
+            _bound_launches[key] = (launch, programs[0])
+    return dx, sums
+
+
+def _bound_key(kind, x, weights, biases, dy, epilogues, need_dx, moving) -> Optional[tuple]:
+    """What a bound backward launch depends on (:func:`.fastlaunch.bound_key`, with dy's layout and the moving
+    tensors' alignment), or None where launches are not bound (off the GPU, a launch hook, a CUDA graph capture).
+    The moving tensors other than dy are fresh ``[M, D_i]`` buffers: M and the widths fix their layout."""
     if not (x.is_cuda and fastlaunch.lean_launch_enabled()) or torch.cuda.is_current_stream_capturing():
         return None
-    tag = ("walk", epilogues, need_dx, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16 == 0,
-           tuple(t.data_ptr() % 16 == 0 for t in stores))
+    tag = (kind, epilogues, need_dx, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16 == 0,
+           tuple(t.data_ptr() % 16 == 0 for t in moving))
     return fastlaunch.bound_key(tag, x, weights, biases)
 
 
