@@ -28,12 +28,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .kernels import fastlaunch
 from .kernels.chain_backward_template import DERIVATIVES, MAX_BACKWARD_WIDTH, backward_fits, walks
 from .kernels.chain_walk_template import walk_inputs
 from .kernels.template import interpreting
@@ -44,10 +45,7 @@ __all__ = ["forward_for_walk", "fused_backward_enabled", "fused_backward_reason"
 
 log = logging.getLogger(__name__)
 _failed: set[tuple[str, str, str]] = set()
-# forward_for_walk's bound launches, by fastlaunch.bound_key (the weights' addresses among it: they are bound by
-# address, so a key holds only while those tensors are where they were).
-_storing_steps: dict[tuple, Callable] = {}
-_MAX_STORING_STEPS = 256  # past it, all are dropped (bound again on the next call of each)
+_storing_steps = fastlaunch.Bindings()  # forward_for_walk's bound launches (chain_launch.storing_step)
 
 
 def fused_backward_enabled() -> bool:
@@ -104,7 +102,6 @@ def forward_for_walk(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Se
     widths = _fused_widths(spec, x, weights, biases)
     if widths is None or not walks(widths):
         return None
-    from .kernels import fastlaunch
     from .kernels.chain_launch import run_chain
 
     m = x.numel() // widths[0]
@@ -112,7 +109,7 @@ def forward_for_walk(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Se
     # After the first call at a layout, the launch bound to all but x and the outputs (as a region replay is:
     # the argument dict, signature and lookup cost ~80 µs of host per call on the H200 machine).
     key = None
-    if x.is_cuda and fastlaunch.lean_launch_enabled() and not torch.cuda.is_current_stream_capturing():
+    if fastlaunch.may_bind(x):
         key = fastlaunch.bound_key(spec, rows, weights, biases)
         step = _storing_steps.get(key)
         if step is not None:
@@ -128,9 +125,7 @@ def forward_for_walk(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Se
         _log_failure(spec, err, "forward storing the layer inputs")
         return None
     if key is not None and len(steps) == 1 and steps[0] is not None:
-        if len(_storing_steps) >= _MAX_STORING_STEPS:
-            _storing_steps.clear()
-        _storing_steps[key] = steps[0]
+        _storing_steps.keep(key, steps[0])
     return out.reshape(*x.shape[:-1], widths[-1]), hidden
 
 

@@ -198,6 +198,40 @@ def test_a_walk_chain_stores_its_layer_inputs_once_it_has_trained(untrained_spec
         out.backward(dy)
 
 
+def test_backward_launches_bound_once_per_layout_give_the_same_gradients(monkeypatch):
+    # On the GPU, a backward kernel's later launches at a layout go through a binding (fastlaunch.bind: the C
+    # launcher with all but the per-call tensors fixed). Here the binding is the interpreter's launch with those
+    # tensors replaced, so what surrounds it (the key, the slots' order, the program count, the partial sums) is
+    # checked for both kernels: each binds once, later steps reuse it, every step's gradients match float64.
+    from fxfuse.kernels import fastlaunch
+
+    launched = []
+
+    def interpreted_bind(kernel, grid, args, slots, varying=("M",)):
+        grid({**args, **kernel.best_config.kwargs})  # as bind does: the grid of the config the launch chose
+
+        def launch(*values):
+            launched.append(kernel)
+            kernel[grid](**{**args, **dict(zip(slots, values))})
+
+        return launch
+
+    monkeypatch.setattr(fastlaunch, "may_bind", lambda x: True)
+    monkeypatch.setattr(fastlaunch, "bind", interpreted_bind)
+    bound = chain_backward_launch._bound_launches
+    bound.clear()
+    chains = [(("relu(a0)", "a0"), (16, 32, 8)),  # one kernel
+              (("relu(a0)", "relu(a0)", "a0"), (64, 128, 128, 8))]  # the walk
+    for epilogues, widths in chains:
+        _, ws, bs, _ = _inputs(widths, (True,) * len(epilogues), torch.float32, 21)
+        for _ in range(3):  # fresh x and dy each step, the same weights
+            x, dy = torch.randn(21, widths[0]), torch.randn(21, widths[-1])
+            got = run_chain_backward(x, ws, bs, dy, epilogues)
+            _check(got, _float64_grads(x, ws, bs, dy, epilogues), 1e-5)
+    assert len(bound) == 2 and len(launched) == 4  # one binding per chain, launched by its second and third steps
+    bound.clear()
+
+
 class _PassThrough(torch.overrides.TorchFunctionMode):
     """A mode that watches torch calls (as profilers and tracers do): the optimized model then calls the op."""
 

@@ -5,7 +5,7 @@ on chip (:mod:`fxfuse.kernels.chain_backward_template`), and a wide chain's forw
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -25,8 +25,7 @@ __all__ = ["ChainGradients", "run_chain_backward"]
 logger = logging.getLogger(__name__)
 
 # Backward launches bound to all but their per-call tensors, with their program count, by :func:`_bound_key`.
-_bound_launches: dict[tuple, tuple[Callable[..., None], int]] = {}
-_MAX_BOUND_LAUNCHES = 256  # past it, all are dropped (bound again on the next call of each)
+_bound_launches = fastlaunch.Bindings()
 
 ChainGradients = tuple[Optional[torch.Tensor], list[torch.Tensor], list[Optional[torch.Tensor]]]
 
@@ -124,9 +123,7 @@ def _backward_sums(kernel_of, kind: str, x, weights, biases, dy, epilogues, dims
     if key is not None:
         launch = fastlaunch.bind(kernel, grid, args, ("x_ptr", "dy_ptr", "dx_ptr", "part_ptr", *moving))
         if launch is not None:  # (binding ran the grid with the chosen config: programs is its count)
-            if len(_bound_launches) >= _MAX_BOUND_LAUNCHES:
-                _bound_launches.clear()
-            _bound_launches[key] = (launch, programs[0])
+            _bound_launches.keep(key, (launch, programs[0]))
     return dx, sums
 
 
@@ -134,7 +131,7 @@ def _bound_key(kind, x, weights, biases, dy, epilogues, need_dx, moving) -> Opti
     """What a bound backward launch depends on (:func:`.fastlaunch.bound_key`, with dy's layout and the moving
     tensors' alignment), or None where launches are not bound (off the GPU, a launch hook, a CUDA graph capture).
     The moving tensors other than dy are fresh ``[M, D_i]`` buffers: M and the widths fix their layout."""
-    if not (x.is_cuda and fastlaunch.lean_launch_enabled()) or torch.cuda.is_current_stream_capturing():
+    if not fastlaunch.may_bind(x):
         return None
     tag = (kind, epilogues, need_dx, dy.shape, dy.stride(), dy.dtype, dy.data_ptr() % 16 == 0,
            tuple(t.data_ptr() % 16 == 0 for t in moving))

@@ -33,8 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeanLauncher", "bind", "bound_key", "launch", "lean_launch_enabled", "new_output", "output_step",
-           "record", "recording", "recording_open"]
+__all__ = ["Bindings", "LeanLauncher", "bind", "bound_key", "launch", "lean_launch_enabled", "may_bind", "new_output",
+           "output_step", "record", "recording", "recording_open"]
 
 try:  # triton >= 3.4 keeps the launch hooks here
     from triton import knobs as _knobs
@@ -125,6 +125,27 @@ def bound_key(tag: Any, x: torch.Tensor, *groups: Sequence[Optional[torch.Tensor
         for t in group:
             key.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
     return tuple(key)
+
+
+def may_bind(x: torch.Tensor) -> bool:
+    """Whether a launch on ``x`` may go through a binding (:func:`bind`): on the GPU, with no Triton launch hook
+    installed (a profiler wants every launch through Triton) and no CUDA graph being captured."""
+    return x.is_cuda and lean_launch_enabled() and not torch.cuda.is_current_stream_capturing()
+
+
+class Bindings(dict):
+    """Bound launches (or steps made of them) by :func:`bound_key`. Past ``limit`` entries all are dropped: each
+    is bound again on its next call. (A key holds the bound tensors' addresses, so it is only found while they
+    are where they were.)"""
+
+    def __init__(self, limit: int = 256):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key: tuple, value: Any) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
 
 
 def new_output(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
