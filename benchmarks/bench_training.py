@@ -16,9 +16,13 @@ Also timed: the forward alone with gradients recorded but never used (inference 
 which stays fused. Variants are timed in interleaved rounds (median). Gradients are checked against eager in
 float64 terms (relative error of every gradient). Peak memory of one step is the allocator's high-water mark
 above what was allocated before it. Host µs per step (eager and fxfuse: 20 steps issued back to back, best of
-5) says whether a step that reads slower than its kernels is host-bound.
+5) says whether a step that reads slower than its kernels is host-bound; synchronized µs per step (a
+synchronize after each step, as a loop that reads its loss every step has) is what such a loop sees, host and
+GPU time added.
 
-    python3 benchmarks/bench_training.py --out DIR [--only seed_geglu,gpt2_mlp] [--rounds 3]
+    python3 benchmarks/bench_training.py --out DIR [--only seed_geglu,gpt2_mlp] [--rounds 3] [--m ROWS]
+
+``--m`` overrides the rows of every selected workload (e.g. ``--only nerf128 --m 262144``, a NeRF batch).
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import host_us  # noqa: E402
+from timing import host_us, synced_us  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
@@ -94,12 +99,12 @@ def _peak_mib(run) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def bench_row(w, rounds: int, log) -> dict:
+def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
     from triton.testing import do_bench
 
     model = build_module(w).train()
     params = list(model.parameters())
-    x = make_input(w).requires_grad_(True)
+    x = make_input(w, m=m).requires_grad_(True)
     grad_out = torch.randn_like(model(x).detach())
     fast = fxfuse.optimize(model)
     compiled = torch.compile(copy.copy(model))
@@ -112,7 +117,7 @@ def bench_row(w, rounds: int, log) -> dict:
         "compile fxfuse backend": _step(backend, x, grad_out, params),
     }
     forwards = {"eager": _forward(model, x), "fxfuse": _forward(fast, x)}
-    row: dict = {"name": w.name, "m": w.m, "dims": w.dims_str, "dtype": str(w.dtype).replace("torch.", "")}
+    row: dict = {"name": w.name, "m": x.shape[0], "dims": w.dims_str, "dtype": str(w.dtype).replace("torch.", "")}
     t0 = time.perf_counter()
     ref = _grads(steps["eager"], x, params)
     for name in ("fxfuse", "fxfuse recompute", "compile default", "compile fxfuse backend"):
@@ -138,6 +143,7 @@ def bench_row(w, rounds: int, log) -> dict:
         row[f"{name} grad-recording forward us"] = statistics.median(ts)
     for name in ("eager", "fxfuse"):  # a step slower than its kernels: is it the host?
         row[f"{name} host us"] = host_us(steps[name], calls=20, loops=5)
+        row[f"{name} synced us"] = synced_us(steps[name])
     row["eager peak MiB"] = _peak_mib(steps["eager"])
     row["fxfuse peak MiB"] = _peak_mib(steps["fxfuse"])
     row["fxfuse recompute peak MiB"] = _peak_mib(steps["fxfuse recompute"])
@@ -147,7 +153,8 @@ def bench_row(w, rounds: int, log) -> dict:
 def table(rows: list[dict]) -> str:
     head = ("| name | M | dims | dtype | eager step µs | fxfuse step µs | vs eager | fxfuse recompute step µs "
             "| compile default step µs | compile fxfuse backend step µs | grad-recording forward µs (eager / fxfuse) "
-            "| peak MiB (eager / fxfuse / recompute) | host µs per step (eager / fxfuse) | max grad rel err vs eager |")
+            "| peak MiB (eager / fxfuse / recompute) | host µs per step (eager / fxfuse) "
+            "| synchronized step µs (eager / fxfuse) | max grad rel err vs eager |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         err = max(r[k] for k in r if k.endswith("grad rel err"))
@@ -158,7 +165,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['compile fxfuse backend step us']:.0f} "
             f"| {r['eager grad-recording forward us']:.0f} / {r['fxfuse grad-recording forward us']:.0f} "
             f"| {r['eager peak MiB']:.0f} / {r['fxfuse peak MiB']:.0f} / {r['fxfuse recompute peak MiB']:.0f} "
-            f"| {r['eager host us']:.0f} / {r['fxfuse host us']:.0f} | {err:.1e} |")
+            f"| {r['eager host us']:.0f} / {r['fxfuse host us']:.0f} "
+            f"| {r['eager synced us']:.0f} / {r['fxfuse synced us']:.0f} | {err:.1e} |")
     return "\n".join(lines)
 
 
@@ -167,6 +175,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", default=",".join(ROWS), help="comma-separated workload names")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--m", type=int, default=None, help="rows per step for every selected workload")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_training.py needs a CUDA GPU")
@@ -179,7 +188,7 @@ def main() -> None:
 
     for w in WORKLOADS:
         if w.name in wanted:
-            rows.append(bench_row(w, args.rounds, log))
+            rows.append(bench_row(w, args.rounds, log, args.m))
             torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name()
     text = (f"### Training steps, {gpu}, {time.strftime('%Y-%m-%d %H:%M')} (`python3 benchmarks/bench_training.py`)\n\n"

@@ -32,6 +32,16 @@ def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float
     return _best_us_per_call(fn, calls, loops, sync_in_timing=True)
 
 
+def synced_us(fn: Callable[[], object], calls: int = 20, loops: int = 5) -> float:
+    """µs per call with a synchronize after each call (a training loop that reads its loss every step): the
+    host's time to issue a call and the GPU's time to run it add up, best of ``loops``."""
+    def call_and_wait() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return _best_us_per_call(call_and_wait, calls, loops, sync_in_timing=True)
+
+
 def host_us(fn: Callable[[], object], calls: int = 50, loops: int = 20) -> float:
     """Host µs per call: ``calls`` calls issued back to back with no synchronization inside (the GPU queue does
     not fill at this count), best of ``loops``."""

@@ -220,15 +220,17 @@ def test_backward_launches_bound_once_per_layout_give_the_same_gradients(monkeyp
     monkeypatch.setattr(fastlaunch, "bind", interpreted_bind)
     bound = chain_backward_launch._bound_launches
     bound.clear()
-    chains = [(("relu(a0)", "a0"), (16, 32, 8)),  # one kernel
-              (("relu(a0)", "relu(a0)", "a0"), (64, 128, 128, 8))]  # the walk
-    for epilogues, widths in chains:
-        _, ws, bs, _ = _inputs(widths, (True,) * len(epilogues), torch.float32, 21)
+    chains = [(("relu(a0)", "a0"), (16, 32, 8), (True, True), True),  # one kernel
+              (("relu(a0)", "relu(a0)", "a0"), (64, 128, 128, 8), (True, True, True), True),  # the walk
+              (("relu(a0)", "silu(a0)", "a0"), (64, 128, 128, 8), (True, False, True), False)]  # no dx, a bias less
+    for epilogues, widths, has_bias, need_dx in chains:
+        _, ws, bs, _ = _inputs(widths, has_bias, torch.float32, 21)
         for _ in range(3):  # fresh x and dy each step, the same weights
             x, dy = torch.randn(21, widths[0]), torch.randn(21, widths[-1])
-            got = run_chain_backward(x, ws, bs, dy, epilogues)
+            got = run_chain_backward(x, ws, bs, dy, epilogues, need_dx=need_dx)
+            assert (got[0] is None) == (not need_dx)
             _check(got, _float64_grads(x, ws, bs, dy, epilogues), 1e-5)
-    assert len(bound) == 2 and len(launched) == 4  # one binding per chain, launched by its second and third steps
+    assert len(bound) == 3 and len(launched) == 6  # one binding per chain, launched by its second and third steps
     bound.clear()
 
 
