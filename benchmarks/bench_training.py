@@ -10,6 +10,8 @@ gradient, input gradient included, parameter gradients reset to None) is timed w
   as trained, and later gradient-recording calls run the original ops (``fxfuse.ops.fused_mlp``);
 * fxfuse recompute: the op's generic backward every step (``FXFUSE_FUSED_BACKWARD=0``, trained marks
   cleared: fused forward, then the original ops' forward again and their backward);
+* fxfuse gated kernels: as shipped, with ``FXFUSE_GATED_TRAINING=1`` (a trained gated region's ``act(g) * u``
+  in one kernel each way, :mod:`fxfuse.gated_training`; other rows run as shipped);
 * torch.compile default, and ``backend="fxfuse"`` (which leaves training graphs to Inductor).
 
 Also timed: the forward alone with gradients recorded but never used (inference without ``torch.no_grad()``),
@@ -50,10 +52,13 @@ import fxfuse.ops  # noqa: E402
 ROWS = ("seed_geglu", "gpt2_mlp", "llama_swiglu_4096", "nerf64", "nerf128")
 
 
-def _step(module, x, grad_out, params, *, generic_backward=False):
+def _step(module, x, grad_out, params, *, generic_backward=False, gated_kernels=False):
     """One training step; ``generic_backward``: with the fused chain backward off and no region marked trained,
-    leaving fxfuse's trained marks as they were (the shipped variant's state is its own)."""
+    leaving fxfuse's trained marks as they were (the shipped variant's state is its own); ``gated_kernels``: with
+    ``FXFUSE_GATED_TRAINING=1`` (a trained gated region's middle in one kernel each way)."""
     def run():
+        if gated_kernels:
+            os.environ["FXFUSE_GATED_TRAINING"] = "1"
         if generic_backward:
             saved = set(fxfuse.ops._trained)
             fxfuse.ops._trained.clear()
@@ -64,6 +69,8 @@ def _step(module, x, grad_out, params, *, generic_backward=False):
             x.grad = None
             module(x).backward(grad_out)
         finally:
+            if gated_kernels:
+                del os.environ["FXFUSE_GATED_TRAINING"]
             if generic_backward:
                 del os.environ["FXFUSE_FUSED_BACKWARD"]
                 fxfuse.ops._trained.clear()
@@ -113,6 +120,7 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
         "eager": _step(model, x, grad_out, params),
         "fxfuse": _step(fast, x, grad_out, params),
         "fxfuse recompute": _step(fast, x, grad_out, params, generic_backward=True),
+        "fxfuse gated kernels": _step(fast, x, grad_out, params, gated_kernels=True),
         "compile default": _step(compiled, x, grad_out, params),
         "compile fxfuse backend": _step(backend, x, grad_out, params),
     }
@@ -120,7 +128,7 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
     row: dict = {"name": w.name, "m": x.shape[0], "dims": w.dims_str, "dtype": str(w.dtype).replace("torch.", "")}
     t0 = time.perf_counter()
     ref = _grads(steps["eager"], x, params)
-    for name in ("fxfuse", "fxfuse recompute", "compile default", "compile fxfuse backend"):
+    for name in ("fxfuse", "fxfuse recompute", "fxfuse gated kernels", "compile default", "compile fxfuse backend"):
         steps[name]()  # first call: compile / tune / mark the region trained
         got = _grads(steps[name], x, params)
         row[f"{name} grad rel err"] = max(_rel(g, r) for g, r in zip(got, ref))
@@ -147,13 +155,15 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
     row["eager peak MiB"] = _peak_mib(steps["eager"])
     row["fxfuse peak MiB"] = _peak_mib(steps["fxfuse"])
     row["fxfuse recompute peak MiB"] = _peak_mib(steps["fxfuse recompute"])
+    row["fxfuse gated kernels peak MiB"] = _peak_mib(steps["fxfuse gated kernels"])
     return row
 
 
 def table(rows: list[dict]) -> str:
     head = ("| name | M | dims | dtype | eager step µs | fxfuse step µs | vs eager | fxfuse recompute step µs "
-            "| compile default step µs | compile fxfuse backend step µs | grad-recording forward µs (eager / fxfuse) "
-            "| peak MiB (eager / fxfuse / recompute) | host µs per step (eager / fxfuse) "
+            "| fxfuse gated kernels step µs | compile default step µs | compile fxfuse backend step µs "
+            "| grad-recording forward µs (eager / fxfuse) "
+            "| peak MiB (eager / fxfuse / recompute / gated kernels) | host µs per step (eager / fxfuse) "
             "| synchronized step µs (eager / fxfuse) | max grad rel err vs eager |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -161,10 +171,12 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['name']} | {r['m']} | {r['dims']} | {r['dtype']} | {r['eager step us']:.0f} "
             f"| {r['fxfuse step us']:.0f} | {r['eager step us'] / r['fxfuse step us']:.2f}× "
-            f"| {r['fxfuse recompute step us']:.0f} | {r['compile default step us']:.0f} "
+            f"| {r['fxfuse recompute step us']:.0f} | {r['fxfuse gated kernels step us']:.0f} "
+            f"| {r['compile default step us']:.0f} "
             f"| {r['compile fxfuse backend step us']:.0f} "
             f"| {r['eager grad-recording forward us']:.0f} / {r['fxfuse grad-recording forward us']:.0f} "
             f"| {r['eager peak MiB']:.0f} / {r['fxfuse peak MiB']:.0f} / {r['fxfuse recompute peak MiB']:.0f} "
+            f"/ {r['fxfuse gated kernels peak MiB']:.0f} "
             f"| {r['eager host us']:.0f} / {r['fxfuse host us']:.0f} "
             f"| {r['eager synced us']:.0f} / {r['fxfuse synced us']:.0f} | {err:.1e} |")
     return "\n".join(lines)

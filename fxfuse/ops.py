@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import epilogue as ep
 from . import replay
 from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
+from .gated_training import gated_form, gated_product, gated_training_enabled
 from .kernels.chain_backward_template import walks
 from .kernels.template import interpreting as _interpreting
 from .spec import MLPSpec
@@ -74,12 +75,21 @@ def expand_biases(biases: Sequence[Tensor], spec: MLPSpec) -> list[Optional[Tens
 
 
 def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
-                  operands: Sequence[Tensor], spec: str) -> Tensor:
-    """What the region computed before fusion, op by op (eager semantics, errors included)."""
+                  operands: Sequence[Tensor], spec: str, gated_kernels: bool = False) -> Tensor:
+    """What the region computed before fusion, op by op (eager semantics, errors included).
+
+    ``gated_kernels``: a gated stage's ``act(g) * u`` runs as one kernel each way where the kernels take it
+    (:func:`fxfuse.gated_training.gated_product`; trained regions under ``FXFUSE_GATED_TRAINING=1``).
+    """
     h = x
     for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path
         accs = [F.linear(h, weights[w], None if b is None else biases[b]) for w, b in stage.linears]
-        h = ep.evaluate(stage.expr, accs, [t.reshape(-1) for t in operands[stage.operands]])
+        fused = None
+        if gated_kernels and stage.gated is not None:
+            gate, up, act = stage.gated
+            fused = gated_product(accs[gate], accs[up], act)
+        h = fused if fused is not None else ep.evaluate(stage.expr, accs,
+                                                        [t.reshape(-1) for t in operands[stage.operands]])
     return h
 
 
@@ -92,6 +102,7 @@ class _StagePlan:
     expr: ep.Expr
     linears: tuple[tuple[int, Optional[int]], ...]  # per linear: (index in weights, index in biases or None)
     operands: slice  # this stage's operands in the op's operand list
+    gated: Optional[tuple[int, int, str]]  # (gate acc, up acc, activation) of a gated stage (gated_form)
 
 
 @functools.cache
@@ -108,8 +119,9 @@ def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
         for has_bias in s.has_bias:
             linears.append((w, b if has_bias else None))
             w, b = w + 1, b + has_bias
+        gated = gated_form(s.expr) if s.num_linears == 2 and not s.num_operands else None
         stages.append(_StagePlan(s.num_linears, s.epilogue, s.num_operands, s.has_bias, s.expr, tuple(linears),
-                                 slice(o, o + s.num_operands)))
+                                 slice(o, o + s.num_operands), gated))
         o += s.num_operands
     return tuple(stages), parsed.num_linears, sum(parsed.has_bias), parsed.num_operands
 
@@ -332,7 +344,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     if _records_grad(x, weights, biases, operands):
         if spec in _trained:
-            return reference_mlp(x, weights, biases, operands, spec)
+            return reference_mlp(x, weights, biases, operands, spec, gated_training_enabled())
         # The op's autograd, in a plain autograd.Function: the custom op's wrapper flattens and checks its
         # list arguments on every call and in the backward (~0.3 ms of host time per training step on the
         # H200 machine, more than nerf64's fused backward kernel leaves the host).

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .backward import fused_backward_reason
+from .gated_training import gated_form
 from .kernels.chain_backward_template import walks
 from .meta import tensor_info
 from .normalize import normalize
@@ -34,6 +35,8 @@ _FUSED_BACKWARD_NOTE = ("training: the backward is one fused kernel too (forward
                         "fxfuse/backward.py)")
 _WALK_BACKWARD_NOTE = ("training: the backward is fused too (the forward kernel stores each layer's input, a walk "
                        "kernel writes the activation gradients, one GEMM per weight gradient; fxfuse/backward.py)")
+_GATED_HINT = ("; FXFUSE_GATED_TRAINING=1 runs its act(g) * u in one kernel each way, saving g and u only "
+               "(fxfuse/gated_training.py; opt-in, not yet measured on a GPU)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
                    "intermediates (fxfuse's op would recompute the forward)")
 
@@ -109,7 +112,8 @@ def _training_note(gm: fx.GraphModule, region) -> str:
     widths = _widths(infos)
     reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
     if reason is not None:
-        return _TRAINING_NOTE.format(reason=reason)
+        gated = any(s.num_linears == 2 and gated_form(s.expr) for s in region.spec.stages)
+        return _TRAINING_NOTE.format(reason=reason) + (_GATED_HINT if gated else "")
     return _WALK_BACKWARD_NOTE if walks(widths) else _FUSED_BACKWARD_NOTE
 
 

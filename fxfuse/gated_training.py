@@ -1,0 +1,85 @@
+"""Gated MLPs in training: the pointwise middle ``act(g) * u`` as one kernel each way (opt-in, not yet measured).
+
+A gated region that is being trained (:data:`fxfuse.ops._trained`) runs its original ops when it records
+gradients, so a training step costs what eager's does. With ``FXFUSE_GATED_TRAINING=1`` its middle
+``act(gate(x)) * up(x)`` runs instead as :class:`GatedProduct`: one kernel forward, one backward
+(:mod:`fxfuse.kernels.gated_template`), saving ``g`` and ``u`` only. The GEMMs stay cuBLAS's, as in eager.
+
+Off by default until a GPU run measures it against eager (`benchmarks/bench_training.py`). Tensors the kernels do
+not take (another device, a dtype, non-contiguous, traced, under functorch transforms) keep the original ops.
+
+Example:
+    >>> from fxfuse import epilogue as ep
+    >>> gated_form(ep.parse("mul(a0,silu(a1))")), gated_form(ep.parse("relu(a0)"))
+    ((1, 0, 'silu'), None)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import epilogue as ep
+from .kernels.gated_template import GATED_ACTIVATIONS
+from .kernels.template import interpreting
+
+__all__ = ["GatedProduct", "gated_form", "gated_product", "gated_training_enabled"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def gated_training_enabled() -> bool:
+    """``FXFUSE_GATED_TRAINING=1`` (read on every trained gated call, so tests and users can flip it)."""
+    return os.environ.get("FXFUSE_GATED_TRAINING", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1024)
+def gated_form(expr: ep.Expr) -> Optional[tuple[int, int, str]]:
+    """``(gate accumulator, up accumulator, activation)`` when a stage's epilogue is ``mul(a_u, act(a_g))`` (in
+    either order) with an activation the kernels have, else None."""
+    if not (isinstance(expr, ep.Call) and expr.op == "mul"):
+        return None
+    for gated, up in (expr.args, expr.args[::-1]):
+        if (isinstance(up, ep.Acc) and isinstance(gated, ep.Call) and gated.op in GATED_ACTIVATIONS
+                and isinstance(gated.args[0], ep.Acc) and gated.args[0].index != up.index):
+            return gated.args[0].index, up.index, gated.op
+    return None
+
+
+class GatedProduct(torch.autograd.Function):
+    """``act(g) * u`` with its gradients from the gated kernels; saves ``g`` and ``u``."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor, act: str) -> Tensor:
+        from .kernels.gated_launch import run_gated_forward
+
+        ctx.save_for_backward(g, u)
+        ctx.act = act
+        return run_gated_forward(g, u, act)
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        from .kernels.gated_launch import run_gated_backward
+
+        g, u = ctx.saved_tensors
+        dg, du = run_gated_backward(dh.contiguous(), g, u, ctx.act)
+        return dg, du, None
+
+
+def gated_product(g: Tensor, u: Tensor, act: str) -> Optional[Tensor]:
+    """``act(g) * u`` through :class:`GatedProduct` when the kernels take these tensors, else None (the caller
+    runs the original ops)."""
+    if type(g) is not Tensor or type(u) is not Tensor or torch.compiler.is_compiling() \
+            or torch._C._are_functorch_transforms_active():
+        return None
+    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device or g.numel() == 0:
+        return None
+    if g.dtype not in _DTYPES or not (g.is_contiguous() and u.is_contiguous()):
+        return None
+    if not (g.is_cuda or (g.device.type == "cpu" and interpreting() and g.dtype != torch.bfloat16)):
+        return None  # (the interpreter cannot run bf16)
+    return GatedProduct.apply(g, u, act)
