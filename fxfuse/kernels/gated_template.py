@@ -2,7 +2,7 @@
 
 Eager runs the middle of ``down(act(gate(x)) * up(x))`` as two kernels forward (the activation, the product)
 and three backward (the product's two gradients, the activation's), moving the ``[M, hidden]`` tensors through
-memory 13 times and saving ``act(g)`` besides ``g`` and ``u``. These two kernels move them 8 times (forward:
+memory 14 times and saving ``act(g)`` besides ``g`` and ``u``. These two kernels move them 8 times (forward:
 read g and u, write h; backward: read dh, g and u, write dg and du) and save only ``g`` and ``u`` (Liger-Kernel's
 SwiGLU/GeGLU scheme). The activation and its derivative are computed on fp32 values and each result is cast
 once to the dtype.
