@@ -75,17 +75,18 @@ def expand_biases(biases: Sequence[Tensor], spec: MLPSpec) -> list[Optional[Tens
 
 
 def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
-                  operands: Sequence[Tensor], spec: str, gated_kernels: bool = False) -> Tensor:
+                  operands: Sequence[Tensor], spec: str, trained: bool = False) -> Tensor:
     """What the region computed before fusion, op by op (eager semantics, errors included).
 
-    ``gated_kernels``: a gated stage's ``act(g) * u`` runs as one kernel each way where the kernels take it
-    (:func:`fxfuse.gated_training.gated_product`; trained regions under ``FXFUSE_GATED_TRAINING=1``).
+    ``trained``: a trained region's gradient-recording call (see :func:`fused_mlp`), where a gated stage's
+    ``act(g) * u`` runs as one kernel each way under ``FXFUSE_GATED_TRAINING=1`` if the kernels take the tensors
+    (:func:`fxfuse.gated_training.gated_product`).
     """
     h = x
     for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path
         accs = [F.linear(h, weights[w], None if b is None else biases[b]) for w, b in stage.linears]
         fused = None
-        if gated_kernels and stage.gated is not None:
+        if trained and stage.gated is not None and gated_training_enabled():
             gate, up, act = stage.gated
             fused = gated_product(accs[gate], accs[up], act)
         h = fused if fused is not None else ep.evaluate(stage.expr, accs,
@@ -344,7 +345,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     if _records_grad(x, weights, biases, operands):
         if spec in _trained:
-            return reference_mlp(x, weights, biases, operands, spec, gated_training_enabled())
+            return reference_mlp(x, weights, biases, operands, spec, trained=True)
         # The op's autograd, in a plain autograd.Function: the custom op's wrapper flattens and checks its
         # list arguments on every call and in the backward (~0.3 ms of host time per training step on the
         # H200 machine, more than nerf64's fused backward kernel leaves the host).

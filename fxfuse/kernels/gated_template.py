@@ -41,6 +41,14 @@ def _activation(g, ACT: tl.constexpr):
             1.0 + 0.134145 * g * g)
 
 
+@triton.jit
+def _load_block(ptr, N, BLOCK: tl.constexpr):
+    """This program's block of N contiguous elements, as fp32, with its offsets and mask."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+
 # One config: a streaming kernel (the Triton tutorial's vector add). The autotuner wrapper is what lets
 # ``fastlaunch`` relaunch it without Triton's Python launch path.
 _CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4)]
@@ -59,10 +67,8 @@ def gated_forward_kernel(g_ptr, u_ptr, h_ptr, N, ACT: tl.constexpr, BLOCK: tl.co
         ACT: which activation (:data:`GATED_ACTIVATIONS`).
         BLOCK: elements per program.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g, offs, mask = _load_block(g_ptr, N, BLOCK)
+    u, _, _ = _load_block(u_ptr, N, BLOCK)
     a, _ = _activation(g, ACT)
     tl.store(h_ptr + offs, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -80,11 +86,9 @@ def gated_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, ACT: tl.const
         ACT: which activation (:data:`GATED_ACTIVATIONS`).
         BLOCK: elements per program.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dh, offs, mask = _load_block(dh_ptr, N, BLOCK)
+    g, _, _ = _load_block(g_ptr, N, BLOCK)
+    u, _, _ = _load_block(u_ptr, N, BLOCK)
     a, da = _activation(g, ACT)
     tl.store(du_ptr + offs, (dh * a).to(du_ptr.dtype.element_ty), mask=mask)
     tl.store(dg_ptr + offs, (dh * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
