@@ -6,7 +6,8 @@ gradients, so a training step costs what eager's does. With ``FXFUSE_GATED_TRAIN
 (:mod:`fxfuse.kernels.gated_template`), saving ``g`` and ``u`` only. The GEMMs stay cuBLAS's, as in eager.
 
 Off by default until a GPU run measures it against eager (`benchmarks/bench_training.py`). Tensors the kernels do
-not take (another device, a dtype, non-contiguous, traced, under functorch transforms) keep the original ops.
+not take (another device, a dtype, non-contiguous, traced, under functorch transforms) keep the original ops. A
+second-order backward (``create_graph=True``) takes the original ops' gradients, which are differentiable.
 
 Example:
     >>> from fxfuse import epilogue as ep
@@ -66,6 +67,11 @@ class GatedProduct(torch.autograd.Function):
         from .kernels.gated_launch import run_gated_backward
 
         g, u = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
+            act = ep.OPS[ctx.act].torch
+            _, vjp = torch.func.vjp(lambda g, u: act(g) * u, g, u)
+            dg, du = vjp(dh)
+            return dg, du, None
         dg, du = run_gated_backward(dh.contiguous(), g, u, ctx.act)
         return dg, du, None
 

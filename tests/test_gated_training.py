@@ -61,6 +61,22 @@ def test_tensors_the_kernels_do_not_take_keep_the_original_ops():
     assert gated_product(g.double(), u.double(), "silu") is None
 
 
+def test_a_second_order_backward_is_eagers():
+    # A gradient penalty differentiates the gradients: with create_graph=True the backward takes the original
+    # ops' gradients (differentiable), so the penalty's gradients are eager's.
+    def penalty_grads(middle):
+        g, u = (torch.randn(3, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in (1, 2))
+        h = middle(g, u)
+        dg, du = torch.autograd.grad((h * h).sum(), (g, u), create_graph=True)
+        ((dg * dg).sum() + (du * du).sum() + h.sum()).backward()
+        return g.grad, u.grad
+
+    got = penalty_grads(lambda g, u: gated_product(g, u, "silu"))
+    ref = penalty_grads(lambda g, u: F.silu(g) * u)
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_a_trained_gated_mlp_steps_with_the_gated_kernels(untrained_specs, monkeypatch, act):
     # From the second step (the region is then marked trained), FXFUSE_GATED_TRAINING=1 runs the middle through
