@@ -148,6 +148,11 @@ def walks(widths: Sequence[int]) -> bool:
         >>> walks([32, 64, 64, 64, 16]), walks([64, 128, 128, 128, 64])
         (False, True)
     """
+    return _walks(tuple(widths))  # asked on every gradient-recording forward and backward of a chain
+
+
+@functools.lru_cache(maxsize=1024)
+def _walks(widths: tuple[int, ...]) -> bool:
     pads = [pad_width(d) for d in widths]
     return sum(a * b for a, b in zip(pads, pads[1:])) > MAX_GRADIENT_ELEMENTS
 
