@@ -10,15 +10,17 @@ gradient, input gradient included, parameter gradients reset to None) is timed w
   as trained, and later gradient-recording calls run the original ops (``fxfuse.ops.fused_mlp``);
 * fxfuse recompute: the op's generic backward every step (``FXFUSE_FUSED_BACKWARD=0``, trained marks
   cleared: fused forward, then the original ops' forward again and their backward);
-* fxfuse gated kernels: as shipped, with ``FXFUSE_GATED_TRAINING=1`` (a trained gated region's ``act(g) * u``
-  in one kernel each way, :mod:`fxfuse.gated_training`; other rows run as shipped);
+* fxfuse original-ops middle (gated rows): as shipped but with ``FXFUSE_GATED_TRAINING=0``, i.e. a trained gated
+  region's ``act(g) * u`` as the original ops instead of one kernel each way (:mod:`fxfuse.gated_training`);
 * torch.compile default, and ``backend="fxfuse"`` (which leaves training graphs to Inductor).
 
 Also timed: the forward alone with gradients recorded but never used (inference without ``torch.no_grad()``),
 which stays fused. Variants are timed in interleaved rounds (median). Gradients are checked against eager in
 float64 terms (relative error of every gradient). Peak memory of one step is the allocator's high-water mark
 above what was allocated before it. Host µs per step (eager and fxfuse: 20 steps issued back to back, best of
-5) says whether a step that reads slower than its kernels is host-bound; synchronized µs per step (a
+5) says whether a step that reads slower than its kernels is host-bound, and kernels µs per step (the profiler's
+device time of the step's kernels, each step after an L2 flush as in do_bench) what the GPU does whatever the
+host's speed; synchronized µs per step (a
 synchronize after each step, as a loop that reads its loss every step has) is what such a loop sees, host and
 GPU time added.
 
@@ -43,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import host_us, synced_us  # noqa: E402
+from timing import host_us, kernels_after_flush, synced_us  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
@@ -52,13 +54,13 @@ import fxfuse.ops  # noqa: E402
 ROWS = ("seed_geglu", "gpt2_mlp", "llama_swiglu_4096", "nerf64", "nerf128")
 
 
-def _step(module, x, grad_out, params, *, generic_backward=False, gated_kernels=False):
+def _step(module, x, grad_out, params, *, generic_backward=False, original_middle=False):
     """One training step; ``generic_backward``: with the fused chain backward off and no region marked trained,
-    leaving fxfuse's trained marks as they were (the shipped variant's state is its own); ``gated_kernels``: with
-    ``FXFUSE_GATED_TRAINING=1`` (a trained gated region's middle in one kernel each way)."""
+    leaving fxfuse's trained marks as they were (the shipped variant's state is its own); ``original_middle``: with
+    ``FXFUSE_GATED_TRAINING=0`` (a trained gated region's middle as the original ops)."""
     def run():
-        if gated_kernels:
-            os.environ["FXFUSE_GATED_TRAINING"] = "1"
+        if original_middle:
+            os.environ["FXFUSE_GATED_TRAINING"] = "0"
         if generic_backward:
             saved = set(fxfuse.ops._trained)
             fxfuse.ops._trained.clear()
@@ -69,7 +71,7 @@ def _step(module, x, grad_out, params, *, generic_backward=False, gated_kernels=
             x.grad = None
             module(x).backward(grad_out)
         finally:
-            if gated_kernels:
+            if original_middle:
                 del os.environ["FXFUSE_GATED_TRAINING"]
             if generic_backward:
                 del os.environ["FXFUSE_FUSED_BACKWARD"]
@@ -120,15 +122,17 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
         "eager": _step(model, x, grad_out, params),
         "fxfuse": _step(fast, x, grad_out, params),
         "fxfuse recompute": _step(fast, x, grad_out, params, generic_backward=True),
-        "fxfuse gated kernels": _step(fast, x, grad_out, params, gated_kernels=True),
         "compile default": _step(compiled, x, grad_out, params),
         "compile fxfuse backend": _step(backend, x, grad_out, params),
     }
+    gated = w.kind in ("geglu", "swiglu")
+    if gated:
+        steps["fxfuse original-ops middle"] = _step(fast, x, grad_out, params, original_middle=True)
     forwards = {"eager": _forward(model, x), "fxfuse": _forward(fast, x)}
     row: dict = {"name": w.name, "m": x.shape[0], "dims": w.dims_str, "dtype": str(w.dtype).replace("torch.", "")}
     t0 = time.perf_counter()
     ref = _grads(steps["eager"], x, params)
-    for name in ("fxfuse", "fxfuse recompute", "fxfuse gated kernels", "compile default", "compile fxfuse backend"):
+    for name in [n for n in steps if n != "eager"]:
         steps[name]()  # first call: compile / tune / mark the region trained
         got = _grads(steps[name], x, params)
         row[f"{name} grad rel err"] = max(_rel(g, r) for g, r in zip(got, ref))
@@ -152,31 +156,36 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
     for name in ("eager", "fxfuse"):  # a step slower than its kernels: is it the host?
         row[f"{name} host us"] = host_us(steps[name], calls=20, loops=5)
         row[f"{name} synced us"] = synced_us(steps[name])
+        row[f"{name} kernels us"] = sum(us for _, us, _ in kernels_after_flush(steps[name]))
     row["eager peak MiB"] = _peak_mib(steps["eager"])
     row["fxfuse peak MiB"] = _peak_mib(steps["fxfuse"])
     row["fxfuse recompute peak MiB"] = _peak_mib(steps["fxfuse recompute"])
-    row["fxfuse gated kernels peak MiB"] = _peak_mib(steps["fxfuse gated kernels"])
+    if gated:
+        row["fxfuse original-ops middle peak MiB"] = _peak_mib(steps["fxfuse original-ops middle"])
     return row
 
 
 def table(rows: list[dict]) -> str:
     head = ("| name | M | dims | dtype | eager step µs | fxfuse step µs | vs eager | fxfuse recompute step µs "
-            "| fxfuse gated kernels step µs | compile default step µs | compile fxfuse backend step µs "
-            "| grad-recording forward µs (eager / fxfuse) "
-            "| peak MiB (eager / fxfuse / recompute / gated kernels) | host µs per step (eager / fxfuse) "
+            "| fxfuse original-ops middle step µs | compile default step µs | compile fxfuse backend step µs "
+            "| grad-recording forward µs (eager / fxfuse) | kernels µs per step (eager / fxfuse) "
+            "| peak MiB (eager / fxfuse / recompute / original-ops middle) | host µs per step (eager / fxfuse) "
             "| synchronized step µs (eager / fxfuse) | max grad rel err vs eager |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         err = max(r[k] for k in r if k.endswith("grad rel err"))
+        middle = r.get("fxfuse original-ops middle step us")
+        middle_peak = r.get("fxfuse original-ops middle peak MiB")
         lines.append(
             f"| {r['name']} | {r['m']} | {r['dims']} | {r['dtype']} | {r['eager step us']:.0f} "
             f"| {r['fxfuse step us']:.0f} | {r['eager step us'] / r['fxfuse step us']:.2f}× "
-            f"| {r['fxfuse recompute step us']:.0f} | {r['fxfuse gated kernels step us']:.0f} "
+            f"| {r['fxfuse recompute step us']:.0f} | {'—' if middle is None else f'{middle:.0f}'} "
             f"| {r['compile default step us']:.0f} "
             f"| {r['compile fxfuse backend step us']:.0f} "
             f"| {r['eager grad-recording forward us']:.0f} / {r['fxfuse grad-recording forward us']:.0f} "
+            f"| {r['eager kernels us']:.0f} / {r['fxfuse kernels us']:.0f} "
             f"| {r['eager peak MiB']:.0f} / {r['fxfuse peak MiB']:.0f} / {r['fxfuse recompute peak MiB']:.0f} "
-            f"/ {r['fxfuse gated kernels peak MiB']:.0f} "
+            f"/ {'—' if middle_peak is None else f'{middle_peak:.0f}'} "
             f"| {r['eager host us']:.0f} / {r['fxfuse host us']:.0f} "
             f"| {r['eager synced us']:.0f} / {r['fxfuse synced us']:.0f} | {err:.1e} |")
     return "\n".join(lines)

@@ -35,8 +35,8 @@ _FUSED_BACKWARD_NOTE = ("training: the backward is one fused kernel too (forward
                         "fxfuse/backward.py)")
 _WALK_BACKWARD_NOTE = ("training: the backward is fused too (the forward kernel stores each layer's input, a walk "
                        "kernel writes the activation gradients, one GEMM per weight gradient; fxfuse/backward.py)")
-_GATED_HINT = ("; FXFUSE_GATED_TRAINING=1 runs its act(g) * u in one kernel each way, saving g and u only "
-               "(fxfuse/gated_training.py; opt-in, not yet measured on a GPU)")
+_GATED_NOTE = ("; its act(g) * u runs as one kernel each way, saving g and u only (fxfuse/gated_training.py; "
+               "FXFUSE_GATED_TRAINING=0 runs the original ops)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
                    "intermediates (fxfuse's op would recompute the forward)")
 
@@ -113,7 +113,7 @@ def _training_note(gm: fx.GraphModule, region) -> str:
     reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
     if reason is not None:
         gated = any(s.num_linears == 2 and gated_form(s.expr) for s in region.spec.stages)
-        return _TRAINING_NOTE.format(reason=reason) + (_GATED_HINT if gated else "")
+        return _TRAINING_NOTE.format(reason=reason) + (_GATED_NOTE if gated else "")
     return _WALK_BACKWARD_NOTE if walks(widths) else _FUSED_BACKWARD_NOTE
 
 

@@ -1,4 +1,4 @@
-"""Gated MLPs in training (opt-in): ``act(g) * u`` and its gradients from one kernel each way, against float64
+"""Gated MLPs in training: ``act(g) * u`` and its gradients from one kernel each way, against float64
 autograd and eager, and a trained GatedMLP stepping with them beside eager."""
 
 from __future__ import annotations
@@ -79,22 +79,26 @@ def test_a_second_order_backward_is_eagers():
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_a_trained_gated_mlp_steps_with_the_gated_kernels(untrained_specs, monkeypatch, act):
-    # From the second step (the region is then marked trained), FXFUSE_GATED_TRAINING=1 runs the middle through
-    # GatedProduct; every step's gradients match eager's; without the variable the original ops run.
+    # From the second step (the region is then marked trained) the middle runs through GatedProduct, by default
+    # and with FXFUSE_GATED_TRAINING=1; with FXFUSE_GATED_TRAINING=0 the original ops run. Every step's
+    # gradients match eager's.
     model = GatedMLP(d=16, hidden=40, act=act).train()
     fast = fxfuse.optimize(model)
     eager = copy.deepcopy(model)
     used = []
     apply = GatedProduct.apply
     monkeypatch.setattr(GatedProduct, "apply", lambda *a: used.append(1) or apply(*a))
-    for step, enabled in enumerate((True, True, True, False)):
-        monkeypatch.setenv("FXFUSE_GATED_TRAINING", "1" if enabled else "0")
+    for step, setting in enumerate((None, None, "1", "0")):
+        if setting is None:
+            monkeypatch.delenv("FXFUSE_GATED_TRAINING", raising=False)
+        else:
+            monkeypatch.setenv("FXFUSE_GATED_TRAINING", setting)
         x = torch.randn(3, 5, 16, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_(True)
         before = len(used)
         out = fast(x)
         assert _runs_fused_op(out) == (step == 0)  # the op on the first step only (then the region is trained)
-        assert len(used) - before == int(enabled and step > 0)
+        assert len(used) - before == int(setting != "0" and step > 0)
         out.square().sum().backward()
         eager(x_ref).square().sum().backward()
         assert rel_err(x.grad, x_ref.grad) < 1e-5
@@ -108,3 +112,19 @@ def test_a_trained_gated_mlp_steps_with_the_gated_kernels(untrained_specs, monke
 def test_gated_kernels_on_gpu(dtype):
     for act in sorted(ACTS):
         _check_middle(act, dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_gated_launches_are_bound_after_the_first():
+    # The second launch of a kind goes through the binding; each call's tensors are its own.
+    from fxfuse.kernels import gated_launch
+
+    gated_launch._bound_launches.clear()
+    for _ in range(3):
+        g, u, dh = (torch.randn(5, 1000, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        h = gated_launch.run_gated_forward(g, u, "silu")
+        dg, du = gated_launch.run_gated_backward(dh, g, u, "silu")
+        ref_h, ref_dg, ref_du = _middle_grads(g, u, dh, "silu", torch.float64)
+        for got, ref in ((h, ref_h), (dg, ref_dg), (du, ref_du)):
+            assert rel_err(got, ref) < TOL[torch.bfloat16]
+    assert len(gated_launch._bound_launches) == 2  # one per kernel

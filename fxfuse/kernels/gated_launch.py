@@ -1,6 +1,12 @@
-"""Python wrappers of the gated pointwise kernels (:mod:`fxfuse.kernels.gated_template`)."""
+"""Python wrappers of the gated pointwise kernels (:mod:`fxfuse.kernels.gated_template`).
+
+They run twice per training step of every gated block, so on the GPU a launch after the first of its kind
+(kernel, element count, activation, dtype, device) is bound (:func:`.fastlaunch.bind`): only the tensors change.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -10,15 +16,30 @@ from .gated_template import GATED_ACTIVATIONS, gated_backward_kernel, gated_forw
 
 __all__ = ["run_gated_backward", "run_gated_forward"]
 
+# (kernel, N, ACT, dtype, device index) -> a launch bound to everything but the tensors
+_bound_launches = fastlaunch.Bindings()
 
-def _launch(kernel, args: dict, n: int, device: torch.device) -> None:
+
+def _launch(kernel, args: dict, slots: Sequence[str], n: int, device: torch.device) -> None:
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK"]),)
 
-    if device.type == "cuda":
-        fastlaunch.launch(kernel, grid, args, varying=("N",))
-    else:  # the interpreter
+    if device.type != "cuda":  # the interpreter
         kernel[grid](**args)
+        return
+    tensors = [args[name] for name in slots]
+    if not (fastlaunch.may_bind(tensors[0]) and all(t.data_ptr() % 16 == 0 for t in tensors)):
+        fastlaunch.launch(kernel, grid, args, varying=("N",))  # (a binding assumes 16-byte aligned tensors)
+        return
+    key = (kernel, n, args["ACT"], tensors[0].dtype, tensors[0].get_device())
+    bound = _bound_launches.get(key)
+    if bound is not None:
+        bound(*tensors)
+        return
+    fastlaunch.launch(kernel, grid, args, varying=("N",))
+    bound = fastlaunch.bind(kernel, grid, args, slots, varying=("N",))
+    if bound is not None:
+        _bound_launches.keep(key, bound)
 
 
 def run_gated_forward(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
@@ -30,7 +51,7 @@ def run_gated_forward(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tenso
     h = torch.empty_like(g)
     n = g.numel()
     _launch(gated_forward_kernel, {"g_ptr": g, "u_ptr": u, "h_ptr": h, "N": n, "ACT": GATED_ACTIVATIONS[act]},
-            n, g.device)
+            ("g_ptr", "u_ptr", "h_ptr"), n, g.device)
     return h
 
 
@@ -41,5 +62,6 @@ def run_gated_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: 
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
     _launch(gated_backward_kernel, {"dh_ptr": dh, "g_ptr": g, "u_ptr": u, "dg_ptr": dg, "du_ptr": du, "N": n,
-                                    "ACT": GATED_ACTIVATIONS[act]}, n, g.device)
+                                    "ACT": GATED_ACTIVATIONS[act]},
+            ("dh_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr"), n, g.device)
     return dg, du
