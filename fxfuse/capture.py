@@ -43,8 +43,8 @@ from torch import nn
 
 from .pointwise import is_known_activation
 
-__all__ = ["ArgSpec", "CaptureFailure", "Discovery", "Scope", "discover", "record_inputs", "trace_scope",
-           "weight_count"]
+__all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "Scope", "discover", "record_inputs",
+           "trace_scope", "weight_count"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ class Scope:
     permissive_reason: str = ""
     constants: dict[str, Any] = field(default_factory=dict)  # attributes the tracer created (tensor constants)
     mode_dependent: bool = True  # the graph may differ between training and eval mode
+    # The trace was watched and touched no autocast state, so the graph is the same under torch.autocast (its ops
+    # then autocast as the method's would). False when that could not be watched (another profiler).
+    autocast_free: bool = False
+    autocast_used: str = ""  # what of the autocast state the code used ("" for nothing): not a host then
 
 
 def weight_count(module: nn.Module) -> int:
@@ -218,7 +222,8 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
     ``leaves``: ids of submodules to keep opaque from the start. ``failing``: a cache shared between
     calls: submodule classes that failed before start as leaves, which saves a retry per layer.
     ``Scope.mode_dependent`` says whether the graph may differ between training and eval mode (it reads
-    ``.training`` somewhere, or has a dropout).
+    ``.training`` somewhere, or has a dropout). A strict trace whose code reads or sets the autocast state
+    (``torch.is_autocast_enabled()``, ``with torch.autocast(...)``) fails: its graph would not follow it.
     """
     forced = set(leaves or ())
     failing = failing if failing is not None else {}
@@ -231,9 +236,10 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
         tracer = _Tracer(forced, permissive)
         tracer.traced_func_name = method
         codes: set = set()
+        autocast: list[str] = []
         state = _snapshot(module)
         try:
-            graph = _trace_watching(tracer, module, codes)
+            graph = _trace_watching(tracer, module, codes, autocast)
             gm = _GraphModule(module, graph, type(module).__name__)
         except Exception as err:
             culprit = getattr(err, "_fxfuse_module", None)
@@ -248,23 +254,48 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
         finally:
             constants = _take_new_attributes(module, before)
             _restore(state)
+        used = _autocast_used(autocast)
+        if used and not permissive:
+            raise AutocastStateError(f"its code uses the autocast state ({used}), which a traced graph would not "
+                                     "follow")
         leaf_paths = {n.target for n in graph.nodes if n.op == "call_module"}
         opaque = {p for p in leaf_paths if id(module.get_submodule(p)) in forced}
         return Scope(module_path, method, gm, tracer.arg_specs, sorted(opaque), tracer.permissive_used,
-                     tracer.permissive_reason, constants, _mode_dependent(gm, codes))
+                     tracer.permissive_reason, constants, _mode_dependent(gm, codes), autocast_free=not autocast,
+                     autocast_used=used)
     raise RuntimeError(f"too many submodules fail to trace (> {_MAX_LEAF_RETRIES})")
 
 
-def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set) -> fx.Graph:
-    """``tracer.trace(module)``, collecting the code objects that ran and read a ``training`` attribute
-    (``None`` in ``codes`` when that cannot be watched: another profiler is installed)."""
+def _autocast_used(names: list) -> str:
+    """What the traced code used of the autocast state, in a few words ("" for nothing or unknown)."""
+    names = [n for n in names if n is not None]
+    if any(n.startswith("torch.amp.") for n in names):
+        return "torch.autocast"
+    return ", ".join(sorted(set(names))[:3])
+
+
+class AutocastStateError(RuntimeError):
+    """A method's code reads or sets the autocast state: a graph traced from it would not follow it."""
+
+
+def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: list) -> fx.Graph:
+    """``tracer.trace(module)``, collecting the code objects that ran and read a ``training`` attribute, and the
+    names of the autocast functions and contexts the code used (``None`` in ``codes`` and ``autocast`` when
+    that cannot be watched: another profiler is installed)."""
     if sys.getprofile() is not None:
         codes.add(None)
+        autocast.append(None)
         return tracer.trace(module)
 
     def profile(frame, event, arg):
-        if event == "call" and "training" in frame.f_code.co_names:
-            codes.add(frame.f_code)
+        if event == "call":
+            code = frame.f_code
+            if "training" in code.co_names:
+                codes.add(code)
+            if code.co_filename.endswith("autocast_mode.py"):  # torch.autocast's __enter__, amp's helpers
+                autocast.append(f"torch.amp.{code.co_name}")
+        elif event == "c_call" and "autocast" in getattr(arg, "__name__", ""):  # torch.is_autocast_enabled, ...
+            autocast.append(f"torch.{arg.__name__}")
 
     sys.setprofile(profile)
     try:

@@ -55,6 +55,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .autocast import any_autocast as _any_autocast
 from .kernels.workspace import zero_after_capture
 from .strategy import scoring_for_cuda_graphs
 
@@ -137,10 +138,6 @@ def _state(module: nn.Module) -> tuple:
         autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu")) + \
             (torch.is_autocast_cache_enabled(),)
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), module.training, autocast
-
-
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
-    (lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
 
 
 # ------------------------------------------------------------------------------------- parameter watch

@@ -16,8 +16,11 @@ copied; each host copy gets a subclass of its own class that overrides the host 
 * the arguments: required ones are not ``None``; those traced with their default still have it
   (``None``, a flag); ``*args`` / ``**kwargs`` are empty;
 * the module's training mode is the one it was traced in (dropout was removed in eval mode);
-* no autocast is active, and the fused weights share one dtype (code like T5's ``if hidden.dtype !=
-  self.wo.weight.dtype: cast`` is traced for the uniform case).
+* the fused weights share one dtype (code like T5's ``if hidden.dtype != self.wo.weight.dtype: cast`` is
+  traced for the uniform case); under autocast, only a graph whose trace touched no autocast state runs (a
+  method that reads or sets it is not a host at all, :class:`fxfuse.capture.AutocastStateError`; one traced
+  while another profiler hid that runs only without autocast), and each fused region in it follows autocast
+  itself (:mod:`fxfuse.autocast`).
 
 A call that fails a guard runs the original method, so the result is always the original function.
 Everything else (class, methods such as ``generate``, ``config``, parameters, buffers, hooks) is the
@@ -42,6 +45,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .autocast import any_autocast as _any_autocast
 from .capture import ArgSpec, CaptureFailure, Discovery, Scope, trace_scope
 from .inline import InlineChain, chain_modules, install_parts, prove
 from .lift import lift_params
@@ -99,7 +103,9 @@ def place(model: nn.Module, discovery: Discovery, module_inputs: Optional[dict] 
     module_inputs = module_inputs or {}
     out = Placement(graphs=len(discovery.scopes))
     attempts: dict[tuple[str, str], Any] = {}
-    reuse = {(s.module_path, s.method): s for s in discovery.scopes if not s.permissive_used}
+    # Discovery's traces serve as hosts' when strict would give the same graph (a strict trace of code that uses
+    # the autocast state fails: traced again, it says so).
+    reuse = {(s.module_path, s.method): s for s in discovery.scopes if not s.permissive_used and not s.autocast_used}
     failing: dict = {}
     chosen: dict[tuple[str, str], Host] = {}
     seen_rejections: set[tuple] = set()
@@ -484,18 +490,16 @@ def _signature_of(specs: list[ArgSpec]) -> inspect.Signature:
     return inspect.Signature(params)
 
 
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
-    (lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
-
-
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
-                 lifted_paths: Sequence[str] = ()):
+                 lifted_paths: Sequence[str] = (), autocast_free: bool = False):
     """The host method: the fused graph when the guards hold, else the original method.
 
     ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
+    ``autocast_free``: the graph may run under autocast (its trace touched no autocast state; each fused region
+    then follows autocast itself, :mod:`fxfuse.autocast`).
     ``lifted_paths``: the parameters the fused graph takes as trailing arguments (:mod:`fxfuse.lift`), read
     here through the modules' dicts on every call."""
     sig = _signature_of(specs)
@@ -516,7 +520,7 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
     weight_at = in_lifted if in_lifted is not None else range(len(weight_paths))  # the weights' places in ws
 
     def method(self, *args, **kwargs):
-        if (training is None or self.training is training) and not _any_autocast():
+        if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
             extra = get_lifted(self) if get_lifted is not None else ()
             if get_weights is not None:
                 ws = extra if in_lifted is not None else get_weights(self)
@@ -643,8 +647,9 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     training = module.training if h.scope.mode_dependent else None
     # Parameters as arguments (fxfuse.lift): the module's own __getattr__ per read costs more than the dicts.
     gm, lifted = lift_params(h.scope.gm)
-    key = (_code_key(gm), tuple(h.scope.args), training, tuple(h.weight_targets), tuple(lifted))
-    fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted)
+    autocast_free = h.scope.autocast_free
+    key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted))
+    fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free)
     return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, dict(h.scope.constants))
 
 

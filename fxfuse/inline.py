@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .autocast import any_autocast as _any_autocast
 from .meta import param_getter
 from .ops import fused_mlp
 from .pointwise import is_identity_module, is_known_activation
@@ -279,10 +280,6 @@ def _parent_method(orig: Any, state_attr: str):
 
     functools.update_wrapper(method, orig)
     return method
-
-
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
-    (lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
 
 
 def _attrs(obj: Any, getter: Any) -> Sequence:

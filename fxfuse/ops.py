@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from . import replay
+from .autocast import any_autocast, autocast_input
 from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
 from .gated_training import gated_form, gated_product, gated_training_enabled
 from .kernels.chain_backward_template import walks
@@ -290,7 +291,15 @@ def mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[T
 
     ``biases`` holds only the biases that exist, in the order of ``spec``'s bias flags.
     """
+    if _autocast_on(x):
+        return reference_mlp(x, weights, biases, operands, spec)
     return _not_a_view(_dispatch(x, weights, biases, operands, spec))
+
+
+def _autocast_on(x: Tensor) -> bool:
+    """Autocast is on for x's device: the op called as such (a function mode, tracing) runs the original ops, which
+    autocast as eager's do (``fused_mlp`` decides itself, :mod:`fxfuse.autocast`)."""
+    return any_autocast() and torch.is_autocast_enabled(x.device.type)
 
 
 def _traced_or_watched(x: Tensor) -> bool:
@@ -335,6 +344,9 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     ``spec`` has run a backward, calls that record gradients run the original ops instead: autograd
     keeps their intermediates, and the step costs what eager's does. Calls without gradients stay fused.
 
+    Under autocast the region runs fused on an input cast to the autocast dtype when its weights already have
+    that dtype, else as the original ops (:mod:`fxfuse.autocast`).
+
     Example:
         >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
         >>> with torch.no_grad():
@@ -344,6 +356,12 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     """
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
+    if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on a cast input, or eager's ops
+        cast = autocast_input(x, weights, biases, operands, spec)
+        if cast is None:
+            return reference_mlp(x, weights, biases, operands, spec,
+                                 trained=_records_grad(x, weights, biases, operands))
+        x = cast
     if _records_grad(x, weights, biases, operands):
         if spec in _trained:
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
@@ -364,7 +382,7 @@ def is_fused_call(node) -> bool:
 def _mlp_cpu(x, weights, biases, operands, spec):
     # Without a GPU the reference ops run, unless the Triton interpreter is on (tests use it to run
     # the real kernels on the CPU).
-    if not _interpreting():
+    if not _interpreting() or _autocast_on(x):
         return reference_mlp(x, weights, biases, operands, spec)
     from torch._library.triton import set_wrap_triton_enabled
 

@@ -1,0 +1,176 @@
+"""Optimized models under ``torch.autocast``: a fused region follows autocast (fused on a cast input when its
+weights already have the autocast dtype, else the original ops), and a method that reads or sets the autocast
+state is not a host. Each result is compared with eager's under the same autocast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import GPT2MLP, Block, GatedMLP, nerf_mlp
+from test_ops import TOL, rel_err
+from torch import nn
+
+import fxfuse
+import fxfuse.ops
+from fxfuse import autocast as fx_autocast
+from fxfuse.autocast import REFERENCE, autocast_input
+
+
+class _Counts:
+    """How many region calls ran fused (``_dispatch``, no gradients) and as the original ops."""
+
+    def __init__(self, monkeypatch):
+        self.fused = self.reference = 0
+        dispatch, reference = fxfuse.ops._dispatch, fxfuse.ops.reference_mlp
+
+        def counted_dispatch(*args, **kwargs):
+            self.fused += 1
+            return dispatch(*args, **kwargs)
+
+        def counted_reference(*args, **kwargs):
+            self.reference += 1
+            return reference(*args, **kwargs)
+
+        monkeypatch.setattr(fxfuse.ops, "_dispatch", counted_dispatch)
+        monkeypatch.setattr(fxfuse.ops, "reference_mlp", counted_reference)
+
+
+def test_autocast_input_says_when_the_region_runs_fused():
+    x = torch.randn(3, 8)
+    w16, b16 = torch.randn(4, 8).half(), torch.randn(4).half()
+    assert autocast_input(x, [torch.randn(4, 8)], [], [], "1:relu(a0)") is x  # no autocast
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert autocast_input(x, [w16], [b16], [], "1b:relu(a0)") is REFERENCE  # "cpu" is not a fused device
+    fx_autocast.FUSED_AUTOCAST_DEVICES.add("cpu")
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            cast = autocast_input(x, [w16], [b16], [], "1b:relu(a0)")
+            assert cast.dtype == torch.float16 and torch.equal(cast, x.half())
+            assert autocast_input(x, [torch.randn(4, 8)], [], [], "1:relu(a0)") is REFERENCE  # fp32 weights
+            assert autocast_input(x, [w16], [], [], "1:exp(a0)") is REFERENCE  # autocast runs exp in fp32
+            assert autocast_input(x, [w16], [], [torch.randn(4)], "1:mul(a0,v0)") is REFERENCE  # an operand
+            assert autocast_input(x.double(), [w16], [], [], "1:relu(a0)") is REFERENCE  # autocast leaves fp64
+    finally:
+        fx_autocast.FUSED_AUTOCAST_DEVICES.discard("cpu")
+
+
+@pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp(), Block], ids=["gated", "gpt2", "nerf", "block"])
+def test_cpu_autocast_gives_eagers_result_exactly(make, monkeypatch):
+    # CPU autocast is not a fused device: the fused graph runs, every region as the original ops, under
+    # autocast; result and gradients are eager's bit for bit.
+    model = make().eval()
+    fast = fxfuse.optimize(model)
+    counts = _Counts(monkeypatch)
+    x = torch.randn(4, 5, 32 if not isinstance(model, nn.Sequential) else 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            out, ref = fast(x), model(x)
+    assert counts.reference >= 1 and counts.fused == 0
+    assert out.dtype == ref.dtype  # (bf16, or fp32 after Block's fp32 residual)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+    model.train()
+    fast.train()
+    eager = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(1)  # (GPT2MLP's dropout)
+        fast(x).float().square().sum().backward()
+        torch.manual_seed(1)
+        eager(x).float().square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp()], ids=["gated", "gpt2", "nerf"])
+def test_weights_in_the_autocast_dtype_run_fused(make, monkeypatch):
+    # A float16 model under float16 autocast, fed float32 (as a LayerNorm under autocast gives it): the region
+    # casts its input as its first Linear would and runs the kernels (the interpreter stands in for CUDA).
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
+    model = make().eval().half()
+    fast = fxfuse.optimize(model)
+    counts = _Counts(monkeypatch)
+    x = torch.randn(6, 32 if not isinstance(model, nn.Sequential) else 16)
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        out, ref = fast(x), model(x)
+    assert counts.fused == 1 and counts.reference == 0
+    assert out.dtype == ref.dtype == torch.float16
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.half().double())
+    assert rel_err(out, exact) < max(TOL[torch.float16], 1.5 * rel_err(ref, exact))
+
+
+class _QueriesAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 48), nn.Linear(48, 16)
+
+    def forward(self, x):
+        if torch.is_autocast_enabled():  # a traced graph would always take the branch it saw
+            x = x * 2
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _EntersAutocast(_QueriesAutocast):
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):  # a traced graph would not keep the context
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("cls", [_QueriesAutocast, _EntersAutocast])
+def test_a_method_that_uses_the_autocast_state_is_not_a_host(cls):
+    model = cls().eval()
+    fast = fxfuse.optimize(model)
+    report = fxfuse.report(fast)
+    assert not report.regions
+    assert any("autocast state" in r.reason for r in report.rejections), str(report)
+    x = torch.randn(3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp()], ids=["gated", "gpt2", "nerf"])
+def test_gpu_autocast_runs_fused_on_a_model_in_its_dtype(make, dtype, monkeypatch):
+    model = make().eval().to("cuda", dtype)
+    fast = fxfuse.optimize(model)
+    counts = _Counts(monkeypatch)
+    x = torch.randn(64, 32 if not isinstance(model, nn.Sequential) else 16, device="cuda")
+    with torch.autocast("cuda", dtype=dtype), torch.no_grad():
+        out, ref = fast(x), model(x)
+    assert counts.fused == 1 and counts.reference == 0
+    assert out.dtype == ref.dtype == dtype
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.to(dtype).double())
+    assert rel_err(out, exact) < max(TOL[dtype], 1.5 * rel_err(ref, exact))
+
+
+@pytest.mark.gpu
+def test_gpu_autocast_training_of_fp32_weights(untrained_specs, monkeypatch):
+    # Mixed precision: fp32 master weights under bf16 autocast. Every step runs the original ops under autocast
+    # with the gated middle as one kernel each way; gradients match eager's under the same autocast.
+    from fxfuse.gated_training import GatedProduct
+
+    model = GatedMLP(64, 160).cuda().train()
+    fast = fxfuse.optimize(model)
+    eager = copy.deepcopy(model)
+    used = []
+    apply = GatedProduct.apply
+    monkeypatch.setattr(GatedProduct, "apply", lambda *a: used.append(1) or apply(*a))
+    for _ in range(3):
+        x = torch.randn(32, 64, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fast(x)
+            ref = eager(x)
+        assert out.dtype == ref.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        ref.float().square().sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert p.grad.dtype == torch.float32
+            assert rel_err(p.grad, q.grad) < 2e-2
+            p.grad, q.grad = None, None
+    assert len(used) == 3
