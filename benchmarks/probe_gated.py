@@ -19,7 +19,6 @@ step.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_training import _peak_mib, _step  # noqa: E402
 from timing import host_us, kernels_after_flush, profile_top  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
@@ -69,34 +69,11 @@ def middle_alone(name: str, m: int, hidden: int, dtype: torch.dtype) -> None:
               f"at the copy ceiling")
 
 
-def _step(module, x, grad_out, params, original_middle: bool):
-    def run():
-        if original_middle:
-            os.environ["FXFUSE_GATED_TRAINING"] = "0"
-        try:
-            for p in params:
-                p.grad = None
-            x.grad = None
-            module(x).backward(grad_out)
-        finally:
-            os.environ.pop("FXFUSE_GATED_TRAINING", None)
-    return run
-
-
 def _device_us(run) -> tuple[float, str]:
     """Device µs per step of the step's kernels (each step after an L2 flush) and the top kernels as text."""
     kernels = sorted(kernels_after_flush(run), key=lambda k: -k[1])
     lines = "\n".join(f"      {us:8.1f} µs  x{count:<3d} {name[:90]}" for name, us, count in kernels[:8])
     return sum(us for _, us, _ in kernels), lines
-
-
-def _peak_mib(run) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    run()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def step_probe(name: str, m, host_only: bool = False) -> None:
@@ -106,9 +83,9 @@ def step_probe(name: str, m, host_only: bool = False) -> None:
     x = make_input(w, m=m).requires_grad_(True)
     grad_out = torch.randn_like(model(x).detach())
     fast = fxfuse.optimize(model)
-    variants = {"eager": _step(model, x, grad_out, params, False),
-                "fxfuse": _step(fast, x, grad_out, params, False),
-                "fxfuse orig. middle": _step(fast, x, grad_out, params, True)}
+    variants = {"eager": _step(model, x, grad_out, params),
+                "fxfuse": _step(fast, x, grad_out, params),
+                "fxfuse orig. middle": _step(fast, x, grad_out, params, original_middle=True)}
     for run in variants.values():  # first calls: tune, mark the region trained
         run(), run()
     torch.cuda.synchronize()
