@@ -59,9 +59,9 @@ def middle_alone(name: str, m: int, hidden: int, dtype: torch.dtype) -> None:
     def eager_backward():
         torch.autograd.grad(h, (gr, ur), dh, retain_graph=True)
 
-    rows = [("forward eager", _bench(lambda: act(g) * u), 6 * mib),  # act: r g w a; mul: r a, u w h
+    rows = [("forward eager", _bench(lambda: act(g) * u), 5 * mib),  # act: r g w a; mul: r a u w h
             ("forward kernel", _bench(lambda: run_gated_forward(g, u, ACTS[name])), 3 * mib),
-            ("backward eager", _bench(eager_backward), 8 * mib),  # du: r dh a w; da: r dh u w; dg: r da g w
+            ("backward eager", _bench(eager_backward), 9 * mib),  # du: r dh a w; da: r dh u w; dg: r da g w
             ("backward kernel", _bench(lambda: run_gated_backward(dh, g, u, ACTS[name])), 5 * mib)]
     print(f"\n{name}: the middle alone, [{m}, {hidden}] {dtype}")
     for label, us, nbytes in rows:
