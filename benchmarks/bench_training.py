@@ -10,8 +10,8 @@ gradient, input gradient included, parameter gradients reset to None) is timed w
   as trained, and later gradient-recording calls run the original ops (``fxfuse.ops.fused_mlp``);
 * fxfuse recompute: the op's generic backward every step (``FXFUSE_FUSED_BACKWARD=0``, trained marks
   cleared: fused forward, then the original ops' forward again and their backward);
-* fxfuse original-ops middle (gated rows): as shipped but with ``FXFUSE_GATED_TRAINING=0``, i.e. a trained gated
-  region's ``act(g) * u`` as the original ops instead of one kernel each way (:mod:`fxfuse.gated_training`);
+* fxfuse gated kernels (gated rows): as shipped but with ``FXFUSE_GATED_TRAINING=1``, i.e. a trained gated
+  region's ``act(g) * u`` as one kernel each way instead of the original ops (:mod:`fxfuse.gated_training`);
 * torch.compile default, and ``backend="fxfuse"`` (which leaves training graphs to Inductor).
 
 Also timed: the forward alone with gradients recorded but never used (inference without ``torch.no_grad()``),
@@ -54,13 +54,13 @@ import fxfuse.ops  # noqa: E402
 ROWS = ("seed_geglu", "gpt2_mlp", "llama_swiglu_4096", "nerf64", "nerf128")
 
 
-def _step(module, x, grad_out, params, *, generic_backward=False, original_middle=False):
+def _step(module, x, grad_out, params, *, generic_backward=False, gated_kernels=False):
     """One training step; ``generic_backward``: with the fused chain backward off and no region marked trained,
-    leaving fxfuse's trained marks as they were (the shipped variant's state is its own); ``original_middle``: with
-    ``FXFUSE_GATED_TRAINING=0`` (a trained gated region's middle as the original ops)."""
+    leaving fxfuse's trained marks as they were (the shipped variant's state is its own); ``gated_kernels``: with
+    ``FXFUSE_GATED_TRAINING=1`` (a trained gated region's middle in one kernel each way)."""
     def run():
-        if original_middle:
-            os.environ["FXFUSE_GATED_TRAINING"] = "0"
+        if gated_kernels:
+            os.environ["FXFUSE_GATED_TRAINING"] = "1"
         if generic_backward:
             saved = set(fxfuse.ops._trained)
             fxfuse.ops._trained.clear()
@@ -71,7 +71,7 @@ def _step(module, x, grad_out, params, *, generic_backward=False, original_middl
             x.grad = None
             module(x).backward(grad_out)
         finally:
-            if original_middle:
+            if gated_kernels:
                 del os.environ["FXFUSE_GATED_TRAINING"]
             if generic_backward:
                 del os.environ["FXFUSE_FUSED_BACKWARD"]
@@ -127,7 +127,7 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
     }
     gated = w.kind in ("geglu", "swiglu")
     if gated:
-        steps["fxfuse original-ops middle"] = _step(fast, x, grad_out, params, original_middle=True)
+        steps["fxfuse gated kernels"] = _step(fast, x, grad_out, params, gated_kernels=True)
     forwards = {"eager": _forward(model, x), "fxfuse": _forward(fast, x)}
     row: dict = {"name": w.name, "m": x.shape[0], "dims": w.dims_str, "dtype": str(w.dtype).replace("torch.", "")}
     t0 = time.perf_counter()
@@ -161,21 +161,21 @@ def bench_row(w, rounds: int, log, m: Optional[int] = None) -> dict:
     row["fxfuse peak MiB"] = _peak_mib(steps["fxfuse"])
     row["fxfuse recompute peak MiB"] = _peak_mib(steps["fxfuse recompute"])
     if gated:
-        row["fxfuse original-ops middle peak MiB"] = _peak_mib(steps["fxfuse original-ops middle"])
+        row["fxfuse gated kernels peak MiB"] = _peak_mib(steps["fxfuse gated kernels"])
     return row
 
 
 def table(rows: list[dict]) -> str:
     head = ("| name | M | dims | dtype | eager step µs | fxfuse step µs | vs eager | fxfuse recompute step µs "
-            "| fxfuse original-ops middle step µs | compile default step µs | compile fxfuse backend step µs "
+            "| fxfuse gated kernels step µs | compile default step µs | compile fxfuse backend step µs "
             "| grad-recording forward µs (eager / fxfuse) | kernels µs per step (eager / fxfuse) "
-            "| peak MiB (eager / fxfuse / recompute / original-ops middle) | host µs per step (eager / fxfuse) "
+            "| peak MiB (eager / fxfuse / recompute / gated kernels) | host µs per step (eager / fxfuse) "
             "| synchronized step µs (eager / fxfuse) | max grad rel err vs eager |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         err = max(r[k] for k in r if k.endswith("grad rel err"))
-        middle = r.get("fxfuse original-ops middle step us")
-        middle_peak = r.get("fxfuse original-ops middle peak MiB")
+        middle = r.get("fxfuse gated kernels step us")
+        middle_peak = r.get("fxfuse gated kernels peak MiB")
         lines.append(
             f"| {r['name']} | {r['m']} | {r['dims']} | {r['dtype']} | {r['eager step us']:.0f} "
             f"| {r['fxfuse step us']:.0f} | {r['eager step us'] / r['fxfuse step us']:.2f}× "

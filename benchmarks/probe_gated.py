@@ -1,13 +1,14 @@
-"""The gated training kernels (on by default) against eager's pointwise ops, alone and in a training step.
+"""The gated training kernels (``FXFUSE_GATED_TRAINING=1``) against eager's pointwise ops, alone and in a step.
 
 For each gated row of ``bench_training.py`` (seed_geglu, llama_swiglu_4096):
 
 1. the middle ``act(g) * u`` alone, do_bench median (L2 flushed): forward, eager's two kernels against
    ``run_gated_forward``; backward, eager's autograd of the middle against ``run_gated_backward``; with the
    bytes each moves at the copy ceiling;
-2. a training step of ``fxfuse.optimize(model)``, as shipped (gated kernels) and with ``FXFUSE_GATED_TRAINING=0``
-   (the original ops' middle), beside eager: do_bench median, the device time of the step's kernels (profiler,
-   each step after an L2 flush), host µs per step, peak MiB; and the top kernels of each variant.
+2. a training step of ``fxfuse.optimize(model)``, as shipped (the original ops) and with
+   ``FXFUSE_GATED_TRAINING=1`` (the gated kernels), beside eager: do_bench median, the device time of the
+   step's kernels (profiler, each step after an L2 flush), host µs per step, peak MiB; and the top kernels of
+   each variant.
 
 With ``--host``, instead: host µs per step of the three variants in interleaved rounds, a step of each under
 ``torch.cuda.set_sync_debug_mode("warn")`` (a synchronizing call would warn), and the cProfile top of the shipped
@@ -85,7 +86,7 @@ def step_probe(name: str, m, host_only: bool = False) -> None:
     fast = fxfuse.optimize(model)
     variants = {"eager": _step(model, x, grad_out, params),
                 "fxfuse": _step(fast, x, grad_out, params),
-                "fxfuse orig. middle": _step(fast, x, grad_out, params, original_middle=True)}
+                "fxfuse gated": _step(fast, x, grad_out, params, gated_kernels=True)}
     for run in variants.values():  # first calls: tune, mark the region trained
         run(), run()
     torch.cuda.synchronize()
@@ -120,7 +121,7 @@ def host_probe(variants: dict) -> None:
             torch.cuda.set_sync_debug_mode("default")
         print(f"  {label:19s} synchronizing calls in a step: {len(caught)} "
               + "; ".join(str(c.message)[:80] for c in caught[:3]))
-    print("  fxfuse step, cProfile:\n" + profile_top(variants["fxfuse"], calls=50, lines=25))
+    print("  fxfuse gated step, cProfile:\n" + profile_top(variants["fxfuse gated"], calls=50, lines=25))
 
 
 def main() -> None:

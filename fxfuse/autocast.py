@@ -9,8 +9,9 @@ A fused region (:func:`fxfuse.ops.fused_mlp`) follows that:
   first Linear would, and the region runs fused. The result is the fused kernels' on those tensors.
 * **Anything else** (fp32 master weights, an epilogue with ``exp``/``log``/``pow``, which autocast runs in fp32,
   an operand that type promotion would widen): the original ops run, under autocast, so the result is eager's.
-  A call that records gradients there still runs a gated MLP's ``act(g) * u`` as one kernel each way
-  (:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the projections give it.
+  A call that records gradients there runs a gated MLP's ``act(g) * u`` as one kernel each way under
+  ``FXFUSE_GATED_TRAINING=1`` (:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the
+  projections give it.
 
 The fused path is taken for CUDA autocast only (:data:`FUSED_AUTOCAST_DEVICES`: the op lists it was checked
 against); autocast on another device type than the input's changes nothing here.

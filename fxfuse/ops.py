@@ -12,8 +12,8 @@ Registered with ``torch.library.triton_op`` so torch.compile and torch.export un
 * Autograd: a narrow chain's gradients come from one fused backward kernel that recomputes the forward on
   chip (:mod:`fxfuse.backward`); any other region's are the vjp of the reference composite, so gradients
   are always those of the original ops. A region of the second kind that has been trained runs its
-  gradient-recording calls as the original ops (``fused_mlp``), a gated middle ``act(g) * u`` as one kernel
-  each way (:mod:`fxfuse.gated_training`).
+  gradient-recording calls as the original ops (``fused_mlp``); with ``FXFUSE_GATED_TRAINING=1`` a gated
+  middle ``act(g) * u`` as one kernel each way (:mod:`fxfuse.gated_training`).
 
 Example:
     >>> import torch, fxfuse.ops
@@ -81,8 +81,8 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     """What the region computed before fusion, op by op (eager semantics, errors included).
 
     ``trained``: a trained region's gradient-recording call (see :func:`fused_mlp`), where a gated stage's
-    ``act(g) * u`` runs as one kernel each way if the kernels take the tensors (unless ``FXFUSE_GATED_TRAINING=0``;
-    :func:`fxfuse.gated_training.gated_product`).
+    ``act(g) * u`` runs as one kernel each way under ``FXFUSE_GATED_TRAINING=1`` if the kernels take the tensors
+    (:func:`fxfuse.gated_training.gated_product`).
     """
     h = x
     for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path

@@ -151,10 +151,12 @@ def test_gpu_autocast_runs_fused_on_a_model_in_its_dtype(make, dtype, monkeypatc
 
 @pytest.mark.gpu
 def test_gpu_autocast_training_of_fp32_weights(untrained_specs, monkeypatch):
-    # Mixed precision: fp32 master weights under bf16 autocast. Every step runs the original ops under autocast
-    # with the gated middle as one kernel each way; gradients match eager's under the same autocast.
+    # Mixed precision: fp32 master weights under bf16 autocast. Every step runs the original ops under autocast,
+    # with FXFUSE_GATED_TRAINING=1 the gated middle as one kernel each way; gradients match eager's under the
+    # same autocast.
     from fxfuse.gated_training import GatedProduct
 
+    monkeypatch.setenv("FXFUSE_GATED_TRAINING", "1")
     model = GatedMLP(64, 160).cuda().train()
     fast = fxfuse.optimize(model)
     eager = copy.deepcopy(model)

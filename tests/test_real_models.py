@@ -153,10 +153,12 @@ def test_train_mode_dropout_runs_as_eager_and_gated_mlp_trains_fused():
 
 
 def _trained_steps(family, monkeypatch, device="cpu", dtype=torch.float32, steps=3, tol=1e-3):
-    """``steps`` training steps of the tiny ``family`` model, optimized and eager side by side (same inputs): every
+    """``steps`` training steps of the tiny ``family`` model with ``FXFUSE_GATED_TRAINING=1``, optimized and eager
+    side by side (same inputs): every
     parameter's gradient matches eager's at every step; returns how many GatedProduct calls each step made."""
     from fxfuse.gated_training import GatedProduct
 
+    monkeypatch.setenv("FXFUSE_GATED_TRAINING", "1")
     model, inputs, _ = tiny(family)
     model = model.to(device, dtype)
     inputs = {k: v.to(device) for k, v in inputs.items()}
