@@ -1,7 +1,7 @@
 """Python wrappers of the gated pointwise kernels (:mod:`fxfuse.kernels.gated_template`).
 
 They run twice per training step of every gated block, so on the GPU a launch after the first of its kind
-(kernel, element count, activation, dtype, device) is bound (:func:`.fastlaunch.bind`): only the tensors change.
+(kernel, element count, activation, dtypes, device) is bound (:func:`.fastlaunch.bind`): only the tensors change.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .gated_template import GATED_ACTIVATIONS, gated_backward_kernel, gated_forw
 
 __all__ = ["run_gated_backward", "run_gated_forward"]
 
-# (kernel, N, ACT, dtype, device index) -> a launch bound to everything but the tensors
+# (kernel, N, ACT, the tensors' dtypes, device index) -> a launch bound to everything but the tensors
 _bound_launches = fastlaunch.Bindings()
 
 
@@ -31,7 +31,7 @@ def _launch(kernel, args: dict, slots: Sequence[str], n: int, device: torch.devi
     if not (fastlaunch.may_bind(tensors[0]) and all(t.data_ptr() % 16 == 0 for t in tensors)):
         fastlaunch.launch(kernel, grid, args, varying=("N",))  # (a binding assumes 16-byte aligned tensors)
         return
-    key = (kernel, n, args["ACT"], tensors[0].dtype, tensors[0].get_device())
+    key = (kernel, n, args["ACT"], tuple(t.dtype for t in tensors), tensors[0].get_device())
     bound = _bound_launches.get(key)
     if bound is not None:
         bound(*tensors)
