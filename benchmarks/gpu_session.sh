@@ -9,7 +9,8 @@
 #                                                #   -> results.md, results.json, log.txt (+ profile demo if time left)
 #   bash benchmarks/gpu_session.sh bench-quick   # benchmark without max-autotune + profile report/PNG
 #                                                #   -> results.*, log.txt, profile_demo.log, docs/* (8 files)
-#   bash benchmarks/gpu_session.sh training      # training steps vs eager / torch.compile -> training.md
+#   bash benchmarks/gpu_session.sh training      # training steps vs eager / torch.compile -> training.md,
+#                                                #   a 4-layer transformers Llama's step -> llama_training.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
@@ -146,6 +147,10 @@ case "$mode" in
   training)
     step training "${TRAINING_TIMEOUT:-300}" training_console.log python3 benchmarks/bench_training.py --out "$OUT"
     tail -12 "$OUT/training_console.log"
+    # A real model's step (transformers Llama, 4 layers), if transformers is installed: -> llama_training.md
+    step llama-training "${LLAMA_TRAINING_TIMEOUT:-120}" llama_training_console.log \
+      python3 benchmarks/bench_llama_training.py --out "$OUT" --rounds 5
+    tail -6 "$OUT/llama_training_console.log"
     ;;
   probe)
     PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probe_decode.py --quick
