@@ -8,7 +8,9 @@ A fused region (:func:`fxfuse.ops.fused_mlp`) follows that:
   extra operands, and only activations autocast leaves alone: the input is cast to the autocast dtype, as the
   first Linear would, and the region runs fused. The result is the fused kernels' on those tensors.
 * **Anything else** (fp32 master weights, an epilogue with ``exp``/``log``/``pow``, which autocast runs in fp32,
-  an operand that type promotion would widen): the original ops run, under autocast, so the result is eager's.
+  an operand that type promotion would widen): the region's ops run as the model wrote them, under autocast:
+  eager's Linear layers and dtypes; an activation written out as a formula that fxfuse recognised as one op
+  (GPT-2's tanh-GELU) runs as that op, which can differ from eager's by a rounding of the autocast dtype.
   A call that records gradients there runs a gated MLP's ``act(g) * u`` as one kernel each way under
   ``FXFUSE_GATED_TRAINING=1`` (:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the
   projections give it.

@@ -188,6 +188,19 @@ def test_gated_models_train_with_the_gated_kernels(family, untrained_specs, monk
     assert _trained_steps(family, monkeypatch) == [0, 2, 2]
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "bert", "clip"])
+def test_real_models_under_autocast(family):
+    # Under CPU autocast every region runs its original ops inside the fused graph: eager's dtypes, and its values
+    # up to a rounding of bf16 where a written-out activation (GPT-2's tanh-GELU formula, CLIP's quick-GELU) was
+    # recognised as one op; T5's dtype check (traced for uniform dtypes) does not change its result.
+    model, inputs, _ = tiny(family)
+    fast = fxfuse.optimize(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        out, ref = main_output(fast(**inputs)), main_output(model(**inputs))
+    assert out.dtype == ref.dtype
+    close(out, ref, tol=2e-2)
+
+
 @pytest.mark.parametrize("family", ["llama", "bert", "bart"])
 def test_torch_export_of_the_optimized_model(family):
     model, inputs, blocks = tiny(family)
