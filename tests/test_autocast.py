@@ -176,3 +176,21 @@ def test_gpu_autocast_training_of_fp32_weights(untrained_specs, monkeypatch):
             assert rel_err(p.grad, q.grad) < 2e-2
             p.grad, q.grad = None, None
     assert len(used) == 3
+
+
+@pytest.mark.parametrize("make", [GatedMLP, GPT2MLP], ids=["gated", "gpt2"])
+def test_the_backend_under_autocast_gives_eagers_result(make):
+    # A function compiled with backend="fxfuse" that enters autocast itself: eager's dtype and values.
+    model = make().eval()
+    x = torch.randn(4, 32)
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="fxfuse", options={"inductor": False})
+    with torch.no_grad():
+        out, ref = compiled(x), f(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
