@@ -42,8 +42,7 @@ __all__ = ["GEMV_MAX_M", "run_stage_gemv"]
 
 # Rows the kernel takes: one padded BLOCK_M tile holds them all.
 GEMV_MAX_M = GEMV_BLOCK_M
-_MAX_BOUND = 1024  # bound launches kept; past it, all are dropped (rebuilt on the next call of each)
-_bound: dict[tuple, object] = {}
+_bound = fastlaunch.Bindings(limit=1024)  # bound launches by call key; past the limit all are dropped
 
 
 def _pdl_supported(x: torch.Tensor) -> bool:
@@ -134,9 +133,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     if call_key is not None:
         bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
         if bound is not None:
-            if len(_bound) >= _MAX_BOUND:
-                _bound.clear()
-            _bound[call_key] = bound
+            _bound.keep(call_key, bound)
     if fastlaunch.recording_open():
         fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, N, x.dtype, x.device))
     return out

@@ -41,8 +41,7 @@ __all__ = ["run_grid_sync"]
 
 # Launch cooperatively (the driver guarantees that every program is resident, or refuses the launch).
 COOPERATIVE = True
-_MAX_BOUND = 1024  # bound launches kept; past it, all are dropped (rebuilt on the next call of each)
-_bound: dict[tuple, object] = {}
+_bound = fastlaunch.Bindings(limit=1024)  # bound launches by call key; past the limit all are dropped
 
 
 def _kernel_args(x, weights, biases, operands, out, scratch, sync, K, H, N) -> dict:
@@ -148,9 +147,7 @@ def run_grid_sync(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
     if call_key is not None:
         bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"), varying=())
         if bound is not None:
-            if len(_bound) >= _MAX_BOUND:
-                _bound.clear()
-            _bound[call_key] = bound
+            _bound.keep(call_key, bound)
     if fastlaunch.recording_open():
         fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, 1, N, x.dtype, x.device))
     return out
