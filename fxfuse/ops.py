@@ -202,9 +202,11 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
                 tuple(s.epilogue for s in stages), check=False)
     else:  # one GEMM + epilogue per stage, each by its fastest implementation
         timed = h.device.type == "cuda" and type(h) is Tensor and measured_choice_enabled()
+        ran = None
         for stage, stage_biases, ops in zip(stages, per_stage_biases, per_stage_ops):
             stage_weights = [weights[w] for w, _ in stage.linears]
-            h = run_best_stage(h, stage_weights, stage_biases, ops, stage.epilogue, timed=timed)
+            h, ran = run_best_stage(h, stage_weights, stage_biases, ops, stage.epilogue, timed=timed,
+                                    after_gemv=ran == "gemv")
     return h.reshape(*lead, h.shape[-1])
 
 

@@ -17,7 +17,7 @@ the library paths. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a ker
 rows, else ``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 
 Example:
-    >>> h = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
+    >>> h, ran = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -72,8 +72,14 @@ def _cublaslt_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optio
 
 
 def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                   operands: Sequence[Tensor], epilogue: str, *, timed: bool) -> Tensor:
-    """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel."""
+                   operands: Sequence[Tensor], epilogue: str, *, timed: bool,
+                   after_gemv: bool = False) -> tuple[Tensor, str]:
+    """The stage on 2-D ``x`` (arguments already checked), by the fastest implementation (``timed``) or a kernel:
+    ``(output, the implementation that ran)``, a key of ``STAGE_IMPLEMENTATIONS``.
+
+    ``after_gemv``: the region's previous stage ran ``"gemv"`` (the small-M kernel) just before this one, which
+    lets a small-M launch start loading its weights early (:func:`fxfuse.kernels.run_stage_gemv`).
+    """
     (M, K), N = x.shape, weights[0].shape[0]
     key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
            tuple(b is not None for b in biases), for_cuda_graphs())
@@ -82,18 +88,18 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
         runners = _runners(x, weights, biases, operands, epilogue, timed)
         choice = _measure(key, runners) if timed else next(iter(runners))
     if choice == "gemv":
-        return run_stage_gemv(x, weights, biases, operands, epilogue, check=False)
+        return run_stage_gemv(x, weights, biases, operands, epilogue, check=False, after_gemv=after_gemv), choice
     if choice == "tma":
         out = run_stage_tma(x, weights, biases, operands, epilogue, check=False)
         if out is not None:  # None: this x does not suit TMA (alignment); the pointer kernel takes it
-            return out
+            return out, choice
         choice = "triton"
     if choice == "triton":
-        return run_stage(x, weights, biases, operands, epilogue, check=False)
+        return run_stage(x, weights, biases, operands, epilogue, check=False), choice
     impl = _cublaslt_stage if choice == "cublaslt" else _torch_stage
     if fastlaunch.recording_open():
         fastlaunch.record(_library_step(impl, weights, biases, operands, epilogue))
-    return impl(x, weights, biases, operands, epilogue)
+    return impl(x, weights, biases, operands, epilogue), choice
 
 
 def _library_step(impl: Callable, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],

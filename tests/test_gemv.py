@@ -67,7 +67,9 @@ ONE_ROW_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1, "ON
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
 def test_one_row_configs_match_float64_reference(stage, dtype):
-    for config in ONE_ROW_CONFIGS:
+    # With PREFETCH the first K step's weights are loaded before the (here absent) wait for the previous kernel.
+    prefetching = [triton.Config({**c.kwargs, "PREFETCH": True}, num_warps=c.num_warps) for c in ONE_ROW_CONFIGS]
+    for config in ONE_ROW_CONFIGS + prefetching:
         args = make_stage(*stage, 1, dtype)
         assert rel_err(run_stage_gemv(*args, config=config), reference(*args)) < TOL[dtype], config
     assert workspaces_are_clean()
@@ -111,9 +113,25 @@ def test_untimed_stage_choice_is_the_small_m_kernel(monkeypatch):
     monkeypatch.setattr(stages, "run_stage_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
         x, ws, bs, ops, epi = make_stage(*STAGES[0], m)
-        out = stages.run_best_stage(x, ws, bs, ops, epi, timed=False)
+        out, _ = stages.run_best_stage(x, ws, bs, ops, epi, timed=False)
         assert rel_err(out, reference(x, ws, bs, ops, epi)) < TOL[torch.float32]
     assert calls == [1, GEMV_MAX_M]  # 17 rows take the GEMM kernels
+
+
+def test_a_stage_after_a_small_m_stage_is_told_so(monkeypatch):
+    """The region's stage loop tells a small-M launch whether the previous stage was one (its PREFETCH rule)."""
+    from fxfuse.ops import _run_kernels
+    from fxfuse.strategy import GATED_GEMM_EPILOGUE
+
+    seen = []
+    real = stages.run_stage_gemv
+    monkeypatch.setattr(stages, "run_stage_gemv", lambda *a, **k: seen.append(k["after_gemv"]) or real(*a, **k))
+    x, (wg, wu), _, _, _ = make_stage(*STAGES[0], 1)
+    wd = torch.randn(20, STAGES[0][-1]) / 7
+    out = _run_kernels(x, [wg, wu, wd], [], [], "2:mul(silu(a0),a1);1:a0", GATED_GEMM_EPILOGUE)
+    assert seen == [False, True]
+    ref = (F.silu(x.double() @ wg.double().T) * (x.double() @ wu.double().T)) @ wd.double().T
+    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 GPU_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -145,6 +163,26 @@ def test_every_gpu_config(stage):
             assert rel_err(out, reference(*args)) < 1e-2, (config, m)
     torch.cuda.synchronize()
     assert workspaces_are_clean()
+
+
+@pytest.mark.gpu
+def test_prefetching_stage_sees_weights_written_just_before_the_region():
+    """A one-row stage after a small-M stage loads its first weights before waiting for that stage (PREFETCH). The
+    weights it reads must still be the ones written by the kernel before the region: a short first stage, a
+    wide second whose weights are rewritten in place right before every call, all on one stream."""
+    from fxfuse.kernels.gemv_launch import _bound
+
+    one_row = next(c for c in gpu_gemv_configs() if c.kwargs["ONE_ROW"] and c.kwargs["BLOCK_N"] == 1)
+    x, w1, _, _, _ = make_stage("gelu_tanh(a0)", 1, False, 0, 64, 256, 1, torch.bfloat16, "cuda")
+    w2 = torch.empty(8192, 256, dtype=torch.bfloat16, device="cuda")
+    for step in range(6):
+        w2.copy_(torch.randn_like(w2) * (step + 1))  # a kernel writing the weights, right before the region
+        h = run_stage_gemv(x, w1, [None], [], "gelu_tanh(a0)")
+        out = run_stage_gemv(h, [w2], [None], [], "a0", after_gemv=True)
+        assert rel_err(out, h.double() @ w2.double().T) < 1e-2, step
+    assert any(key[0] == ("a0", True) for key in _bound)  # the prefetching launch was bound (and reused)
+    for config in (one_row, triton.Config({**one_row.kwargs, "PREFETCH": True}, num_warps=one_row.num_warps)):
+        assert rel_err(run_stage_gemv(h, [w2], [None], [], "a0", config=config), h.double() @ w2.double().T) < 1e-2
 
 
 @pytest.mark.gpu

@@ -43,6 +43,9 @@ __all__ = ["GEMV_MAX_M", "run_stage_gemv"]
 # Rows the kernel takes: one padded BLOCK_M tile holds them all.
 GEMV_MAX_M = GEMV_BLOCK_M
 _bound = fastlaunch.Bindings(limit=1024)  # bound launches by call key; past the limit all are dropped
+# A one-row stage after another small-M stage loads its first weights before waiting for it (``after_gemv``).
+# Probes turn it off to measure it (then drop ``_bound`` and the replays, which hold the choice).
+prefetch_weights = True
 
 
 def _pdl_supported(x: torch.Tensor) -> bool:
@@ -59,7 +62,7 @@ def _capability(index: int) -> int:
 
 def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                    operands: Sequence[torch.Tensor], epilogue: str, *, check: bool = True,
-                   config: Optional[triton.Config] = None) -> torch.Tensor:
+                   config: Optional[triton.Config] = None, after_gemv: bool = False) -> torch.Tensor:
     """``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)`` for a few rows, streaming the weights once.
 
     The same contract as :func:`fxfuse.kernels.run_stage` (any strides, one or two ``[N, K]`` weights,
@@ -68,6 +71,9 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     Args:
         check: validate the arguments first (``torch.ops.fxfuse.mlp`` checks them itself and passes False).
         config: run this config (one of ``gpu_gemv_configs()``) instead of the autotuned one (probes).
+        after_gemv: the previous kernel on this stream is this kernel (the region's previous stage, run by
+            ``run_stage_gemv``): a one-row launch then loads its first weights before waiting for it
+            (``PREFETCH``; ``prefetch_weights`` turns that off for probes).
 
     Raises:
         ValueError: bad shapes, dtypes, devices, epilogue, or more than ``GEMV_MAX_M`` rows.
@@ -89,7 +95,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     # Not while tracing (the launch must become a graph node) nor capturing (the capture owns its workspace).
     if config is None and x.is_cuda and type(x) is torch.Tensor and _get_current_dispatch_mode() is None \
             and not torch.cuda.is_current_stream_capturing():
-        call_key = fastlaunch.bound_key(epilogue, x, weights, biases, operands)
+        call_key = fastlaunch.bound_key((epilogue, after_gemv and prefetch_weights), x, weights, biases, operands)
         bound = _bound.get(call_key)
         if bound is not None:
             out = fastlaunch.new_output(M, N, x.dtype, x.device)
@@ -116,7 +122,9 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     args["stride_om"], args["stride_on"] = out.stride(0), out.stride(1)
     args.update({f"HAS_BIAS{i}": b is not None for i, b in enumerate(biases)})
     pdl = _pdl_supported(x)
-    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl})
+    # PREFETCH is only safe after the wait-then-release of the same kernel's previous launch (see the template).
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl,
+                 "PREFETCH": pdl and after_gemv and prefetch_weights and M == 1})
     if pdl:
         args["launch_pdl"] = True  # a launch option (compiled into the kernel's metadata), not a kernel argument
 
@@ -126,7 +134,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     if config is not None:  # one variant, bypassing the autotuner
         if config.kwargs.get("ONE_ROW") and M != 1:
             raise ValueError(f"a ONE_ROW config computes one row; got {M}")
-        kernel.fn[grid](**args, **config.all_kwargs())
+        kernel.fn[grid](**{**args, **config.all_kwargs()})  # (a probe's config may set PREFETCH too)
         return out
     launch_kernel(kernel, grid, args, x)
     bound = None

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs", "gpu_gemv_configs",
            "prune_gemv_configs", "render_gemv"]
 
-GEMV_TEMPLATE_VERSION = 4
+GEMV_TEMPLATE_VERSION = 5
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
 
@@ -100,6 +100,10 @@ _DOC = '''\
     ONE_ROW:     M is 1: multiply-and-sum on CUDA cores (BLOCK_N may be below 16) instead of ``tl.dot``.
     USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
                  previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
+    PREFETCH:    (ONE_ROW with USE_PDL) issue the first K step's weight loads BEFORE the wait. Only for a launch
+                 whose previous kernel is this kernel with USE_PDL (the region's previous stage): that one passed
+                 its own wait before letting this launch start, so every earlier kernel, any writer of the
+                 weights included, has finished; and it writes only x, which is still read after the wait.
     """
 '''
 
@@ -124,7 +128,8 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     params += [f"stride_b{i}" for i in lin] + [f"stride_v{j}" for j in range(n_ops)]
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
                "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr"]
+               "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr",
+               "PREFETCH: tl.constexpr"]
 
     body = [
         "pid_n = tl.program_id(0)",
@@ -149,6 +154,17 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    k_first = pid_k * per_split",
         "    k_end = tl.minimum(k_first + per_split, k_steps)",
         "xt_ptrs = x_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_xk + rows[None, :] * stride_xm",
+    ]
+    body += [f"w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
+    body += [
+        "if PREFETCH:",
+        "    # The weights do not depend on the previous kernel (see PREFETCH): their first K step is on its way",
+        "    # from memory while that kernel finishes. (Read by the ONE_ROW stream only; unused loads are dropped.)",
+        "    ks_first = k_first * BLOCK_K + offs_k[None, :]",
+    ]
+    body += [f"    w{i}_first = tl.load(w{i}_ptr + w{i}_rows + ks_first * stride_w{i}k, mask=ks_first < K, other=0.0, "
+             "eviction_policy=\"evict_first\")" for i in lin]
+    body += [
         "if USE_PDL:",
         "    # Launched early (programmatic dependent launch): wait until the previous kernel, which may write",
         "    # x, has finished, and let the next one be scheduled as this one's programs retire.",
@@ -168,10 +184,17 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    # registers per element and cut the programs an SM keeps in flight). x is a [1, BLOCK_K] tile in the",
         "    # weight tile's layout (a 1-D load would be re-laid out through shared memory in every step).",
     ]
-    body += [f"    w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
     body += [f"    part{i} = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)" for i in lin]
     body += [
-        "    for k in range(k_first, k_end):",
+        "    k_loop = k_first",
+        "    if PREFETCH:  # the first step, with the weights loaded before the wait",
+        "        xr = tl.load(x_ptr + ks_first * stride_xk, mask=ks_first < K, other=0.0,",
+        "                     eviction_policy=\"evict_last\")",
+    ]
+    body += [f"        part{i} += w{i}_first.to(tl.float32) * xr.to(tl.float32)" for i in lin]
+    body += [
+        "        k_loop = k_first + 1",
+        "    for k in range(k_loop, k_end):",
         "        ks = k * BLOCK_K + offs_k[None, :]",
         "        k_mask = ks < K",
         "        xr = tl.load(x_ptr + ks * stride_xk, mask=k_mask, other=0.0, eviction_policy=\"evict_last\")",
