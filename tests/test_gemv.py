@@ -86,6 +86,16 @@ def test_one_row_configs_are_only_tuned_for_one_row():
         assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in one_row)
 
 
+def test_prefetching_one_row_launch_takes_whole_row_configs():
+    x = torch.empty(1, 14336, dtype=torch.bfloat16)
+    args = {"x_ptr": x, "N": 4096, "K": 14336, "M_BUCKET": 1}
+    kept = _prune(gpu_gemv_configs(), {**args, "PREFETCH": True})
+    assert kept and all(c.kwargs["ONE_ROW"] and c.kwargs["BLOCK_K"] >= 14336 for c in kept)
+    assert any(c.kwargs["BLOCK_K"] < 14336 for c in _prune(gpu_gemv_configs(), {**args, "PREFETCH": False}))
+    wide = {**args, "K": 65536, "x_ptr": torch.empty(1, 65536, dtype=torch.bfloat16), "PREFETCH": True}
+    assert _prune(gpu_gemv_configs(), wide)  # no whole-row config: the others stay
+
+
 def test_strided_inputs_and_single_element_operand():
     k, n = 40, 24
     x = torch.randn(k, 3).t()  # [3, K], non-contiguous
