@@ -9,6 +9,12 @@ But the Python autograd node and launches add host time per call, and a host-bou
 transformers Llama trained in bf16 read 0.90-0.96x eager's step in three runs (`bench_llama_training.py`). So it
 is off by default: turn it on for GPU-bound or memory-bound training.
 
+A region that is exactly a gated MLP (``down(act(gate(x)) * up(x))``, the usual case) does not come here: it
+runs as one autograd node for the whole MLP, :class:`fxfuse.gated_mlp_training.GatedMLPFunction`, which cost
+less host time than GatedProduct and eager's graph on the CPU machine with the launches stubbed
+(`benchmarks/probe_gated_host.py`; not yet measured on a GPU). GatedProduct serves the other gated stages, and
+the whole-MLP node's refusals (e.g. fp32 weights under bf16 autocast).
+
 Tensors the kernels do not take (another device, a dtype, non-contiguous, traced, under functorch transforms)
 keep the original ops. A second-order backward (``create_graph=True``) takes the original ops' gradients, which
 are differentiable.

@@ -12,8 +12,9 @@ Registered with ``torch.library.triton_op`` so torch.compile and torch.export un
 * Autograd: a narrow chain's gradients come from one fused backward kernel that recomputes the forward on
   chip (:mod:`fxfuse.backward`); any other region's are the vjp of the reference composite, so gradients
   are always those of the original ops. A region of the second kind that has been trained runs its
-  gradient-recording calls as the original ops (``fused_mlp``); with ``FXFUSE_GATED_TRAINING=1`` a gated
-  middle ``act(g) * u`` as one kernel each way (:mod:`fxfuse.gated_training`).
+  gradient-recording calls as the original ops (``fused_mlp``); with ``FXFUSE_GATED_TRAINING=1`` a region that is
+  exactly a gated MLP as one autograd node with one kernel each way for its middle (:mod:`fxfuse.gated_mlp_training`),
+  and any other gated middle ``act(g) * u`` as one kernel each way (:mod:`fxfuse.gated_training`).
 
 Example:
     >>> import torch, fxfuse.ops
@@ -42,6 +43,7 @@ from . import epilogue as ep
 from . import replay
 from .autocast import any_autocast, autocast_input
 from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
+from .gated_mlp_training import gated_mlp
 from .gated_training import gated_form, gated_product, gated_training_enabled
 from .kernels.chain_backward_template import walks
 from .kernels.template import interpreting as _interpreting
@@ -80,15 +82,21 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
                   operands: Sequence[Tensor], spec: str, trained: bool = False) -> Tensor:
     """What the region computed before fusion, op by op (eager semantics, errors included).
 
-    ``trained``: a trained region's gradient-recording call (see :func:`fused_mlp`), where a gated stage's
-    ``act(g) * u`` runs as one kernel each way under ``FXFUSE_GATED_TRAINING=1`` if the kernels take the tensors
-    (:func:`fxfuse.gated_training.gated_product`).
+    ``trained``: a trained region's gradient-recording call (see :func:`fused_mlp`). Under
+    ``FXFUSE_GATED_TRAINING=1``, if the kernels take the tensors, a region that is exactly a gated MLP runs as one
+    autograd node (:func:`fxfuse.gated_mlp_training.gated_mlp`), and otherwise a gated stage's ``act(g) * u`` as one
+    kernel each way (:func:`fxfuse.gated_training.gated_product`).
     """
+    gated = trained and gated_training_enabled()
+    if gated:
+        out = gated_mlp(x, weights, biases, spec)
+        if out is not None:
+            return out
     h = x
     for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path
         accs = [F.linear(h, weights[w], None if b is None else biases[b]) for w, b in stage.linears]
         fused = None
-        if trained and stage.gated is not None and gated_training_enabled():
+        if gated and stage.gated is not None:
             gate, up, act = stage.gated
             fused = gated_product(accs[gate], accs[up], act)
         h = fused if fused is not None else ep.evaluate(stage.expr, accs,

@@ -35,8 +35,9 @@ _FUSED_BACKWARD_NOTE = ("training: the backward is one fused kernel too (forward
                         "fxfuse/backward.py)")
 _WALK_BACKWARD_NOTE = ("training: the backward is fused too (the forward kernel stores each layer's input, a walk "
                        "kernel writes the activation gradients, one GEMM per weight gradient; fxfuse/backward.py)")
-_GATED_NOTE = ("; FXFUSE_GATED_TRAINING=1 runs its act(g) * u as one kernel each way, saving g and u only: less "
-               "GPU work and memory, more host time per call (fxfuse/gated_training.py)")
+_GATED_NOTE = ("; FXFUSE_GATED_TRAINING=1 runs its act(g) * u as one kernel each way, saving g and u only (a "
+               "whole gated MLP as one autograd node): less GPU work and memory (fxfuse/gated_mlp_training.py, "
+               "fxfuse/gated_training.py)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
                    "intermediates (fxfuse's op would recompute the forward)")
 

@@ -155,7 +155,9 @@ def test_train_mode_dropout_runs_as_eager_and_gated_mlp_trains_fused():
 def _trained_steps(family, monkeypatch, device="cpu", dtype=torch.float32, steps=3, tol=1e-3):
     """``steps`` training steps of the tiny ``family`` model with ``FXFUSE_GATED_TRAINING=1``, optimized and eager
     side by side (same inputs): every
-    parameter's gradient matches eager's at every step; returns how many GatedProduct calls each step made."""
+    parameter's gradient matches eager's at every step; returns how many GatedMLPFunction (the whole MLP as one
+    autograd node) and GatedProduct calls each step made."""
+    from fxfuse.gated_mlp_training import GatedMLPFunction
     from fxfuse.gated_training import GatedProduct
 
     monkeypatch.setenv("FXFUSE_GATED_TRAINING", "1")
@@ -164,14 +166,15 @@ def _trained_steps(family, monkeypatch, device="cpu", dtype=torch.float32, steps
     inputs = {k: v.to(device) for k, v in inputs.items()}
     fast = fxfuse.optimize(model).train()
     ref_model = copy.deepcopy(model).train()
-    used = []
-    apply = GatedProduct.apply
-    monkeypatch.setattr(GatedProduct, "apply", lambda *a: used.append(1) or apply(*a))
+    whole, product = [], []
+    forward, apply = GatedMLPFunction.forward, GatedProduct.apply
+    monkeypatch.setattr(GatedMLPFunction, "forward", staticmethod(lambda *a: whole.append(1) or forward(*a)))
+    monkeypatch.setattr(GatedProduct, "apply", lambda *a: product.append(1) or apply(*a))
     per_step = []
     for _ in range(steps):
-        before = len(used)
+        before = len(whole), len(product)
         main_output(fast(**inputs)).float().square().mean().backward()
-        per_step.append(len(used) - before)
+        per_step.append((len(whole) - before[0], len(product) - before[1]))
         main_output(ref_model(**inputs)).float().square().mean().backward()
         for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
             scale = p_ref.grad.double().abs().max().item()
@@ -183,9 +186,10 @@ def _trained_steps(family, monkeypatch, device="cpu", dtype=torch.float32, steps
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_gated_models_train_with_the_gated_kernels(family, untrained_specs, monkeypatch):
-    # The first step runs the fused op and its vjp (the region is then marked trained); later steps run the
-    # GEMMs as the original ops and each block's act(g) * u as one kernel each way (interpreted here).
-    assert _trained_steps(family, monkeypatch) == [0, 2, 2]
+    # The first step runs the fused op and its vjp (the region is then marked trained); in later steps each block's
+    # MLP is one GatedMLPFunction node: cuBLAS's GEMMs (here the CPU's) and act(g) * u as one kernel each way
+    # (interpreted here).
+    assert _trained_steps(family, monkeypatch) == [(0, 0), (2, 0), (2, 0)]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "bert", "clip"])
@@ -335,7 +339,7 @@ def test_real_models_on_gpu_bf16(family):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_gated_models_train_on_gpu_bf16(family, untrained_specs, monkeypatch):
-    assert _trained_steps(family, monkeypatch, "cuda", torch.bfloat16, tol=2e-2) == [0, 2, 2]
+    assert _trained_steps(family, monkeypatch, "cuda", torch.bfloat16, tol=2e-2) == [(0, 0), (2, 0), (2, 0)]
 
 
 @pytest.mark.gpu
