@@ -104,12 +104,39 @@ def module_ab(names: list[str], rounds: int) -> None:
     _switch(True)
 
 
+def bench_like(name: str, rounds: int) -> None:
+    """As ``bench_workloads.py`` runs the row (grad mode off for the process, ``optimize`` then one call), then
+    which launches were bound and which configs the small-M kernels were tuned to."""
+    import fxfuse
+    from benchmarks.workloads import WORKLOADS, build_module, make_input
+    from fxfuse import codegen
+
+    print(f"3. {name} as the benchmark runs it")
+    torch.set_grad_enabled(False)
+    w = next(w for w in WORKLOADS if w.name == name)
+    mod, x = build_module(w), make_input(w)
+    opt = fxfuse.optimize(mod)
+    opt(x)
+    times = [_bench(lambda: opt(x)) for _ in range(rounds)]
+    print(f"   do_bench µs: {', '.join(f'{t:.2f}' for t in times)}")
+    print(f"   bound small-M launches (tag): {[k[0] for k in gemv_launch._bound]}")
+    for n_lin, epi in ((2, "mul(a0,silu(a1))"), (2, "mul(silu(a0),a1)"), (1, "a0")):
+        kernel = codegen.generated_gemv_kernel(n_lin, epi).fused_gemv_kernel
+        for key, config in getattr(kernel, "cache", {}).items():
+            print(f"   {epi} tuned {key}: {config}")
+    torch.set_grad_enabled(True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="llama_swiglu_m1")
+    parser.add_argument("--bench-like", action="store_true", help="only part 3 (a fresh process's first row)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if args.bench_like:
+        bench_like(args.only.split(",")[0], args.rounds)
+        return
     direct_pair(args.rounds)
     module_ab(args.only.split(","), args.rounds)
 
