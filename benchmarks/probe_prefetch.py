@@ -120,6 +120,19 @@ def bench_like(name: str, rounds: int) -> None:
     times = [_bench(lambda: opt(x)) for _ in range(rounds)]
     print(f"   do_bench µs: {', '.join(f'{t:.2f}' for t in times)}")
     print(f"   bound small-M launches (tag): {[k[0] for k in gemv_launch._bound]}")
+    # The benchmark builds the CUDA-graph variant next, before it times anything.
+    graphed = fxfuse.optimize(mod, cuda_graphs=True)
+    for _ in range(3):
+        graphed(x)
+    times = [_bench(lambda: opt(x)) for _ in range(rounds)]
+    print(f"   after building cuda_graphs=True: do_bench µs {', '.join(f'{t:.2f}' for t in times)}; "
+          f"graphed {_bench(lambda: graphed(x)):.2f}")
+    print(f"   bound small-M launches (tag): {[k[0] for k in gemv_launch._bound]}; replays {len(replay.replays)}")
+    _switch(True)
+    opt(x)
+    opt(x)
+    times = [_bench(lambda: opt(x)) for _ in range(rounds)]
+    print(f"   bound launches and replays dropped: do_bench µs {', '.join(f'{t:.2f}' for t in times)}")
     for n_lin, epi in ((2, "mul(a0,silu(a1))"), (2, "mul(silu(a0),a1)"), (1, "a0")):
         kernel = codegen.generated_gemv_kernel(n_lin, epi).fused_gemv_kernel
         for key, config in getattr(kernel, "cache", {}).items():

@@ -8,10 +8,12 @@ activation, the product; six views more on a 3-D x):
 * forward: ``g = x @ Wg^T (+bg)`` and ``u = x @ Wu^T (+bu)`` (``F.linear``: cuBLAS, eager's own calls),
   ``h = act(g) * u`` (one kernel, :func:`fxfuse.kernels.gated_launch.run_gated_forward`), ``y = h @ Wd^T (+bd)``;
   it saves x, g, u and the parameters, not ``h``;
-* backward: ``dh = dy @ Wd``; one kernel writes ``dg``, ``du`` and ``h`` again (``STORE_H``); then
-  ``dWd = dy^T h``, ``dWg = dg^T x``, ``dWu = du^T x``, the biases' column sums, and ``dx = dg Wg`` with
-  ``du Wu`` added in place (one ``[M, D]`` add less than eager's). Only the gradients autograd asks for
-  (frozen weights, an input that does not require grad) are computed.
+* backward: ``h`` again (the forward kernel) for ``dWd = dy^T h``, then freed; ``dh = dy @ Wd``; one kernel
+  writes ``dg`` (over ``dh``) and ``du``; then ``dWg = dg^T x``, ``dWu = du^T x``, the biases' column sums, and
+  ``dx = dg Wg`` with ``du Wu`` added in place (one ``[M, D]`` add less than eager's). At most four
+  ``[M, hidden]`` tensors are alive at once (g, u, dg, du), as many as eager keeps from its forward; the
+  forward keeps two (eager: four). Only the gradients autograd asks for (frozen weights, an input that does
+  not require grad) are computed.
 
 Each tensor eager rounds to the dtype (g, u, h, dh, dg, du) is rounded once to it here; the activation and the
 product are computed on fp32 values. A second-order backward (``create_graph=True``) takes the original ops'
@@ -99,13 +101,16 @@ class GatedMLPFunction(torch.autograd.Function):
             return _differentiable_grads(ctx, dy, (x, wg, wu, wd, bg, bu, bd))
         need_x, need_wg, need_wu, need_wd, need_bg, need_bu, need_bd, _ = ctx.needs_input_grad
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
-        dx = dwg = dwu = dwd = dbg = dbu = dbd = h = None
+        dx = dwg = dwu = dwd = dbg = dbu = dbd = None
+        if need_wd:  # first, so that h is gone before dh, dg and du exist (the backward's peak memory)
+            h = run_gated_forward(g, u, ctx.act)
+            dwd = torch.mm(dy2.t(), h if h.dim() == 2 else h.view(-1, h.shape[-1]))
+            del h
+        if need_bd:
+            dbd = dy2.sum(0)
         if need_x or need_wg or need_wu or need_bg or need_bu:
-            dh = torch.mm(dy2, wd)  # dg, du (and h) come out [M, hidden] like dh, whatever g's leading dims
-            if need_wd:
-                dg, du, h = run_gated_backward(dh, g, u, ctx.act, True)
-            else:
-                dg, du = run_gated_backward(dh, g, u, ctx.act)
+            # dg is written over dh (ours, needed no more); both come out [M, hidden] whatever g's leading dims
+            dg, du = run_gated_backward(torch.mm(dy2, wd), g, u, ctx.act, overwrite_dh=True)
             if need_x:
                 dx = torch.mm(dg, wg)
                 dx.addmm_(du, wu)
@@ -121,12 +126,6 @@ class GatedMLPFunction(torch.autograd.Function):
                 dbg = dg.sum(0)
             if need_bu:
                 dbu = du.sum(0)
-        elif need_wd:
-            h = run_gated_forward(g, u, ctx.act)
-        if need_wd:
-            dwd = torch.mm(dy2.t(), h if h.dim() == 2 else h.view(-1, h.shape[-1]))
-        if need_bd:
-            dbd = dy2.sum(0)
         return dx, dwg, dwu, dwd, dbg, dbu, dbd, None
 
 

@@ -1,8 +1,7 @@
 """Python wrappers of the gated pointwise kernels (:mod:`fxfuse.kernels.gated_template`).
 
 They run twice per training step of every gated block, so on the GPU a launch after the first of its kind
-(kernel, element count, activation, whether the backward stores ``h``, dtypes, device) is bound
-(:func:`.fastlaunch.bind`): only the tensors change.
+(kernel, element count, activation, dtypes, device) is bound (:func:`.fastlaunch.bind`): only the tensors change.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from .gated_template import GATED_ACTIVATIONS, gated_backward_kernel, gated_forw
 
 __all__ = ["run_gated_backward", "run_gated_forward"]
 
-# (kernel, N, ACT, STORE_H, the tensors' dtypes, device index) -> a launch bound to everything but the tensors
+# (kernel, N, ACT, the tensors' dtypes, device index) -> a launch bound to everything but the tensors
 _bound_launches = fastlaunch.Bindings()
 
 
@@ -32,7 +31,7 @@ def _launch(kernel, args: dict, slots: Sequence[str], n: int, device: torch.devi
     if not (fastlaunch.may_bind(tensors[0]) and all(t.data_ptr() % 16 == 0 for t in tensors)):
         fastlaunch.launch(kernel, grid, args, varying=("N",))  # (a binding assumes 16-byte aligned tensors)
         return
-    key = (kernel, n, args["ACT"], args.get("STORE_H"), tuple(t.dtype for t in tensors), tensors[0].get_device())
+    key = (kernel, n, args["ACT"], tuple(t.dtype for t in tensors), tensors[0].get_device())
     bound = _bound_launches.get(key)
     if bound is not None:
         bound(*tensors)
@@ -56,15 +55,15 @@ def run_gated_forward(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tenso
     return h
 
 
-def run_gated_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, store_h: bool = False) \
-        -> tuple[torch.Tensor, ...]:
+def run_gated_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, overwrite_dh: bool = False) \
+        -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients ``(dg, du)`` of ``act(g) * u`` for the output gradient ``dh`` (all contiguous, one dtype and
-    element count), shaped like ``dh``; with ``store_h``, ``(dg, du, h)``: also the forward's ``h``, bit for bit
-    :func:`run_gated_forward`'s."""
-    dg, du = torch.empty_like(dh), torch.empty_like(dh)
-    h = torch.empty_like(dh) if store_h else dg  # (not written without store_h)
+    element count), shaped like ``dh``. ``overwrite_dh``: ``dg`` is written over ``dh`` (returned as ``dg``), for a
+    caller that owns dh and needs it no more: one ``[M, hidden]`` tensor less at the backward's peak."""
+    dg = dh if overwrite_dh else torch.empty_like(dh)
+    du = torch.empty_like(dh)
     n = g.numel()
-    _launch(gated_backward_kernel, {"dh_ptr": dh, "g_ptr": g, "u_ptr": u, "dg_ptr": dg, "du_ptr": du, "h_ptr": h,
-                                    "N": n, "ACT": GATED_ACTIVATIONS[act], "STORE_H": store_h},
-            ("dh_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr", "h_ptr"), n, g.device)
-    return (dg, du, h) if store_h else (dg, du)
+    _launch(gated_backward_kernel, {"dh_ptr": dh, "g_ptr": g, "u_ptr": u, "dg_ptr": dg, "du_ptr": du, "N": n,
+                                    "ACT": GATED_ACTIVATIONS[act]},
+            ("dh_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr"), n, g.device)
+    return dg, du

@@ -4,9 +4,8 @@ Eager runs the middle of ``down(act(gate(x)) * up(x))`` as two kernels forward (
 and three backward (the product's two gradients, the activation's), moving the ``[M, hidden]`` tensors through
 memory 14 times and saving ``act(g)`` besides ``g`` and ``u``. These two kernels move them 8 times (forward:
 read g and u, write h; backward: read dh, g and u, write dg and du) and save only ``g`` and ``u`` (Liger-Kernel's
-SwiGLU/GeGLU scheme). The backward can also write ``h`` again (``STORE_H``, a 9th pass), so that a whole gated
-MLP's autograd node need not keep ``h`` for the down projection's weight gradient. The activation and its
-derivative are computed on fp32 values and each result is cast once to the dtype.
+SwiGLU/GeGLU scheme). The activation and its derivative are computed on fp32 values and each result is cast
+once to the dtype.
 
 Activations (:data:`GATED_ACTIVATIONS`): SiLU, GELU (erf) and GELU (tanh form), the three gated MLPs in use
 (Llama's SwiGLU, GeGLU in both forms).
@@ -76,21 +75,17 @@ def gated_forward_kernel(g_ptr, u_ptr, h_ptr, N, ACT: tl.constexpr, BLOCK: tl.co
 
 @triton.autotune(configs=_CONFIGS, key=[])
 @triton.jit
-def gated_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, N, ACT: tl.constexpr, STORE_H: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """``du = dh * act(g)`` and ``dg = dh * u * act'(g)`` over N contiguous elements, and with ``STORE_H`` the
-    forward's ``h = act(g) * u`` again (the same bits as :func:`gated_forward_kernel`'s), for a backward that did
-    not save it (:mod:`fxfuse.gated_mlp_training`: the down projection's weight gradient reads it).
+def gated_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """``du = dh * act(g)`` and ``dg = dh * u * act'(g)`` over N contiguous elements.
 
     Args:
         dh_ptr: the gradient of ``h``, N elements.
         g_ptr, u_ptr: the forward's inputs (saved), N elements each.
-        dg_ptr, du_ptr: the gradients of g and u, N elements each, in g's dtype.
-        h_ptr: where ``h`` goes with ``STORE_H``, N elements in g's dtype; without it not written (any tensor of
-            g's dtype: the launch passes ``dg``).
+        dg_ptr, du_ptr: the gradients of g and u, N elements each, in g's dtype. ``dg_ptr`` may be ``dh_ptr``
+            (each element is read before it is written, by the same program): a caller that needs dh no more saves
+            one ``[M, hidden]`` buffer.
         N: the element count.
         ACT: which activation (:data:`GATED_ACTIVATIONS`).
-        STORE_H: whether to write ``h``.
         BLOCK: elements per program.
     """
     dh, offs, mask = _load_block(dh_ptr, N, BLOCK)
@@ -99,5 +94,3 @@ def gated_backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, N, ACT: t
     a, da = _activation(g, ACT)
     tl.store(du_ptr + offs, (dh * a).to(du_ptr.dtype.element_ty), mask=mask)
     tl.store(dg_ptr + offs, (dh * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
-    if STORE_H:
-        tl.store(h_ptr + offs, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
