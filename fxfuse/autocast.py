@@ -11,10 +11,10 @@ A fused region (:func:`fxfuse.ops.fused_mlp`) follows that:
   an operand that type promotion would widen): the region's ops run as the model wrote them, under autocast:
   eager's Linear layers and dtypes; an activation written out as a formula that fxfuse recognised as one op
   (GPT-2's tanh-GELU) runs as that op, which can differ from eager's by a rounding of the autocast dtype.
-  A call that records gradients there runs a gated MLP's ``act(g) * u`` as one kernel each way under
-  ``FXFUSE_GATED_TRAINING=1`` (:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the
-  projections give it. (Where the weights have the autocast dtype, a whole gated MLP runs as one autograd node,
-  :mod:`fxfuse.gated_mlp_training`, as without autocast.)
+  A call that records gradients there, under ``FXFUSE_GATED_TRAINING=1``, runs a whole gated MLP as one
+  autograd node on its tensors cast to the autocast dtype, as autocast casts a Linear's inputs
+  (:mod:`fxfuse.gated_mlp_training`), and another gated stage's ``act(g) * u`` as one kernel each way
+  (:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the projections give it.
 
 The fused path is taken for CUDA autocast only (:data:`FUSED_AUTOCAST_DEVICES`: the op lists it was checked
 against); autocast on another device type than the input's changes nothing here.

@@ -160,15 +160,21 @@ def gated_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], sp
     ops).
 
     They take: plain tensors (or Parameters) outside functorch transforms and forward AD; CUDA, or the
-    CPU under the Triton interpreter except bf16; fp16, bf16 or fp32, one dtype and device for all; shapes that
-    chain; no autocast of another dtype. Runs on every trained call: attribute reads only.
+    CPU under the Triton interpreter except bf16; fp16, bf16 or fp32, one dtype and device for all, or under
+    autocast any of those (cast to autocast's dtype, as its Linear layers would be); shapes that chain. Runs on
+    every trained call: attribute reads only.
     """
     region = gated_region(spec)
     if region is None or not use_function or len(weights) != 3:
         return None
     if type(x) is not Tensor or torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
         return None  # (the caller, fused_mlp, runs the op itself while anything traces)
-    dtype, cuda = x.dtype, x.is_cuda
+    cuda = x.is_cuda
+    # Under autocast to another dtype (fp32 master weights, bf16 autocast) the Linear layers run in that dtype:
+    # every tensor is cast to it first, as autocast casts F.linear's inputs (each weight once per forward;
+    # autograd's cast nodes return fp32 gradients), and the node runs in it.
+    autocasting = any_autocast() and torch.is_autocast_enabled(x.device.type)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocasting else x.dtype
     if dtype not in _DTYPES or x.dim() == 0 or x.numel() == 0:
         return None
     if not cuda and not (x.is_cpu and interpreting() and dtype is not torch.bfloat16):
@@ -177,22 +183,25 @@ def gated_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], sp
     gw, uw, dw, gb, ub, db, act = region
     wg, wu, wd = weights[gw], weights[uw], weights[dw]
     bg = bu = bd = None
-    tensors: tuple[Tensor, ...] = (wg, wu, wd)
+    tensors: tuple[Tensor, ...] = (x, wg, wu, wd)
     if gb is not None or ub is not None or db is not None:
         bg = None if gb is None else biases[gb]
         bu = None if ub is None else biases[ub]
         bd = None if db is None else biases[db]
         tensors += tuple(b for b in (bg, bu, bd) if b is not None)
+    cast = False
     for t in tensors:
-        if type(t) not in _PLAIN or t.dtype is not dtype or t.is_cuda is not cuda or t.get_device() != index:
+        if type(t) not in _PLAIN or t.is_cuda is not cuda or t.get_device() != index:
             return None
-    if any_autocast():
-        device = x.device.type
-        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) is not dtype:
-            return None  # the original ops run in the autocast dtype
+        if t.dtype is not dtype:
+            if not autocasting or t.dtype not in _DTYPES:
+                return None  # mixed dtypes outside autocast, or float64 (autocast leaves it): the original ops
+            cast = True
     hidden = wg.shape[0]
     if wg.shape != (hidden, x.shape[-1]) or wu.shape != wg.shape or wd.dim() != 2 or wd.shape[1] != hidden \
             or (bg is not None and bg.shape != (hidden,)) or (bu is not None and bu.shape != (hidden,)) \
             or (bd is not None and bd.shape != (wd.shape[0],)):
         return None  # the original ops raise eager's error
+    if cast:
+        x, wg, wu, wd, bg, bu, bd = (None if t is None else t.to(dtype) for t in (x, wg, wu, wd, bg, bu, bd))
     return _apply(_unwrap_if_dead(x), wg, wu, wd, bg, bu, bd, act)

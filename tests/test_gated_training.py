@@ -320,4 +320,32 @@ def test_gated_mlp_function_is_for_exact_gated_mlps_and_tensors_it_takes():
     assert gated_mlp(x, [wg, wu[:8], wd], [], spec) is None
     assert gated_mlp(x[:0], [wg, wu, wd], [], spec) is None  # empty
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert gated_mlp(x, [wg, wu, wd], [], spec) is None  # autocast runs the original ops in bf16
+        assert gated_mlp(x, [wg, wu, wd], [], spec) is None  # bf16 (autocast's dtype here): not interpreted
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert gated_mlp(x.double(), [wg, wu, wd], [], spec) is None  # autocast leaves float64 alone
+
+
+def test_gated_mlp_function_under_autocast_casts_like_eager():
+    # fp32 master weights under fp16 autocast (CPU; bf16 on the GPU test): the node runs in fp16 on inputs cast as
+    # autocast casts a Linear's, and the fp32 leaves get fp32 gradients close to eager's under the same autocast.
+    base = _mlp_tensors((3, 5), 16, 48, bias=True)
+    spec = _spec(True)
+
+    def run(use_gated):
+        leaves = [t.clone().requires_grad_() for t in base]
+        x, wg, wu, wd, bg, bu, bd = leaves
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = gated_mlp(x, [wg, wu, wd], [bg, bu, bd], spec) if use_gated else _original("silu")(*leaves)
+        assert y.dtype == torch.float16
+        if use_gated:
+            assert y.grad_fn.name() == "GatedMLPFunctionBackward"
+        y.float().square().sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    ref = [None if t is None else t.double() for t in base]
+    ref_leaves = [t.requires_grad_() for t in ref]
+    y64 = _original("silu")(*ref_leaves)
+    y64.square().sum().backward()
+    for name, got, eager, r in zip(("y", *_NAMES), run(True), run(False), [y64.detach()] + [t.grad for t in ref]):
+        assert got.dtype == eager.dtype, name
+        assert rel_err(got, r) < max(TOL[torch.float16], 1.5 * rel_err(eager, r)), name
