@@ -39,7 +39,7 @@ from torch import nn  # noqa: E402
 
 import fxfuse  # noqa: E402
 import fxfuse.gated_mlp_training as gmt  # noqa: E402
-import fxfuse.kernels.gated_launch as gated_launch  # noqa: E402
+import fxfuse.gated_training as gated_training  # noqa: E402
 from fxfuse.gated_training import GatedProduct  # noqa: E402
 
 VARIANTS = ("eager", "fxfuse", "product", "function")
@@ -64,7 +64,7 @@ def _stub_launches() -> None:
     def backward(dh, g, u, act, overwrite_dh=False):  # (the outputs have dh's shape)
         return dh if overwrite_dh else torch.empty_like(dh), torch.empty_like(dh)
 
-    for module in (gmt, gated_launch):  # GatedMLPFunction's names; GatedProduct imports them when it runs
+    for module in (gmt, gated_training):  # the names GatedMLPFunction and GatedProduct call
         module.run_gated_forward, module.run_gated_backward = forward, backward
 
 

@@ -44,12 +44,12 @@ from . import epilogue as ep
 from .autocast import any_autocast
 from .gated_training import gated_form
 from .kernels.gated_launch import run_gated_backward, run_gated_forward
+from .kernels.launch import SUPPORTED_DTYPES
 from .kernels.template import interpreting
 from .spec import MLPSpec
 
 __all__ = ["GatedMLPFunction", "gated_mlp", "gated_region"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLAIN = (Tensor, torch.nn.Parameter)  # a Parameter disables __torch_function__: it is a plain tensor here
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
@@ -175,7 +175,7 @@ def gated_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], sp
     # autograd's cast nodes return fp32 gradients), and the node runs in it.
     autocasting = any_autocast() and torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocasting else x.dtype
-    if dtype not in _DTYPES or x.dim() == 0 or x.numel() == 0:
+    if dtype not in SUPPORTED_DTYPES or x.dim() == 0 or x.numel() == 0:
         return None
     if not cuda and not (x.is_cpu and interpreting() and dtype is not torch.bfloat16):
         return None  # (the interpreter's tl.dot cannot multiply bf16)
@@ -194,7 +194,7 @@ def gated_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], sp
         if type(t) not in _PLAIN or t.is_cuda is not cuda or t.get_device() != index:
             return None
         if t.dtype is not dtype:
-            if not autocasting or t.dtype not in _DTYPES:
+            if not autocasting or t.dtype not in SUPPORTED_DTYPES:
                 return None  # mixed dtypes outside autocast, or float64 (autocast leaves it): the original ops
             cast = True
     hidden = wg.shape[0]

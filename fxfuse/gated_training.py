@@ -35,12 +35,13 @@ import torch
 from torch import Tensor
 
 from . import epilogue as ep
+from .kernels.gated_launch import run_gated_backward, run_gated_forward
 from .kernels.gated_template import GATED_ACTIVATIONS
+from .kernels.launch import SUPPORTED_DTYPES
 from .kernels.template import interpreting
 
 __all__ = ["GatedProduct", "gated_form", "gated_product", "gated_training_enabled"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def gated_training_enabled() -> bool:
@@ -66,16 +67,12 @@ class GatedProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor, act: str) -> Tensor:
-        from .kernels.gated_launch import run_gated_forward
-
         ctx.save_for_backward(g, u)
         ctx.act = act
         return run_gated_forward(g, u, act)
 
     @staticmethod
     def backward(ctx, dh: Tensor):
-        from .kernels.gated_launch import run_gated_backward
-
         g, u = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that are themselves differentiable
             act = ep.OPS[ctx.act].torch
@@ -94,7 +91,7 @@ def gated_product(g: Tensor, u: Tensor, act: str) -> Optional[Tensor]:
         return None
     if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device or g.numel() == 0:
         return None
-    if g.dtype not in _DTYPES or not (g.is_contiguous() and u.is_contiguous()):
+    if g.dtype not in SUPPORTED_DTYPES or not (g.is_contiguous() and u.is_contiguous()):
         return None
     if not (g.is_cuda or (g.device.type == "cpu" and interpreting() and g.dtype != torch.bfloat16)):
         return None  # (the interpreter cannot run bf16)
