@@ -19,7 +19,8 @@ For each: do_bench median of the step (L2 flushed, 3 interleaved rounds), the de
 each parameter gradient from float64's (the same weights, no autocast): the largest over parameters and the
 median, for eager and fxfuse.
 
-    python3 benchmarks/bench_llama_training.py --out DIR [--batch 4] [--seq 1024]
+    python3 benchmarks/bench_llama_training.py --out DIR [--batch 4] [--seq 1024] [--rounds 3]
+    python3 benchmarks/bench_llama_training.py --out DIR --host   # where each step's host time goes
 """
 
 from __future__ import annotations
@@ -111,17 +112,61 @@ def bench_setup(name: str, dtype: torch.dtype, autocast: bool, ids, rounds: int)
     return row
 
 
+def host_report(name: str, dtype: torch.dtype, autocast: bool, ids) -> str:
+    """``--host``: where a step's host time goes, eager against the gated kernels: µs to issue one step (no
+    synchronize inside), calls that synchronize or allocate, the ops with the most host time, the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eager = _llama(dtype)
+    fast = fxfuse.optimize(copy.deepcopy(eager))
+    steps = {"eager": _step(eager, ids, autocast), "fxfuse gated": _step(fast, ids, autocast, gated_kernels=True)}
+    out = [f"## {name}"]
+    for label, run in steps.items():
+        run(), run()
+        torch.cuda.synchronize()
+        issue = []
+        for _ in range(7):
+            t = time.perf_counter()
+            run()
+            issue.append((time.perf_counter() - t) * 1e6)
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        runtime = {e.key: e.count // 3 for e in events
+                   if any(w in e.key for w in ("Malloc", "Free", "Synchronize", "Memcpy", "EventSynchronize"))}
+        out += [f"### {label}: issue {statistics.median(issue):.0f} µs per step (median of 7); "
+                f"syncing/allocating calls per step: {runtime}",
+                "host self µs per step, top ops: " + ", ".join(
+                    f"{e.key} {e.self_cpu_time_total / 3:.0f} (x{e.count // 3})"
+                    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]),
+                "kernels µs per step, top: " + ", ".join(
+                    f"{e.key[:60]} {e.device_time_total / 3:.0f} (x{e.count // 3})"
+                    for e in sorted((e for e in events if e.device_type.name == "CUDA"),
+                                    key=lambda e: -e.device_time_total)[:14])]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--host", action="store_true", help="only where the host time goes (-> llama_host.txt)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_llama_training.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
+    if args.host:
+        text = "\n\n".join([host_report("bf16", torch.bfloat16, False, ids),
+                             host_report("fp32 + bf16 autocast", torch.float32, True, ids)])
+        (args.out / "llama_host.txt").write_text(text + "\n")
+        print(text)
+        return
     rows = [bench_setup("bf16", torch.bfloat16, False, ids, args.rounds),
             bench_setup("fp32 + bf16 autocast", torch.float32, True, ids, args.rounds)]
     lines = [f"### 4-layer Llama training step, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M')} "

@@ -223,6 +223,34 @@ def test_gemv_on_two_streams_and_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
+def test_a_region_tuned_by_plain_calls_is_captured_without_tuning():
+    """A CUDA graph capture launches without PDL. A prefetching stage (the second of a one-row region) must still ask
+    the autotuner for the key its plain calls tuned: tuning inside the capture is refused (it would invalidate
+    the graph), and the capture then fails. Widths no other test uses, so nothing is tuned before this test."""
+    x, w1, _, _, _ = make_stage("gelu_tanh(a0)", 1, False, 0, 208, 592, 1, torch.bfloat16, "cuda")
+    w2 = make_stage("a0", 1, False, 0, 592, 176, 1, torch.bfloat16, "cuda")[1]
+
+    def region():
+        h = run_stage_gemv(x, w1, [None], [], "gelu_tanh(a0)", check=False)
+        return run_stage_gemv(h, w2, [None], [], "a0", check=False, after_gemv=True)
+
+    def expected():
+        h = F.gelu(x.double() @ w1[0].double().T, approximate="tanh").to(x.dtype)
+        return h.double() @ w2[0].double().T
+
+    region()  # the plain call: tunes both stages
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = region()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, expected()) < 1e-2
+
+
+@pytest.mark.gpu
 def test_bound_launch_follows_new_inputs_and_weights():
     """After the first launch the host path is a launch bound to the call's weights: fresh inputs, weights updated
     in place and new weight tensors all give the right result."""

@@ -169,6 +169,29 @@ def test_a_failing_kernel_falls_back_to_the_original_ops(monkeypatch, caplog):
     assert "fused_chain" in caplog.text and "running the original ops instead" in caplog.text
 
 
+def test_a_kernel_refused_in_a_capture_runs_the_original_ops_and_keeps_the_kernels(monkeypatch, caplog):
+    """Tuning refused inside a CUDA graph capture is no failure: the graph records the original ops, no warning is
+    logged, and the next plain call runs the kernels again."""
+    import fxfuse.kernels as kernels
+    from fxfuse.kernels.tuning import TuningDuringCapture
+
+    args = make_args("1b:relu(a0);1b:a0", [16, 32, 8], lead=(9,))
+    run_chain = kernels.run_chain
+    calls = []
+
+    def refused(*a, **k):
+        calls.append(1)
+        raise TuningDuringCapture("fxfuse: fused_chain_kernel has not been tuned for this shape, ...")
+
+    monkeypatch.setattr(kernels, "run_chain", refused)
+    with caplog.at_level(logging.INFO, logger="fxfuse.ops"):
+        out = ops.fused_mlp(*args)
+    assert calls and rel_err(out, reference_mlp(*f64(args))) < TOL[torch.float32]
+    assert "the graph runs the original ops" in caplog.text and "WARNING" not in caplog.text
+    monkeypatch.setattr(kernels, "run_chain", lambda *a, **k: calls.append(2) or run_chain(*a, **k))
+    assert rel_err(ops.fused_mlp(*args), reference_mlp(*f64(args))) < TOL[torch.float32] and calls[-1] == 2
+
+
 def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
     x, w, b = torch.randn(40, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
     available = list(stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=True))  # tma only where it applies

@@ -207,3 +207,22 @@ def test_precompile_warms_every_config_with_its_own_descriptor_copies(monkeypatc
     assert [w["desc"].block_shape for w in warmed] == [[16], [32]]  # each config compiled for its own tile
     assert shared.block_shape is None and all(w["desc"] is not shared for w in warmed)
     assert "compiled 2 configs" in caplog.text
+
+
+def test_no_tuning_inside_a_cuda_graph_capture(monkeypatch):
+    """A key that is not tuned yet raises ``TuningDuringCapture`` while the stream captures, before any config is
+    benchmarked (a benchmark would invalidate the capture); a key tuned before launches as usual."""
+    benched = []
+    monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, config, **kw: benched.append(config) or [1.0] * 3)
+    x = torch.zeros(48, device="cuda" if torch.cuda.is_available() else "cpu")
+    grid = lambda meta: (triton.cdiv(48, meta["BLOCK"]),)  # noqa: E731
+    _add_one[grid](x, 47)  # N=47: tuned now, outside the capture
+    assert len(benched) == 2
+    monkeypatch.setattr(tuning, "_capturing", lambda: True)
+    _add_one[grid](x, 47)  # tuned: launches
+    with pytest.raises(tuning.TuningDuringCapture, match="being captured"):
+        _add_one[grid](x, 46)  # never tuned
+    monkeypatch.setattr(Autotuner, "check_disk_cache", lambda self, key, configs, bench_fn: bench_fn())  # a miss
+    with pytest.raises(tuning.TuningDuringCapture):
+        _add_one.check_disk_cache(("another key",), _add_one.configs, lambda: benched.append("benchmark"))
+    assert len(benched) == 2 and x[:47].eq(2).all() and x[47] == 0

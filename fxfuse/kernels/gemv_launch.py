@@ -122,9 +122,11 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     args["stride_om"], args["stride_on"] = out.stride(0), out.stride(1)
     args.update({f"HAS_BIAS{i}": b is not None for i, b in enumerate(biases)})
     pdl = _pdl_supported(x)
-    # PREFETCH is only safe after the wait-then-release of the same kernel's previous launch (see the template).
+    # PREFETCH is only safe after the wait-then-release of the same kernel's previous launch (see the template);
+    # without PDL (a CUDA graph capture) the launch starts after that kernel anyway. It does not depend on ``pdl``
+    # so that a capture asks the autotuner for the keys the plain calls before it tuned (none is tuned inside).
     args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl,
-                 "PREFETCH": pdl and after_gemv and prefetch_weights and M == 1})
+                 "PREFETCH": after_gemv and prefetch_weights and M == 1})
     if pdl:
         args["launch_pdl"] = True  # a launch option (compiled into the kernel's metadata), not a kernel argument
 

@@ -100,10 +100,11 @@ _DOC = '''\
     ONE_ROW:     M is 1: multiply-and-sum on CUDA cores (BLOCK_N may be below 16) instead of ``tl.dot``.
     USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
                  previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
-    PREFETCH:    (ONE_ROW with USE_PDL) issue the first K step's weight loads BEFORE the wait. Only for a launch
-                 whose previous kernel is this kernel with USE_PDL (the region's previous stage): that one passed
-                 its own wait before letting this launch start, so every earlier kernel, any writer of the
-                 weights included, has finished; and it writes only x, which is still read after the wait.
+    PREFETCH:    (ONE_ROW) issue the first K step's weight loads BEFORE the wait. Only for a launch whose
+                 previous kernel is this kernel (the region's previous stage): with USE_PDL that one passed its
+                 own wait before letting this launch start, so every earlier kernel, any writer of the weights
+                 included, has finished, and it writes only x, which is still read after the wait. Without
+                 USE_PDL (inside a CUDA graph capture) the launch starts after it: only the load order changes.
     """
 '''
 

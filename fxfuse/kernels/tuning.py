@@ -11,6 +11,10 @@ The generated kernels use ``@autotune(configs=..., key=..., prune_configs_by=...
 * A config whose compilation fails for any reason (not only Triton's out-of-resources errors: an MLIR pass
   that rejects a warp-specialized variant raises ``RuntimeError``) is logged and timed as infinitely slow, so
   the others still compete.
+* Never inside a CUDA graph capture: a benchmark there (events, synchronizations, launches of every config)
+  would invalidate the capture. A key that needs tuning while the current stream captures raises
+  :class:`TuningDuringCapture` before anything reaches the GPU, so the caller's fallback (the region's original
+  ops) is what gets captured. (A key tuned before, or found in the disk cache, launches as usual.)
 * Progress at INFO: ``tuning <kernel> for M_BUCKET=16, N=4096, K=1024 (4 configs)`` before the
   benchmark, ``tuned <kernel>: best <config> in 3.2 s`` after (or ``... from Triton's disk cache``).
 * Before the benchmark, the configs are compiled in parallel threads (``triton.AsyncCompileMode`` where
@@ -44,13 +48,21 @@ from triton.runtime.autotuner import Autotuner
 
 from .template import interpreting
 
-__all__ = ["CACHES_RESULTS", "ProgressAutotuner", "autotune"]
+__all__ = ["CACHES_RESULTS", "ProgressAutotuner", "TuningDuringCapture", "autotune"]
 
 log = logging.getLogger(__name__)
 
 CACHES_RESULTS = "cache_results" in inspect.signature(triton.autotune).parameters
 _ASYNC_COMPILE = getattr(triton, "AsyncCompileMode", None)
 _MAX_COMPILE_THREADS = 16
+
+
+class TuningDuringCapture(RuntimeError):
+    """A kernel would have to benchmark its configs while the current CUDA stream is capturing a graph."""
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def autotune(**kwargs):
@@ -88,6 +100,7 @@ class ProgressAutotuner(Autotuner):
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
         def compile_then_bench():
+            self._refuse_during_capture()
             self.precompile(configs)
             bench_fn()
 
@@ -101,7 +114,13 @@ class ProgressAutotuner(Autotuner):
             self._disk_hit = False
         return self._disk_hit
 
+    def _refuse_during_capture(self) -> None:
+        if _capturing():
+            raise TuningDuringCapture(f"fxfuse: {self._name()} has not been tuned for this shape, and a CUDA graph "
+                                      "is being captured on this stream (tuning would invalidate it)")
+
     def _bench(self, *args, config, **meta):
+        self._refuse_during_capture()  # (not caught below: no config can be timed here)
         try:
             return super()._bench(*args, config=config, **meta)
         except torch.OutOfMemoryError:
