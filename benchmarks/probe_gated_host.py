@@ -16,11 +16,13 @@ is not timed; a real launch costs a few µs of host more), ``torch.set_num_threa
 sizes. Rounds interleave the variants; each variant's figure is the median over rounds of µs per step.
 
     python3 benchmarks/probe_gated_host.py [--m 8 --d 64 --hidden 128] [--batch B] [--rounds 15] [--steps 200]
+        [--autocast]   # fp32 weights, the forward under autocast (bf16 on CUDA, fp16 on the CPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -84,6 +86,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="x of shape [batch, m, d] (a transformer's); 0: [m, d]")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--autocast", action="store_true",
+                        help="fp32 weights, forward under autocast (bf16 on CUDA, fp16 on the CPU)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -102,8 +106,15 @@ def main() -> None:
 
     params = {model: list(model.parameters()) for model in models.values()}
 
+    def autocast():
+        if not args.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=torch.bfloat16 if cuda else torch.float16)
+
     def step(model):
-        model(x).backward(dy)
+        with autocast():
+            y = model(x)
+        y.backward(dy)
         x.grad = None
         for p in params[model]:
             p.grad = None
@@ -152,7 +163,8 @@ def main() -> None:
     _configure("fxfuse")
 
     where = torch.cuda.get_device_name() if cuda else "CPU, gated launches stubbed"
-    print(f"host µs per forward+backward of one gated MLP layer, x {list(x.shape)}, H={args.hidden} fp32, "
+    print(f"host µs per forward+backward of one gated MLP layer, x {list(x.shape)}, H={args.hidden} fp32"
+          f"{' under ' + ('bf16' if cuda else 'fp16') + ' autocast' if args.autocast else ''}, "
           f"{where}; median of {args.rounds} interleaved rounds of {args.steps} steps (min-max)")
     base = statistics.median(times["eager"])
     for name in VARIANTS:
