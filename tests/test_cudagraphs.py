@@ -15,10 +15,18 @@ from models import GPT2MLP, Stack
 from torch import nn
 
 import fxfuse
+from fxfuse import cudagraphs
 from fxfuse.api import fused_graphs
 from fxfuse.cudagraphs import GraphedForward, _ParameterWatch, call_key
 
 STATE = (False, False, False, None)  # (grad enabled, inference mode, training, autocast), as GraphedForward reads
+
+
+@pytest.fixture(autouse=True)
+def _every_graph_kept(monkeypatch):
+    """These tests check captures and replays: every graph is kept, faster than the plain call or not (one test
+    below checks that choice)."""
+    monkeypatch.setattr(cudagraphs, "keep_only_faster", False)
 
 
 def rel_err(out, ref):
@@ -195,6 +203,33 @@ def test_fused_mlp_graphs_match_plain_and_eager_for_several_shapes():
                 assert rel_err(out, plain(x)) < 1e-3
                 assert rel_err(out, model(x)) < tol(torch.bfloat16)
     assert fast.forward.num_graphs == 3  # one per shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replay_faster", [True, False])
+def test_a_graph_is_kept_only_if_its_replay_beats_the_plain_call(monkeypatch, caplog, replay_faster):
+    """After the capture the replay and the plain call are timed (both run for real); a graph slower than the plain
+    call by more than the margin is dropped and its signature runs plainly, with the reason logged."""
+    monkeypatch.setattr(cudagraphs, "keep_only_faster", True)
+    real, timed = cudagraphs._per_call_us, []
+
+    def per_call_us(fn, calls=cudagraphs._TIMED_CALLS):
+        real(fn, calls)
+        timed.append(fn)
+        replay = len(timed) % 2 == 1  # each round times the replay, then the plain call
+        return (10.0 if replay_faster else 30.0) if replay else 20.0
+
+    monkeypatch.setattr(cudagraphs, "_per_call_us", per_call_us)
+    model = gelu_mlp()
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    with caplog.at_level(logging.INFO, logger="fxfuse.cudagraphs"), torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+            assert rel_err(fast(x), model(x)) < tol(torch.bfloat16)
+    assert len(timed) == 2 * cudagraphs._TIMED_ROUNDS  # timed once, at the capture
+    assert fast.forward.num_graphs == (1 if replay_faster else 0)
+    slower = "its replay (30.0 µs per call) is slower than the plain call (20.0 µs)"
+    assert (slower in caplog.text) != replay_faster
 
 
 @pytest.mark.gpu
