@@ -35,7 +35,8 @@ changes an address, which a check of every parameter's and buffer's ``data_ptr``
 graphs are dropped and recaptured.
 
 What a graph cannot see: Python side effects of the forward (counters, prints, hooks of submodules) run
-only while capturing, and a tensor the forward reads that is neither an argument nor a parameter or
+only in the plain calls (a new signature's first call runs the forward about 25 times: plain, warm-up, capture,
+the timing against the replay), and a tensor the forward reads that is neither an argument nor a parameter or
 buffer of the module (a global, a plain tensor attribute) is read at the address it had when captured.
 
 Example:
