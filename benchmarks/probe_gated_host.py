@@ -35,9 +35,10 @@ import torch
 if not torch.cuda.is_available():  # the kernels' CPU path needs the interpreter on before fxfuse is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch import nn  # noqa: E402
+from workloads import SwiGLUMLP  # noqa: E402  (the Llama MLP of the benchmark set)
 
 import fxfuse  # noqa: E402
 import fxfuse.gated_mlp_training as gmt  # noqa: E402
@@ -45,17 +46,6 @@ import fxfuse.gated_training as gated_training  # noqa: E402
 from fxfuse.gated_training import GatedProduct  # noqa: E402
 
 VARIANTS = ("eager", "fxfuse", "product", "function")
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, d: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, hidden, bias=False)
-        self.up_proj = nn.Linear(d, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _stub_launches() -> None:
@@ -96,7 +86,7 @@ def main() -> None:
         torch.set_num_threads(1)
         _stub_launches()
     torch.manual_seed(0)
-    eager = GatedMLP(args.d, args.hidden).to(device)
+    eager = SwiGLUMLP(args.d, args.hidden).to(device)
     models = {"eager": eager}
     for name in VARIANTS[1:]:
         models[name] = fxfuse.optimize(copy.deepcopy(eager))
