@@ -2,33 +2,42 @@
 
 Under autocast eager runs each ``nn.Linear`` of a region in the autocast dtype (its input, weight and bias cast
 to it, weights cast once per autocast context) and the pointwise ops between them in whatever dtype they get.
-A fused region (:func:`fxfuse.ops.fused_mlp`) follows that:
+A fused region (:func:`fxfuse.ops.fused_mlp`) follows that when it has no extra operands and only activations
+autocast leaves alone (:data:`AUTOCAST_NEUTRAL_OPS`):
 
-* **Weights already in the autocast dtype** (a bf16 model under ``torch.autocast("cuda", torch.bfloat16)``), no
-  extra operands, and only activations autocast leaves alone: the input is cast to the autocast dtype, as the
-  first Linear would, and the region runs fused. The result is the fused kernels' on those tensors.
-* **Anything else** (fp32 master weights, an epilogue with ``exp``/``log``/``pow``, which autocast runs in fp32,
-  an operand that type promotion would widen): the region's ops run as the model wrote them, under autocast:
-  eager's Linear layers and dtypes; an activation written out as a formula that fxfuse recognised as one op
-  (GPT-2's tanh-GELU) runs as that op, which can differ from eager's by a rounding of the autocast dtype.
-  A call that records gradients there, under ``FXFUSE_GATED_TRAINING=1``, runs a whole gated MLP as one
-  autograd node on its tensors cast to the autocast dtype, as autocast casts a Linear's inputs
-  (:mod:`fxfuse.gated_mlp_training`), and another gated stage's ``act(g) * u`` as one kernel each way
-  (:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the projections give it.
+* **Weights already in the autocast dtype** (a bf16 model under ``torch.autocast("cuda", torch.bfloat16)``): the
+  input is cast to the autocast dtype, as the first Linear would, and the region runs fused.
+* **fp32 weights, a call that records no gradients** (fp32 master weights evaluated or generating under
+  autocast: timm's ``validate.py --amp``, a Trainer's evaluation with ``bf16=True``): the weights and biases are
+  cast to the autocast dtype too, as autocast casts them, and the region runs fused on the casts. The casts are
+  kept (:data:`weight_casts`) while each parameter's storage and version are unchanged, like autocast's own cache,
+  so a decode loop reads the narrow weights, not a new cast, at every step; they are dropped at the first fused
+  call made without autocast, or one that records gradients (training), and with their parameter. With
+  autocast's cache turned off (``cache_enabled=False``) the original ops run.
+
+Anything else (an epilogue with ``exp``/``log``/``pow``, which autocast runs in fp32, an operand that type
+promotion would widen, fp32 weights in a call that records gradients) runs the region's ops as the model wrote
+them, under autocast: eager's Linear layers and dtypes; an activation written out as a formula that fxfuse
+recognised as one op (GPT-2's tanh-GELU) runs as that op, which can differ from eager's by a rounding of the
+autocast dtype. A call that records gradients there, under ``FXFUSE_GATED_TRAINING=1``, runs a whole gated MLP as
+one autograd node on its tensors cast to the autocast dtype, as autocast casts a Linear's inputs
+(:mod:`fxfuse.gated_mlp_training`), and another gated stage's ``act(g) * u`` as one kernel each way
+(:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the projections give it.
 
 The fused path is taken for CUDA autocast only (:data:`FUSED_AUTOCAST_DEVICES`: the op lists it was checked
 against); autocast on another device type than the input's changes nothing here.
 
 Example:
     >>> import torch
-    >>> x = torch.randn(2, 8)
-    >>> autocast_input(x, [torch.randn(4, 8)], [], [], "1:relu(a0)") is x  # no autocast: x as it is
+    >>> x, w = torch.randn(2, 8), torch.randn(4, 8)
+    >>> autocast_args(x, [w], [], [], "1:relu(a0)") == (x, [w], [])  # no autocast: the tensors as they are
     True
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Optional
 
@@ -38,7 +47,8 @@ from torch import Tensor
 from . import epilogue as ep
 from .spec import MLPSpec
 
-__all__ = ["AUTOCAST_NEUTRAL_OPS", "FUSED_AUTOCAST_DEVICES", "REFERENCE", "any_autocast", "autocast_input"]
+__all__ = ["AUTOCAST_NEUTRAL_OPS", "FUSED_AUTOCAST_DEVICES", "REFERENCE", "WeightCasts", "any_autocast",
+           "autocast_args", "weight_casts"]
 
 # Whether autocast is on for any device type (one C call; checked on every call of a fused graph).
 any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
@@ -52,7 +62,64 @@ AUTOCAST_NEUTRAL_OPS = frozenset({"abs", "add", "clamp_max", "clamp_min", "gelu"
 FUSED_AUTOCAST_DEVICES = {"cuda"}
 _CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-REFERENCE = None  # autocast_input's answer when the original ops must run
+REFERENCE = None  # autocast_args's answer when the original ops must run
+
+
+class WeightCasts:
+    """fp32 parameters cast to an autocast dtype for fused regions, each kept while its parameter is unchanged.
+
+    Eager's Linear layers under autocast read an fp32 weight's cast from autocast's cache, made once per autocast
+    context. This keeps the same casts for fused regions (autocast's cache cannot be read from Python), checked
+    on every use against the parameter's storage and version counter (an optimizer step or any in-place write
+    bumps it), so a cast is never stale. A cast goes with its parameter, and all go on :meth:`clear`.
+
+    Example:
+        >>> casts, w = WeightCasts(), torch.randn(4, 8)
+        >>> c = casts.get(w, torch.float16)
+        >>> c.dtype, casts.get(w, torch.float16) is c
+        (torch.float16, True)
+        >>> _ = w.mul_(2)  # a new version: cast again
+        >>> torch.equal(casts.get(w, torch.float16), w.half()), len(casts), casts.nbytes
+        (True, 1, 64)
+    """
+
+    def __init__(self):
+        # id of the parameter -> (weak reference to it, its version and address at the cast, the dtype, the cast)
+        self._casts: dict[int, tuple[weakref.ref, int, int, torch.dtype, Tensor]] = {}
+
+    def get(self, t: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+        """fp32 ``t`` cast to ``dtype`` (no autograd history): the kept cast while ``t`` is unchanged, else a new
+        one; None for a tensor this does not cast (not fp32; an inference tensor, which has no version)."""
+        kept = self._casts.get(id(t))
+        if kept is not None and kept[0]() is t and kept[1] == t._version and kept[2] == t.data_ptr() \
+                and kept[3] is dtype:
+            return kept[4]
+        if t.dtype is not torch.float32 or t.is_inference():
+            return None
+        cast = t.detach().to(dtype)
+        key = id(t)
+        self._casts[key] = (weakref.ref(t, functools.partial(self._forget, key)), t._version, t.data_ptr(), dtype,
+                            cast)
+        return cast
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        kept = self._casts.get(key)
+        if kept is not None and kept[0] is ref:  # (not a newer entry under a reused id)
+            del self._casts[key]
+
+    def clear(self) -> None:
+        self._casts.clear()
+
+    def __len__(self) -> int:
+        return len(self._casts)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the kept casts hold."""
+        return sum(kept[4].untyped_storage().nbytes() for kept in self._casts.values())
+
+
+weight_casts = WeightCasts()  # the fused regions' casts (see the module doc)
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,18 +136,41 @@ def _neutral(spec: str) -> bool:
     return all(set(ops(stage.expr)) <= AUTOCAST_NEUTRAL_OPS for stage in MLPSpec.loads(spec).stages)
 
 
-def autocast_input(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
-                   spec: str) -> Optional[Tensor]:
-    """The input a fused region runs on under the current autocast state, or :data:`REFERENCE` (None) when the
-    original ops must run for eager's result: ``x`` itself when autocast does not touch x's device type, ``x``
-    cast to the autocast dtype when the region can run fused under it (see the module doc)."""
+def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor,
+                 params: tuple[Tensor, ...]) -> Optional[Sequence[Tensor]]:
+    """``tensors`` with every one not in ``dtype`` replaced by its kept cast, or None when the original ops must run
+    (a tensor autocast leaves, or a call that records gradients, or autocast's cache turned off)."""
+    out = None
+    for i, t in enumerate(tensors):
+        if t.dtype is not dtype:
+            if out is None:
+                if dtype is torch.float32 or not torch.is_autocast_cache_enabled() or (
+                        torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+                    weight_casts.clear()  # training (or no cache wanted): autocast keeps its own casts, if any
+                    return None
+                out = list(tensors)
+            cast = weight_casts.get(t, dtype)
+            if cast is None:
+                return None
+            out[i] = cast
+    return tensors if out is None else out
+
+
+def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
+                  spec: str) -> Optional[tuple[Tensor, Sequence[Tensor], Sequence[Tensor]]]:
+    """``(x, weights, biases)`` for a fused region under the current autocast state, or :data:`REFERENCE` (None)
+    when the original ops must run for eager's result (see the module doc): the tensors as they are when
+    autocast does not touch x's device type; else x cast to the autocast dtype, and fp32 weights and biases
+    replaced by their kept casts (:data:`weight_casts`) in a call that records no gradients."""
     device = x.device.type
     if not torch.is_autocast_enabled(device):
-        return x
+        return x, weights, biases
     dtype = torch.get_autocast_dtype(device)
     if device not in FUSED_AUTOCAST_DEVICES or operands or x.dtype not in _CAST_DTYPES or not _neutral(spec):
         return REFERENCE
-    for t in (*weights, *biases):
-        if t.dtype is not dtype:
-            return REFERENCE
-    return x if x.dtype is dtype else x.to(dtype)
+    params = (*weights, *biases)
+    weights = _cast_params(weights, dtype, x, params)
+    biases = None if weights is None else _cast_params(biases, dtype, x, params)
+    if biases is None:
+        return REFERENCE
+    return (x if x.dtype is dtype else x.to(dtype)), weights, biases

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from . import replay
-from .autocast import any_autocast, autocast_input
+from .autocast import any_autocast, autocast_args, weight_casts
 from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
 from .gated_mlp_training import gated_mlp
 from .gated_training import gated_form, gated_product, gated_training_enabled
@@ -358,8 +358,8 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     ``spec`` has run a backward, calls that record gradients run the original ops instead: autograd
     keeps their intermediates, and the step costs what eager's does. Calls without gradients stay fused.
 
-    Under autocast the region runs fused on an input cast to the autocast dtype when its weights already have
-    that dtype, else as the original ops (:mod:`fxfuse.autocast`).
+    Under autocast the region runs fused on its input cast to the autocast dtype, with fp32 weights replaced by
+    kept casts in a call that records no gradients, or as the original ops (:mod:`fxfuse.autocast`).
 
     Example:
         >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
@@ -370,12 +370,14 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     """
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
-    if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on a cast input, or eager's ops
-        cast = autocast_input(x, weights, biases, operands, spec)
+    if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on cast tensors, or eager's ops
+        cast = autocast_args(x, weights, biases, operands, spec)
         if cast is None:
             return reference_mlp(x, weights, biases, operands, spec,
                                  trained=_records_grad(x, weights, biases, operands))
-        x = cast
+        x, weights, biases = cast
+    elif weight_casts:  # the first call after autocast: its weight casts go, as autocast's own do at its exit
+        weight_casts.clear()
     if _records_grad(x, weights, biases, operands):
         if spec in _trained:
             return reference_mlp(x, weights, biases, operands, spec, trained=True)

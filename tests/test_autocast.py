@@ -1,6 +1,7 @@
 """Optimized models under ``torch.autocast``: a fused region follows autocast (fused on a cast input when its
-weights already have the autocast dtype, else the original ops), and a method that reads or sets the autocast
-state is not a host. Each result is compared with eager's under the same autocast."""
+weights already have the autocast dtype, or on kept casts of fp32 weights in a call that records no gradients;
+else the original ops), and a method that reads or sets the autocast state is not a host. Each result is compared
+with eager's under the same autocast."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 import fxfuse
 import fxfuse.ops
 from fxfuse import autocast as fx_autocast
-from fxfuse.autocast import REFERENCE, autocast_input
+from fxfuse.autocast import REFERENCE, autocast_args
 
 
 class _Counts:
@@ -37,23 +38,56 @@ class _Counts:
         monkeypatch.setattr(fxfuse.ops, "reference_mlp", counted_reference)
 
 
-def test_autocast_input_says_when_the_region_runs_fused():
+def test_autocast_args_says_when_the_region_runs_fused(monkeypatch):
     x = torch.randn(3, 8)
-    w16, b16 = torch.randn(4, 8).half(), torch.randn(4).half()
-    assert autocast_input(x, [torch.randn(4, 8)], [], [], "1:relu(a0)") is x  # no autocast
+    w16, b16, w32 = torch.randn(4, 8).half(), torch.randn(4).half(), torch.randn(4, 8)
+    assert autocast_args(x, [w32], [], [], "1:relu(a0)") == (x, [w32], [])  # no autocast
     with torch.autocast("cpu", dtype=torch.float16):
-        assert autocast_input(x, [w16], [b16], [], "1b:relu(a0)") is REFERENCE  # "cpu" is not a fused device
-    fx_autocast.FUSED_AUTOCAST_DEVICES.add("cpu")
-    try:
-        with torch.autocast("cpu", dtype=torch.float16):
-            cast = autocast_input(x, [w16], [b16], [], "1b:relu(a0)")
-            assert cast.dtype == torch.float16 and torch.equal(cast, x.half())
-            assert autocast_input(x, [torch.randn(4, 8)], [], [], "1:relu(a0)") is REFERENCE  # fp32 weights
-            assert autocast_input(x, [w16], [], [], "1:exp(a0)") is REFERENCE  # autocast runs exp in fp32
-            assert autocast_input(x, [w16], [], [torch.randn(4)], "1:mul(a0,v0)") is REFERENCE  # an operand
-            assert autocast_input(x.double(), [w16], [], [], "1:relu(a0)") is REFERENCE  # autocast leaves fp64
-    finally:
-        fx_autocast.FUSED_AUTOCAST_DEVICES.discard("cpu")
+        assert autocast_args(x, [w16], [b16], [], "1b:relu(a0)") is REFERENCE  # "cpu" is not a fused device
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
+    with torch.autocast("cpu", dtype=torch.float16):
+        cast, weights, biases = autocast_args(x, [w16], [b16], [], "1b:relu(a0)")
+        assert cast.dtype == torch.float16 and torch.equal(cast, x.half())
+        assert weights == [w16] and biases == [b16]
+        assert autocast_args(x, [w16], [], [], "1:exp(a0)") is REFERENCE  # autocast runs exp in fp32
+        assert autocast_args(x, [w16], [], [torch.randn(4)], "1:mul(a0,v0)") is REFERENCE  # an operand
+        assert autocast_args(x.double(), [w16], [], [], "1:relu(a0)") is REFERENCE  # autocast leaves fp64
+        assert autocast_args(x, [w16.double()], [], [], "1:relu(a0)") is REFERENCE  # and fp64 weights
+        with torch.inference_mode():
+            frozen = torch.randn(4, 8)
+        assert autocast_args(x, [frozen], [], [], "1:relu(a0)") is REFERENCE  # no version to check a cast by
+
+
+def test_fp32_weights_are_cast_once_and_again_only_when_they_change(monkeypatch):
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(fx_autocast, "weight_casts", fx_autocast.WeightCasts())
+    casts = fx_autocast.weight_casts
+    lin = nn.Linear(8, 4)  # fp32 parameters that require grad, as a trained model's
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        with torch.no_grad():
+            _, (w,), (b,) = autocast_args(x, [lin.weight], [lin.bias], [], "1b:relu(a0)")
+            assert w.dtype == b.dtype == torch.float16 and not w.requires_grad
+            assert torch.equal(w, lin.weight.half()) and torch.equal(b, lin.bias.half())
+            _, (w_again,), (b_again,) = autocast_args(x, [lin.weight], [lin.bias], [], "1b:relu(a0)")
+            assert w_again is w and b_again is b and len(casts) == 2  # kept: one cast per parameter
+            lin.weight.mul_(2)  # an optimizer step: a new version, a new cast
+            _, (w_new,), _ = autocast_args(x, [lin.weight], [lin.bias], [], "1b:relu(a0)")
+            assert w_new is not w and torch.equal(w_new, lin.weight.half())
+            lin.weight.data = torch.randn(4, 8)  # a new storage
+            _, (w_data,), _ = autocast_args(x, [lin.weight], [lin.bias], [], "1b:relu(a0)")
+            assert torch.equal(w_data, lin.weight.half())
+        # A call that records gradients runs the original ops (autocast's casts carry the gradient) and the kept
+        # casts go: a training loop under autocast does not hold them.
+        assert autocast_args(x, [lin.weight], [lin.bias], [], "1b:relu(a0)") is REFERENCE
+        assert len(casts) == 0
+    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False), torch.no_grad():
+        assert autocast_args(x, [lin.weight], [lin.bias], [], "1b:relu(a0)") is REFERENCE  # no cache wanted
+    temp = torch.randn(4, 8)
+    casts.get(temp, torch.float16)
+    assert len(casts) == 1
+    del temp  # a cast goes with its parameter
+    assert len(casts) == 0
 
 
 @pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp(), Block], ids=["gated", "gpt2", "nerf", "block"])
@@ -99,6 +133,36 @@ def test_weights_in_the_autocast_dtype_run_fused(make, monkeypatch):
     with torch.no_grad():
         exact = copy.deepcopy(model).double()(x.half().double())
     assert rel_err(out, exact) < max(TOL[torch.float16], 1.5 * rel_err(ref, exact))
+
+
+@pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp()], ids=["gated", "gpt2", "nerf"])
+def test_fp32_weights_under_autocast_run_fused_at_inference(make, monkeypatch):
+    # fp32 master weights evaluated under float16 autocast: the region runs the kernels on casts of its weights,
+    # kept from call to call, and the model's own parameters stay as they were.
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
+    model = make().eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = fxfuse.optimize(model)
+    counts = _Counts(monkeypatch)
+    x = torch.randn(6, 32 if not isinstance(model, nn.Sequential) else 16)
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        out, ref = fast(x), model(x)
+        kept = len(fx_autocast.weight_casts)
+        again = fast(x)
+    assert counts.fused == 2 and counts.reference == 0
+    assert out.dtype == ref.dtype == torch.float16
+    assert kept == len(list(model.parameters())) == len(fx_autocast.weight_casts)  # one cast each, kept
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    with torch.no_grad():
+        exact = copy.deepcopy(model).half().double()(x.half().double())
+    assert rel_err(out, exact) < max(TOL[torch.float16], 1.5 * rel_err(ref, exact))
+    assert all(v.dtype == torch.float32 and torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        plain = fast(x)  # without autocast: fp32 as before, and the casts are gone
+    assert plain.dtype == torch.float32 and len(fx_autocast.weight_casts) == 0
+    with torch.autocast("cpu", dtype=torch.float16):  # recording gradients: autocast's own ops
+        grads_out = fast(x)
+    assert counts.reference >= 1 and grads_out.requires_grad and len(fx_autocast.weight_casts) == 0
 
 
 class _QueriesAutocast(nn.Module):
@@ -147,6 +211,37 @@ def test_gpu_autocast_runs_fused_on_a_model_in_its_dtype(make, dtype, monkeypatc
     with torch.no_grad():
         exact = copy.deepcopy(model).double()(x.to(dtype).double())
     assert rel_err(out, exact) < max(TOL[dtype], 1.5 * rel_err(ref, exact))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp()], ids=["gated", "gpt2", "nerf"])
+def test_gpu_autocast_runs_fused_on_fp32_weights(make, dtype, rows, monkeypatch):
+    # fp32 weights evaluated under autocast, the way a decode loop calls them (replayed from the second call);
+    # then a step changes the weights in place: the next call must see them (no stale cast, no stale replay).
+    model = make().eval().cuda()
+    fast = fxfuse.optimize(model)
+    counts = _Counts(monkeypatch)
+    x = torch.randn(rows, 32 if not isinstance(model, nn.Sequential) else 16, device="cuda")
+
+    def check():
+        with torch.autocast("cuda", dtype=dtype), torch.no_grad():
+            outs, ref = [fast(x) for _ in range(3)], model(x)
+        with torch.no_grad():
+            exact = copy.deepcopy(model).to(dtype).double()(x.to(dtype).double())
+        for out in outs:
+            assert out.dtype == ref.dtype == dtype
+            assert rel_err(out, exact) < max(TOL[dtype], 1.5 * rel_err(ref, exact))
+
+    check()
+    assert counts.fused == 3 and counts.reference == 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-0.5)
+    check()
+    assert counts.fused == 6 and counts.reference == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 @pytest.mark.gpu
