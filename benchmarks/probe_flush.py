@@ -47,12 +47,13 @@ def main() -> None:
     flushes = {"dirty (zero 256 MB, as do_bench)": buf.zero_,
                "clean (read 256 MB)": lambda: buf.view(torch.int32).max(),
                "none": lambda: None}
-    x1, x16 = torch.randn(1, 4096, **d), torch.randn(16, 14336, **d)
+    x1, x16, x16g = torch.randn(1, 4096, **d), torch.randn(16, 14336, **d), torch.randn(16, 4096, **d)
     wg, wu = (torch.randn(14336, 4096, **d) * 0.02 for _ in range(2))
     wd = torch.randn(4096, 14336, **d) * 0.01
     flat = torch.randn(117 << 19, **d)
     kernels = {
         "llama gate+up M=1 (235 MB)": lambda: run_stage_gemv(x1, [wg, wu], [None, None], [], "mul(silu(a0),a1)"),
+        "llama gate+up M=16 (235 MB)": lambda: run_stage_gemv(x16g, [wg, wu], [None, None], [], "mul(silu(a0),a1)"),
         "llama down M=16 (117 MB)": lambda: run_stage_gemv(x16, [wd], [None], [], "a0"),
         "sum of 117 MiB": lambda: flat.sum(dtype=torch.float32),
     }
