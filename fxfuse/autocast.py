@@ -113,10 +113,14 @@ class WeightCasts:
     def __len__(self) -> int:
         return len(self._casts)
 
+    def __iter__(self):
+        """The kept casts."""
+        return (kept[4] for kept in list(self._casts.values()))
+
     @property
     def nbytes(self) -> int:
         """The memory the kept casts hold."""
-        return sum(kept[4].untyped_storage().nbytes() for kept in self._casts.values())
+        return sum(cast.untyped_storage().nbytes() for cast in self)
 
 
 weight_casts = WeightCasts()  # the fused regions' casts (see the module doc)

@@ -205,6 +205,37 @@ def test_real_models_under_autocast(family):
     close(out, ref, tol=2e-2)
 
 
+def _fp32_model_under_autocast(family, monkeypatch, device: str, dtype: torch.dtype, tol: float) -> None:
+    from fxfuse import autocast as fx_autocast
+
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", device})
+    monkeypatch.setattr(fx_autocast, "weight_casts", fx_autocast.WeightCasts())
+    model, inputs, blocks = tiny(family)
+    model = model.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    fast = fxfuse.optimize(model)
+    dispatch, fused = fxfuse.ops._dispatch, []
+    monkeypatch.setattr(fxfuse.ops, "_dispatch", lambda *args: fused.append(1) or dispatch(*args))
+    with torch.autocast(device, dtype=dtype), torch.no_grad():
+        out = main_output(fast(**inputs))
+        kept = [cast.data_ptr() for cast in fx_autocast.weight_casts]
+        again = main_output(fast(**inputs))
+        ref = main_output(model(**inputs))
+    assert len(fused) == 2 * blocks and kept == [cast.data_ptr() for cast in fx_autocast.weight_casts] != []
+    assert out.dtype == ref.dtype
+    close(out, ref, tol=tol)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "vit", "t5", "clip"])
+def test_fp32_models_under_autocast_run_fused_on_kept_casts(family, monkeypatch):
+    # fp32 transformers models evaluated under float16 autocast (the interpreter stands in for CUDA): every MLP block
+    # runs the kernels (counted at _dispatch: FusedCalls' function mode would make the op run the original ops), on
+    # casts of its parameters made once (GPT-2's Conv1D and Phi-3's packed gate_up too); eager's result under
+    # autocast within a rounding of float16.
+    _fp32_model_under_autocast(family, monkeypatch, "cpu", torch.float16, tol=2e-2)
+
+
 @pytest.mark.parametrize("family", ["llama", "bert", "bart"])
 def test_torch_export_of_the_optimized_model(family):
     model, inputs, blocks = tiny(family)
@@ -334,6 +365,12 @@ def test_real_models_on_gpu_bf16(family):
     assert n == blocks
     with torch.no_grad():
         close(out, model(**inputs), tol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "t5", "clip"])
+def test_fp32_models_under_gpu_autocast_run_fused_on_kept_casts(family, monkeypatch):
+    _fp32_model_under_autocast(family, monkeypatch, "cuda", torch.bfloat16, tol=5e-2)
 
 
 @pytest.mark.gpu
