@@ -164,8 +164,9 @@ def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
                   spec: str) -> Optional[tuple[Tensor, Sequence[Tensor], Sequence[Tensor]]]:
     """``(x, weights, biases)`` for a fused region under the current autocast state, or :data:`REFERENCE` (None)
     when the original ops must run for eager's result (see the module doc): the tensors as they are when
-    autocast does not touch x's device type; else x cast to the autocast dtype, and fp32 weights and biases
-    replaced by their kept casts (:data:`weight_casts`) in a call that records no gradients."""
+    autocast does not touch x's device type; else fp32 weights and biases replaced by their kept casts
+    (:data:`weight_casts`) in a call that records no gradients, and x cast to the autocast dtype, except an fp32
+    x in a call that records no gradients, which the kernels round as they read it."""
     device = "cuda" if x.is_cuda else x.device.type  # (is_cuda: a tenth of device.type's cost)
     if not torch.is_autocast_enabled(device):
         return x, weights, biases
@@ -176,5 +177,9 @@ def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     cast_biases = None if cast_weights is None else _cast_params(biases, dtype, x, weights, biases)
     if cast_biases is None:
         return REFERENCE
-    weights, biases = cast_weights, cast_biases
-    return (x if x.dtype is dtype else x.to(dtype)), weights, biases
+    if x.dtype is dtype or (x.dtype is torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or any(
+            p.requires_grad for group in (weights, biases) for p in group)))):
+        # (fp32 x, no gradients: the kernels round it to ``dtype`` as they load it, or cast it first as a step of
+        # the region's replay; see fxfuse.ops._run_kernels)
+        return x, cast_weights, cast_biases
+    return x.to(dtype), cast_weights, cast_biases

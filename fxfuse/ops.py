@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,6 +45,7 @@ from .autocast import any_autocast, autocast_args, weight_casts
 from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
 from .gated_mlp_training import gated_mlp
 from .gated_training import gated_form, gated_product, gated_training_enabled
+from .kernels import fastlaunch
 from .kernels.chain_backward_template import walks
 from .kernels.template import interpreting as _interpreting
 from .kernels.tuning import TuningDuringCapture
@@ -138,6 +139,15 @@ def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
     return tuple(stages), parsed.num_linears, sum(parsed.has_bias), parsed.num_operands
 
 
+def _compute_dtype(x: Tensor, weights: Sequence[Tensor]) -> torch.dtype:
+    """The dtype a region's kernels compute in: x's, or under autocast the weights' (their casts'), to which the
+    kernels round an fp32 x as autocast's first Linear would (:mod:`fxfuse.autocast`)."""
+    if x.dtype is torch.float32 and weights and weights[0].dtype is not torch.float32 and any_autocast() \
+            and torch.is_autocast_enabled(x.device.type):
+        return weights[0].dtype
+    return x.dtype
+
+
 def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
                            operands: Sequence[Tensor], spec: str) -> Optional[str]:
     """Why these inputs must take the reference path, or None when the Triton kernels take them.
@@ -147,7 +157,7 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
     stages, n_weights, n_biases, n_operands = _plan(spec)
     if len(weights) != n_weights or len(biases) != n_biases or len(operands) != n_operands:
         return "argument counts do not match the spec"
-    device, dtype = x.device, x.dtype
+    device, dtype = x.device, _compute_dtype(x, weights)
     # The interpreter takes plain CPU tensors only: while torch.compile traces (fake/functional
     # tensors) a CPU region decomposes into the reference ops, which Inductor compiles for the CPU.
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting() and type(x) is Tensor):
@@ -199,6 +209,11 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
 
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1])  # a view when it can be; the kernels take any 2-D strides
+    if h.dtype is not weights[0].dtype and strategy != FUSED_CHAIN:
+        # An fp32 input under autocast (the chain kernel rounds it as it loads it): cast first, as a replay step.
+        h = _cast_step(weights[0].dtype)(h)
+        if fastlaunch.recording_open():
+            fastlaunch.record(_cast_step(weights[0].dtype))
     stages = _plan(spec)[0]
     per_stage_biases = [[None if b is None else biases[b] for _, b in s.linears] for s in stages]
     per_stage_ops = [[t.reshape(-1) for t in operands[s.operands]] for s in stages]
@@ -219,13 +234,20 @@ def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
     return h.reshape(*lead, h.shape[-1])
 
 
+@functools.lru_cache(maxsize=8)
+def _cast_step(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    return lambda h: h.to(dtype)
+
+
 _failed: set[tuple[str, str, str]] = set()
 # Strategies whose launches leave replay steps (fxfuse.replay): one per stage, or one for the whole region.
 _REPLAYED = (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, DECODE_GRID_SYNC, FUSED_CHAIN)
 
 
-def _replay_steps(spec: str, strategy: str) -> int:
-    return 1 if strategy in ONE_LAUNCH else len(_plan(spec)[0])
+def _replay_steps(spec: str, strategy: str, cast_input: bool = False) -> int:
+    """Steps a replay of ``strategy`` records; one more when the input is cast first (``_run_kernels``)."""
+    steps = 1 if strategy in ONE_LAUNCH else len(_plan(spec)[0])
+    return steps + (cast_input and strategy != FUSED_CHAIN)
 
 
 def _try_replay(x, weights, biases, operands, spec) -> tuple[Optional[tuple], Optional[Tensor]]:
@@ -257,19 +279,20 @@ def _dispatch(x, weights, biases, operands, spec):
             log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
         return reference_mlp(x, weights, biases, operands, spec)
     args = (x, weights, biases, operands, spec)
+    cast_input = x.dtype is not weights[0].dtype  # (an fp32 input under autocast: see _run_kernels)
     timed = x.device.type == "cuda" and type(x) is Tensor and measured_choice_enabled()
     strategy = cached_choice(args) if timed else None
     settled = strategy is not None or not timed  # this call only runs (it times nothing)
     if strategy is None:
         m = x.numel() // x.shape[-1]
         widths = (x.shape[-1], *(w.shape[0] for w in weights))
-        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, x.element_size())
+        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, weights[0].element_size())
         if timed:
             runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
             path = 0.0
             if replay_key is not None:  # timed as they will run: replayed after the first calls
                 for s in runners.keys() & set(_REPLAYED):
-                    runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s))
+                    runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s, cast_input))
                 if not torch.cuda.is_current_stream_capturing():  # the path a replayed call pays around them
                     path = replay.path_us(replay_key, functools.partial(_try_replay, *args))
             strategy = fastest(args, runners, functools.partial(reference_mlp, *args), path_us=path)
@@ -281,7 +304,8 @@ def _dispatch(x, weights, biases, operands, spec):
         return reference_mlp(*args)
     try:
         if replay_key is not None and settled and strategy in _REPLAYED:
-            return replay.build(replay_key, x, lambda: _run_kernels(*args, strategy), _replay_steps(spec, strategy))
+            return replay.build(replay_key, x, lambda: _run_kernels(*args, strategy),
+                                _replay_steps(spec, strategy, cast_input))
         return _run_kernels(*args, strategy)
     except torch.OutOfMemoryError:
         raise

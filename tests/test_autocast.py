@@ -46,9 +46,10 @@ def test_autocast_args_says_when_the_region_runs_fused(monkeypatch):
         assert autocast_args(x, [w16], [b16], [], "1b:relu(a0)") is REFERENCE  # "cpu" is not a fused device
     monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
     with torch.autocast("cpu", dtype=torch.float16):
-        cast, weights, biases = autocast_args(x, [w16], [b16], [], "1b:relu(a0)")
-        assert cast.dtype == torch.float16 and torch.equal(cast, x.half())
-        assert weights == [w16] and biases == [b16]
+        same, weights, biases = autocast_args(x, [w16], [b16], [], "1b:relu(a0)")
+        assert same is x and weights == [w16] and biases == [b16]  # fp32 x: the kernels round it as they load it
+        cast, _, _ = autocast_args(x.half().float().requires_grad_(), [w16], [b16], [], "1b:relu(a0)")
+        assert cast.dtype == torch.float16 and torch.equal(cast, x.half())  # recording gradients: cast first
         assert autocast_args(x, [w16], [], [], "1:exp(a0)") is REFERENCE  # autocast runs exp in fp32
         assert autocast_args(x, [w16], [], [torch.randn(4)], "1:mul(a0,v0)") is REFERENCE  # an operand
         assert autocast_args(x.double(), [w16], [], [], "1:relu(a0)") is REFERENCE  # autocast leaves fp64

@@ -37,6 +37,16 @@ def test_chain_kernel_matches_float64_reference(spec, dims, dtype):
     assert rel_err(mlp(*args), reference_mlp(*f64(args))) < TOL[dtype]  # the op routes here too
 
 
+@pytest.mark.parametrize("spec,dims", CHAINS[:2])
+def test_chain_kernel_rounds_an_fp32_input_as_it_loads_it(spec, dims):
+    # Under autocast an fp32 input meets fp16 weights: the kernel rounds x to fp16 as it loads it, which is
+    # exactly the kernel run on x cast first (autocast's first Linear casts it so), without the cast's own pass.
+    (x, *rest), _ = _chain_call(spec, dims, torch.float16, 37)
+    x32 = torch.randn(x.shape)
+    out = run_chain(x32, *rest)
+    assert out.dtype == torch.float16 and torch.equal(out, run_chain(x32.half(), *rest))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_chain_kernel_stores_every_layer_input_for_the_backward(dtype):
     # STORE_HIDDEN (the wide-chain backward's forward): each layer's input as eager computes it (rounded to the
@@ -110,6 +120,27 @@ def test_chain_variants_match_float64_reference(spec, dims, variant):
     call, ref = _chain_call(spec, dims, torch.float32, 150)
     out = run_chain(*call, config=_config(16, 4, **variant))
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_chain_config_rounds_an_fp32_input_on_gpu(dtype):
+    from triton.runtime.errors import OutOfResources
+
+    from fxfuse.kernels.chain_template import chain_configs
+
+    (x, *rest), _ = _chain_call("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0", [32, 64, 64, 64, 16], dtype, 70001,
+                                device="cuda")
+    x32 = torch.randn(x.shape, device="cuda")
+    ran = 0
+    for config in chain_configs():
+        try:
+            out = run_chain(x32, *rest, config=config)
+        except OutOfResources:
+            continue
+        assert out.dtype == dtype and torch.equal(out, run_chain(x32.to(dtype), *rest, config=config)), config
+        ran += 1
+    assert ran >= len(chain_configs()) // 2
 
 
 @pytest.mark.gpu

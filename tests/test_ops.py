@@ -66,7 +66,8 @@ def test_m1_and_transposed_input():
     assert rel_err(mlp(xt, w, b, o, spec), reference_mlp(*f64((xt, w, b, o, spec)))) < 1e-5
 
 
-def test_float64_falls_back_to_reference_and_logs(caplog):
+def test_float64_falls_back_to_reference_and_logs(caplog, monkeypatch):
+    monkeypatch.setattr(fxfuse.ops, "_logged_fallbacks", set())  # (each reason is logged once per process)
     args = make_args("1b:silu(a0);1b:a0", [8, 16, 8], torch.float64)
     with caplog.at_level(logging.INFO, logger="fxfuse"):
         out = mlp(*args)

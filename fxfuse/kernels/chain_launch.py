@@ -30,13 +30,14 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
     """Every stage of a narrow chain in one kernel launch; returns a new ``[M, D_last]`` tensor.
 
     Args:
-        x: ``[M, D0]``, any strides.
+        x: ``[M, D0]``, any strides; the weights' dtype, or fp32 under autocast (rounded to theirs as it is
+            loaded; the output has the weights' dtype).
         weights: one ``[D_{i+1}, D_i]`` weight per stage, any strides (widths ≤ ``MAX_CHAIN_WIDTH``).
         biases: one per stage, ``[D_{i+1}]`` or ``None``.
         operands: per stage, the 1-D tensors (N elements or one) named ``v0, v1, ...`` in its epilogue.
         epilogues: one canonical epilogue text per stage, over ``a0`` (see :mod:`fxfuse.epilogue`).
         config: run this variant (one of ``chain_configs()``) instead of the autotuned choice.
-        hidden: contiguous ``[M, D_i]`` tensors in x's dtype, one per layer after the first, that receive each
+        hidden: contiguous ``[M, D_i]`` tensors in the weights' dtype, one per layer after the first, that receive each
             layer's input as the kernel computes it (the wide-chain backward's forward). A recording then keeps
             a :func:`storing_step` (``x -> (out, hidden)``), not a region replay step.
 
@@ -47,12 +48,13 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
     """
     M = x.shape[0]
     dims = [x.shape[1]] + [w.shape[0] for w in weights]
-    out = torch.empty((M, dims[-1]), dtype=x.dtype, device=x.device)
+    dtype = weights[0].dtype  # x's, or an fp32 x under autocast, rounded to it on load
+    out = torch.empty((M, dims[-1]), dtype=dtype, device=x.device)
     kernel = codegen.generated_chain_kernel(tuple(epilogues)).fused_chain_kernel
     args: dict = {"x_ptr": x, "out_ptr": out, "M": M, "M_BUCKET": m_bucket(M),
                   "stride_xm": x.stride(0), "stride_xk": x.stride(1),
                   "stride_om": out.stride(0), "stride_on": out.stride(1),
-                  "STORE_HIDDEN": hidden is not None, "INPUT_PRECISION": _input_precision(x.dtype)}
+                  "STORE_HIDDEN": hidden is not None, "INPUT_PRECISION": _input_precision(dtype)}
     for i in range(1, len(weights)):
         args[f"hs{i}_ptr"] = weights[0] if hidden is None else hidden[i - 1]  # unread unless stored
     for i, (w, b, ops) in enumerate(zip(weights, biases, operands)):
@@ -80,12 +82,12 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         # fixes x's shape and strides, so M, the grid and the fresh outputs' strides stay those bound here.
         if hidden is None:
             bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
-            fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, dims[-1], x.dtype,
+            fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, dims[-1], dtype,
                                                                                 x.device))
         else:
             stores = tuple(f"hs{i}_ptr" for i in range(1, len(weights)))
             bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr", *stores))
-            fastlaunch.record(None if bound is None else storing_step(bound, M, dims, x.dtype, x.device))
+            fastlaunch.record(None if bound is None else storing_step(bound, M, dims, dtype, x.device))
     return out
 
 

@@ -4,7 +4,9 @@ Each program loads a block of rows of ``x`` once, multiplies it through every la
 weights, keeps every intermediate on chip (registers / shared memory), and writes only the last
 layer's output. Widths are padded to powers of two (at least 16, what ``tl.dot`` needs) with masked
 loads: padded weight rows and columns are zero, so padded lanes never reach a real output. Each
-intermediate is rounded to the activation dtype between layers, as eager PyTorch does.
+intermediate is rounded to the activation dtype between layers, as eager PyTorch does. The activation dtype is
+the output's (the weights'): an fp32 ``x`` under autocast is rounded to it as it is loaded, as autocast's first
+Linear would cast it, which saves the input's own cast pass.
 
 The kernel is rendered for one list of stage epilogues (the layer count and each epilogue are baked
 into the source; widths and bias flags are ``constexpr`` arguments).
@@ -28,7 +30,7 @@ from .template import interpreting as _interpreting
 __all__ = ["CHAIN_TEMPLATE_VERSION", "MAX_CHAIN_TILE_BYTES", "MAX_CHAIN_WIDTH", "chain_configs", "chain_fits",
            "render_chain"]
 
-CHAIN_TEMPLATE_VERSION = 3
+CHAIN_TEMPLATE_VERSION = 4
 # Widest layer the fused chain takes: a [BLOCK_M, 256] fp32 tile plus one 256×256 weight tile per layer.
 MAX_CHAIN_WIDTH = 256
 # The largest [D_i, D_{i+1}] weight tile one layer may hold on chip: a 256x256 fp32 tile (256 KB) spills so far
@@ -74,12 +76,13 @@ def fused_chain_kernel(
 _DOC = '''\
     """One block of rows through every layer of the chain.
 
-    x_ptr:     input ``[M, D0]``, any strides (``stride_xm``, ``stride_xk``).
+    x_ptr:     input ``[M, D0]``, any strides (``stride_xm``, ``stride_xk``); the output's dtype, or fp32 (rounded
+               to the output's dtype as it is loaded: an fp32 input under autocast).
     w{{i}}_ptr:  layer i weight ``[D{{i+1}}, D{{i}}]``, any strides (``stride_w{{i}}n``, ``stride_w{{i}}k``).
     b{{i}}_ptr:  layer i bias ``[D{{i+1}}]`` (``stride_b{{i}}``), read only if ``HAS_BIAS{{i}}``.
     v{{i}}_{{j}}_ptr: operand j of layer i's epilogue, one value per column (stride 0 broadcasts one element).
     out_ptr:   output ``[M, D{layers}]`` (``stride_om``, ``stride_on``).
-    hs{{i}}_ptr: (i = 1 .. {last}) layer i's input ``[M, D{{i}}]``, contiguous, x's dtype: written only if
+    hs{{i}}_ptr: (i = 1 .. {last}) layer i's input ``[M, D{{i}}]``, contiguous, the output's dtype: written only if
                ``STORE_HIDDEN`` (the wide-chain backward reads them), otherwise any valid pointer.
     M:         rows; M_BUCKET: power-of-2 bucket of M (autotuning key only).
     D{{i}}:      true widths; P{{i}}: the same padded to a power of two >= 16 (tile sizes).
@@ -165,7 +168,7 @@ def _tile(exprs: Sequence[ep.Expr], texts: Sequence[str], tile: str, preloaded) 
         "m_mask = offs_m < M",
         "k = tl.arange(0, P0)",
         "h = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,",
-        "            mask=m_mask[:, None] & (k[None, :] < D0), other=0.0)",
+        "            mask=m_mask[:, None] & (k[None, :] < D0), other=0.0).to(out_ptr.dtype.element_ty)",
     ]
     for i, e in enumerate(exprs):
         n_ops = ep.num_operands(e)
@@ -186,7 +189,7 @@ def _tile(exprs: Sequence[ep.Expr], texts: Sequence[str], tile: str, preloaded) 
                                      indent="", prefix=f"_e{i}_")
         body += lines
         if i < layers - 1:
-            body += [f"h = {result}.to(x_ptr.dtype.element_ty)  # eager rounds every intermediate",
+            body += [f"h = {result}.to(out_ptr.dtype.element_ty)  # eager rounds every intermediate",
                      "if STORE_HIDDEN:",
                      f"    tl.store(hs{i + 1}_ptr + offs_m[:, None] * D{i + 1} + n[None, :], h,",
                      "             mask=m_mask[:, None] & n_mask[None, :])"]
@@ -229,7 +232,7 @@ def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     pads = [args[f"P{i}"] for i in range(sum(1 for k in args if k.startswith("P") and k[1:].isdigit()))]
     widest = max(pads)
-    elem = args["x_ptr"].element_size() if hasattr(args["x_ptr"], "element_size") else 2
+    elem = args["w0_ptr"].element_size() if hasattr(args["w0_ptr"], "element_size") else 2
     weight_bytes = sum(a * b for a, b in zip(pads, pads[1:])) * elem
     kept = []
     for c in configs:
