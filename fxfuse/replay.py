@@ -89,6 +89,9 @@ def _chained(steps: tuple[Callable[[Tensor], Tensor], ...], x: Tensor, out: Tens
         if len(steps) == 2:
             first, second = steps
             return lambda x: second(first(x))
+        if len(steps) == 3:  # (two stages after an input cast: an fp32 input under autocast)
+            first, second, third = steps
+            return lambda x: third(second(first(x)))
     rows, k, out_shape = x.numel() // x.shape[-1], x.shape[-1], out.shape
 
     def replay(x: Tensor) -> Tensor:
