@@ -140,6 +140,11 @@ def _neutral(spec: str) -> bool:
     return all(set(ops(stage.expr)) <= AUTOCAST_NEUTRAL_OPS for stage in MLPSpec.loads(spec).stages)
 
 
+def _records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for group in (weights, biases)
+                                                                for p in group))
+
+
 def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weights: Sequence[Tensor],
                  biases: Sequence[Tensor]) -> Optional[Sequence[Tensor]]:
     """``tensors`` (the weights or the biases) with every one not in ``dtype`` replaced by its kept cast, or None when
@@ -148,8 +153,7 @@ def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weigh
     for i, t in enumerate(tensors):
         if t.dtype is not dtype:
             if out is None:
-                if dtype is torch.float32 or not torch.is_autocast_cache_enabled() or (torch.is_grad_enabled() and (
-                        x.requires_grad or any(p.requires_grad for group in (weights, biases) for p in group))):
+                if dtype is torch.float32 or not torch.is_autocast_cache_enabled() or _records_grad(x, weights, biases):
                     weight_casts.clear()  # training (or no cache wanted): autocast keeps its own casts, if any
                     return None
                 out = list(tensors)
@@ -177,8 +181,7 @@ def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     cast_biases = None if cast_weights is None else _cast_params(biases, dtype, x, weights, biases)
     if cast_biases is None:
         return REFERENCE
-    if x.dtype is dtype or (x.dtype is torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or any(
-            p.requires_grad for group in (weights, biases) for p in group)))):
+    if x.dtype is dtype or (x.dtype is torch.float32 and not _records_grad(x, weights, biases)):
         # (fp32 x, no gradients: the kernels round it to ``dtype`` as they load it, or cast it first as a step of
         # the region's replay; see fxfuse.ops._run_kernels)
         return x, cast_weights, cast_biases
