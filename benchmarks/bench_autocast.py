@@ -1,6 +1,7 @@
-"""fp32 weights under autocast at inference: eager, torch.compile and fxfuse on the benchmark's rows.
+"""fp32 weights under autocast: eager, torch.compile and fxfuse on the benchmark's rows, inference or training.
 
     python3 benchmarks/bench_autocast.py --out DIR [--only ROW,...] [--skip-compile]
+    python3 benchmarks/bench_autocast.py --out DIR --training [--only nerf64,nerf128]
 
 Each row's module is built in fp32 (the row's widths; its input in fp32, as a LayerNorm under autocast gives it)
 and run with no gradients under ``torch.autocast("cuda", <the row's dtype>)``, two ways:
@@ -13,6 +14,11 @@ fxfuse keeps its casts across calls in both (``fxfuse.autocast.weight_casts``). 
 flushed before each call); floor: the row's floor in its dtype (narrow weights read once); torch.compile default
 with the context inside the compiled function (per call); decode rows also get the wall µs per call of 200
 back-to-back calls (per call). rel err: against float64 of the cast model. Writes ``DIR/autocast.md``.
+
+``--training``: mixed precision, one step = zero the gradients, forward under autocast, backward of a fixed
+random output gradient (input gradient included); do_bench median of the step for eager, fxfuse and
+torch.compile default, the largest relative difference of fxfuse's fp32 gradients from eager's, and the peak
+memory of a step. Writes ``DIR/autocast_training.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_training import _peak_mib, _rel  # noqa: E402
 from bench_workloads import Timer, cleanup, fmt_us, measure_ceilings, rel_err, row_floor  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
@@ -78,6 +85,56 @@ def bench_row(w, timer: Timer, ceil: dict, compile_too: bool) -> dict:
     return row
 
 
+def train_row(w, timer: Timer, compile_too: bool) -> dict:
+    """One mixed-precision training step of the row's fp32 module (see the module doc)."""
+    mod = build_module(dataclasses.replace(w, dtype=torch.float32)).train()
+    x = make_input(dataclasses.replace(w, dtype=torch.float32)).requires_grad_(True)
+    params = list(mod.parameters())
+    with torch.autocast("cuda", dtype=w.dtype):
+        grad_out = torch.randn_like(mod(x).detach())
+    variants = {"eager": mod, "fxfuse": fxfuse.optimize(mod)}
+    if compile_too:
+        torch._dynamo.reset()
+        variants["compile"] = torch.compile(mod)
+
+    def step(m):
+        def run():
+            for p in params:
+                p.grad = None
+            x.grad = None
+            with torch.autocast("cuda", dtype=w.dtype):
+                out = m(x)
+            out.backward(grad_out)
+        return run
+
+    grads = {}
+    for name, m in variants.items():
+        step(m)()  # first call: plan / compile
+        step(m)()
+        grads[name] = [x.grad.clone()] + [p.grad.clone() for p in params]
+    row = {"name": w.name, "m": w.m, "dtype": str(w.dtype).replace("torch.", ""),
+           "grad_err": {n: max(_rel(g, r) for g, r in zip(gs, grads["eager"])) for n, gs in grads.items()
+                        if n != "eager"},
+           "step_us": {n: timer.gpu_us(step(m)) for n, m in variants.items()},
+           "peak_MiB": {n: _peak_mib(step(m)) for n, m in variants.items() if n != "compile"}}
+    print(f"  {w.name} training: " + ", ".join(f"{k} {fmt_us(v)}" for k, v in row["step_us"].items())
+          + f"; grad rel err vs eager {row['grad_err']}; peak {row['peak_MiB']}", flush=True)
+    fx_autocast.weight_casts.clear()
+    cleanup()
+    return row
+
+
+def render_training(rows: list[dict]) -> str:
+    lines = ["| row | autocast | eager step µs | torch.compile step µs | fxfuse step µs | fxfuse vs eager "
+             "| fxfuse grad rel err vs eager | peak MiB eager / fxfuse |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["step_us"]
+        lines.append(f"| {r['name']} | {r['dtype']} | {fmt_us(t['eager'])} | {fmt_us(t.get('compile'))} | "
+                     f"{fmt_us(t['fxfuse'])} | {t['eager'] / t['fxfuse']:.2f}× | {r['grad_err']['fxfuse']:.1e} | "
+                     f"{r['peak_MiB']['eager']:.0f} / {r['peak_MiB']['fxfuse']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(rows: list[dict], ceil: dict) -> str:
     cols = ["eager per call", "compile per call", "fxfuse per call", "eager one context", "fxfuse one context"]
     lines = [f"Ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, "
@@ -103,10 +160,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--training", action="store_true")
     args = ap.parse_args()
     timer = Timer(warmup=25, rep=100, cpu=False)
-    ceil = measure_ceilings(timer, "cuda", cpu_smoke=False)
     only = set(filter(None, args.only.split(",")))
+    if args.training:
+        rows = [train_row(w, timer, not args.skip_compile) for w in WORKLOADS
+                if (w.name in only if only else w.m >= 4096)]
+        text = render_training(rows)
+        print(text)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "autocast_training.md").write_text(text)
+        return
+    ceil = measure_ceilings(timer, "cuda", cpu_smoke=False)
     rows = [bench_row(w, timer, ceil, not args.skip_compile) for w in WORKLOADS if not only or w.name in only]
     text = render(rows, ceil)
     print(text)

@@ -147,17 +147,25 @@ def _records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
 
 def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weights: Sequence[Tensor],
                  biases: Sequence[Tensor]) -> Optional[Sequence[Tensor]]:
-    """``tensors`` (the weights or the biases) with every one not in ``dtype`` replaced by its kept cast, or None when
-    the original ops must run (a tensor autocast leaves, a call that records gradients, autocast's cache off)."""
+    """``tensors`` (the weights or the biases) with every one not in ``dtype`` replaced by its cast, or None when the
+    original ops must run (a tensor autocast leaves, autocast's cache off for a call without gradients).
+
+    A call that records gradients casts them with autograd (``.to``, as autocast casts a Linear's weight: the
+    gradient flows back to the fp32 parameter) and drops the kept casts; one that does not takes its kept casts."""
     out = None
     for i, t in enumerate(tensors):
         if t.dtype is not dtype:
             if out is None:
-                if dtype is torch.float32 or not torch.is_autocast_cache_enabled() or _records_grad(x, weights, biases):
-                    weight_casts.clear()  # training (or no cache wanted): autocast keeps its own casts, if any
-                    return None
+                training = _records_grad(x, weights, biases)
+                if dtype is torch.float32 or training or not torch.is_autocast_cache_enabled():
+                    weight_casts.clear()  # (training: autocast keeps its own casts, if any; or no cache wanted)
+                    if dtype is torch.float32 or not training:
+                        return None
                 out = list(tensors)
-            cast = weight_casts.get(t, dtype)
+            if training:
+                cast = t.to(dtype) if t.dtype is torch.float32 else None
+            else:
+                cast = weight_casts.get(t, dtype)
             if cast is None:
                 return None
             out[i] = cast
