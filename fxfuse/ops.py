@@ -395,6 +395,10 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on cast tensors, or eager's ops
+        if spec in _trained and _records_grad(x, weights, biases, operands):
+            # A trained region runs its original ops (see below): autocast casts their inputs itself, in C++ and
+            # with its per-context cache, which costs the host less than casting them here first.
+            return reference_mlp(x, weights, biases, operands, spec, trained=True)
         cast = autocast_args(x, weights, biases, operands, spec)
         if cast is None:
             return reference_mlp(x, weights, biases, operands, spec,
