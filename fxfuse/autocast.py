@@ -6,7 +6,7 @@ A fused region (:func:`fxfuse.ops.fused_mlp`) follows that when it has no extra 
 autocast leaves alone (:data:`AUTOCAST_NEUTRAL_OPS`):
 
 * **Weights already in the autocast dtype** (a bf16 model under ``torch.autocast("cuda", torch.bfloat16)``): the
-  input is cast to the autocast dtype, as the first Linear would, and the region runs fused.
+  region runs fused on its input in the autocast dtype, as the first Linear would cast it.
 * **fp32 weights, a call that records no gradients** (fp32 master weights evaluated or generating under
   autocast: timm's ``validate.py --amp``, a Trainer's evaluation with ``bf16=True``): the weights and biases are
   cast to the autocast dtype too, as autocast casts them, and the region runs fused on the casts. The casts are
@@ -14,15 +14,23 @@ autocast leaves alone (:data:`AUTOCAST_NEUTRAL_OPS`):
   so a decode loop reads the narrow weights, not a new cast, at every step; they are dropped at the first fused
   call made without autocast, or one that records gradients (training), and with their parameter. With
   autocast's cache turned off (``cache_enabled=False``) the original ops run.
+* **fp32 weights, a call that records gradients** (mixed-precision training), same conditions: the weights,
+  biases and input are cast with autograd (``.to``, as autocast casts a Linear's: gradients flow back to the fp32
+  parameters) and the region runs as one in the autocast dtype would: a narrow chain keeps its fused forward and
+  fused backward every step; another region runs fused until its first backward marks it trained, and then its
+  original ops, which autocast casts itself.
+* An fp32 input in a call that records no gradients is not cast here: the chain kernel rounds it to the
+  autocast dtype as it loads it, other strategies cast it as the first step of their replay
+  (:func:`fxfuse.ops._run_kernels`).
 
 Anything else (an epilogue with ``exp``/``log``/``pow``, which autocast runs in fp32, an operand that type
-promotion would widen, fp32 weights in a call that records gradients) runs the region's ops as the model wrote
-them, under autocast: eager's Linear layers and dtypes; an activation written out as a formula that fxfuse
-recognised as one op (GPT-2's tanh-GELU) runs as that op, which can differ from eager's by a rounding of the
-autocast dtype. A call that records gradients there, under ``FXFUSE_GATED_TRAINING=1``, runs a whole gated MLP as
-one autograd node on its tensors cast to the autocast dtype, as autocast casts a Linear's inputs
-(:mod:`fxfuse.gated_mlp_training`), and another gated stage's ``act(g) * u`` as one kernel each way
-(:mod:`fxfuse.gated_training`): autocast leaves that product in the dtype the projections give it.
+promotion would widen) runs the region's ops as the model wrote them, under autocast: eager's Linear layers and
+dtypes; an activation written out as a formula that fxfuse recognised as one op (GPT-2's tanh-GELU) runs as that
+op, which can differ from eager's by a rounding of the autocast dtype. A trained region's call that records
+gradients there, under ``FXFUSE_GATED_TRAINING=1``, runs a whole gated MLP as one autograd node on its tensors cast
+to the autocast dtype, as autocast casts a Linear's inputs (:mod:`fxfuse.gated_mlp_training`), and another gated
+stage's ``act(g) * u`` as one kernel each way (:mod:`fxfuse.gated_training`): autocast leaves that product in the
+dtype the projections give it.
 
 The fused path is taken for CUDA autocast only (:data:`FUSED_AUTOCAST_DEVICES`: the op lists it was checked
 against); autocast on another device type than the input's changes nothing here.
@@ -156,11 +164,11 @@ def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weigh
     for i, t in enumerate(tensors):
         if t.dtype is not dtype:
             if out is None:
-                training = _records_grad(x, weights, biases)
-                if dtype is torch.float32 or training or not torch.is_autocast_cache_enabled():
-                    weight_casts.clear()  # (training: autocast keeps its own casts, if any; or no cache wanted)
-                    if dtype is torch.float32 or not training:
-                        return None
+                training, cache = _records_grad(x, weights, biases), torch.is_autocast_cache_enabled()
+                if training or not cache:
+                    weight_casts.clear()  # (training: autocast keeps its own casts, if any; cache off: none wanted)
+                if dtype is torch.float32 or not (training or cache):
+                    return None
                 out = list(tensors)
             if training:
                 cast = t.to(dtype) if t.dtype is torch.float32 else None
