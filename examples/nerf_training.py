@@ -8,9 +8,9 @@ trained with Adam. The script prints both losses as they go, the largest relativ
 models' weights at the end, and on a GPU the median step time of each (CUDA events). Without a GPU it runs a
 few small steps with the Triton interpreter (correctness only).
 
-fxfuse fuses a chain's backward when every layer is at most 128 wide and all its parameters share one dtype;
-under autocast the optimized module runs the original layers (see the README's Training section), so train in
-the parameters' dtype as here.
+fxfuse fuses a chain's backward when every layer is at most 128 wide and all its parameters share one dtype.
+This trains in the parameters' dtype; mixed precision (fp32 parameters under ``torch.autocast`` on CUDA) gets the
+same fused forward and backward on casts of the weights (see the README's Autocast section).
 """
 
 from __future__ import annotations
