@@ -104,12 +104,6 @@ def test_one_row_configs_are_only_tuned_for_one_row():
         assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in one_row)
 
 
-def test_reg_pipe_configs_are_tuned_for_small_m():
-    x = torch.empty(16, 14336, dtype=torch.bfloat16, device="meta")
-    kept = _prune(gpu_gemv_configs(), {"x_ptr": x, "N": 4096, "K": 14336, "M_BUCKET": 16})
-    assert any(c.kwargs.get("REG_PIPE") and c.num_stages == 1 for c in kept)
-
-
 def test_prefetching_one_row_launch_takes_whole_row_configs():
     x = torch.empty(1, 14336, dtype=torch.bfloat16)
     args = {"x_ptr": x, "N": 4096, "K": 14336, "M_BUCKET": 1}

@@ -373,7 +373,7 @@ def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> trito
     """``c`` with as many pipeline stages as fit shared memory (each holds the weight tiles and an x tile).
 
     A ONE_ROW config stages one row of x, and with one stage keeps its loads in registers (no shared memory):
-    one whose stages do not fit runs with one. A REG_PIPE config keeps its one stage.
+    one whose stages do not fit runs with one.
 
     Example:
         >>> one_row = triton.Config({"BLOCK_N": 1, "BLOCK_K": 4096, "SPLIT_K": 1, "ONE_ROW": True}, num_stages=2)
@@ -381,8 +381,6 @@ def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> trito
         2
     """
     kw = c.kwargs
-    if kw.get("REG_PIPE"):  # one stage: its tiles live in registers (tl.dot stages them once per step)
-        return c
     if kw.get("ONE_ROW"):
         if c.num_stages == 1:
             return c
