@@ -77,24 +77,6 @@ def test_one_row_configs_match_float64_reference(stage, dtype):
         run_stage_gemv(*make_stage(*stage, 2, dtype), config=ONE_ROW_CONFIGS[0])
 
 
-# REG_PIPE configs (the K loop's pipeline in registers), small enough for the interpreter: one split, and three
-# splits over K steps that do not divide evenly (a split may own no step: its prefetch loads nothing).
-REG_PIPE_CONFIGS = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "ONE_ROW": False, "REG_PIPE": True},
-                                  num_warps=4, num_stages=1),
-                    triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "ONE_ROW": False, "REG_PIPE": True},
-                                  num_warps=4, num_stages=1)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
-def test_reg_pipe_configs_match_float64_reference(stage, dtype):
-    for config in REG_PIPE_CONFIGS:
-        for m in (1, GEMV_MAX_M):
-            args = make_stage(*stage, m, dtype)
-            assert rel_err(run_stage_gemv(*args, config=config), reference(*args)) < TOL[dtype], config
-    assert workspaces_are_clean()
-
-
 def test_one_row_configs_are_only_tuned_for_one_row():
     x = torch.empty(1, 4096, dtype=torch.bfloat16)
     for bucket in (1, 2, 16):

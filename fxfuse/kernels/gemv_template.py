@@ -20,10 +20,6 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
   loop's trip count and K mask are constants, which the one-row stream needs to keep up with a reduction
   written the same way (llama gate+up at M=1: 62.6 µs runtime-sized against 59.2 for constant sizes,
   ``benchmarks/probe_stream.py``).
-* **The pipeline in registers** (``REG_PIPE``, a one-stage launch): the next K step's weight and x tiles are
-  loaded before this step's ``tl.dot``, as ordinary loads, which keep their L2 ``evict_first`` policy. Triton's
-  cp.async pipeline drops it, so its weight stream evicts whatever L2 holds; after do_bench's flush that is
-  256 MB of dirty lines, whose write-back costs the M=16 llama stages ~8 µs each (``probe_m16_flush.py``).
 * The epilogue runs on the fp32 accumulators (bias, operands, pointwise math) and casts once.
 * On Hopper the launch is a programmatic dependent launch (``USE_PDL``): it is scheduled while the previous
   kernel (the region's first stage) finishes and waits for it on the GPU, which hides one launch latency of
@@ -33,8 +29,8 @@ Rows and columns past the edge are read wrapped around (in bounds, so the weight
 and dropped at the store; only K is masked.
 
 Example:
-    >>> src = render_gemv(2, "mul(silu(a0),a1)")  # one tl.dot per linear in each K loop (staged, REG_PIPE)
-    >>> src.count("tl.dot(") == 4 and "SPLIT_K: tl.constexpr" in src
+    >>> src = render_gemv(2, "mul(silu(a0),a1)")
+    >>> src.count("tl.dot(") == 2 and "SPLIT_K: tl.constexpr" in src
     True
 """
 
@@ -53,7 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GEMV_BLOCK_M", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs", "gpu_gemv_configs",
            "prune_gemv_configs", "render_gemv"]
 
-GEMV_TEMPLATE_VERSION = 6
+GEMV_TEMPLATE_VERSION = 5
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
 
@@ -102,8 +98,6 @@ _DOC = '''\
     BLOCK_M:     rows per launch (M padded to it); BLOCK_N: output columns per program; BLOCK_K: K step;
     SPLIT_K:     programs sharing one column tile's K steps (grid axis 1).
     ONE_ROW:     M is 1: multiply-and-sum on CUDA cores (BLOCK_N may be below 16) instead of ``tl.dot``.
-    REG_PIPE:    (not ONE_ROW) the K loop's pipeline written out in registers, for a launch with one stage: the
-                 weight loads keep their L2 ``evict_first`` policy, which Triton's cp.async pipeline drops.
     USE_PDL:     the launch is a programmatic dependent launch (Hopper+, ``launch_pdl=True``): wait for the
                  previous kernel before reading anything, so this launch's start overlaps that kernel's tail.
     PREFETCH:    (ONE_ROW) issue the first K step's weight loads BEFORE the wait. Only for a launch whose
@@ -136,7 +130,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
                "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr",
-               "PREFETCH: tl.constexpr", "REG_PIPE: tl.constexpr = False"]
+               "PREFETCH: tl.constexpr"]
 
     body = [
         "pid_n = tl.program_id(0)",
@@ -212,32 +206,6 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
                  f"        part{i} += w{i}.to(tl.float32) * xr.to(tl.float32)"]
     body += [f"    acc{i} = tl.sum(part{i}, 1)[:, None]" for i in lin]
     body += [
-        "elif REG_PIPE:",
-        "    # The pipeline written out in registers (launched with one stage): the next K step's tiles are loaded",
-        "    # before this step's tl.dot. A cp.async pipeline drops the weight loads' L2 evict_first policy, so its",
-        "    # stream evicts whatever L2 holds (dirty lines: their write-back shares HBM); these loads keep it.",
-        "    # (a split with no K step loads nothing: its K limit is 0)",
-        "    k_mask = offs_k < tl.where(k_first < k_end, K - k_first * BLOCK_K, 0)",
-        "    xt_next = tl.load(xt_ptrs, mask=k_mask[:, None], other=0.0)",
-    ]
-    body += [f"    w{i}_next = tl.load(w{i}_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=\"evict_first\")"
-             for i in lin]
-    body += [
-        "    for k in range(k_first, k_end):",
-        "        xt = xt_next",
-    ]
-    body += [f"        w{i}_cur = w{i}_next" for i in lin]
-    body += [f"        w{i}_ptrs += BLOCK_K * stride_w{i}k" for i in lin]
-    body += [
-        "        xt_ptrs += BLOCK_K * stride_xk",
-        "        k_mask = offs_k < tl.where(k + 1 < k_end, K - (k + 1) * BLOCK_K, 0)  # (none after the last step)",
-        "        xt_next = tl.load(xt_ptrs, mask=k_mask[:, None], other=0.0)",
-    ]
-    for i in lin:
-        body += [f"        w{i}_next = tl.load(w{i}_ptrs, mask=k_mask[None, :], other=0.0, "
-                 "eviction_policy=\"evict_first\")",
-                 f"        acc{i} = tl.dot(w{i}_cur, xt, acc{i}, input_precision=INPUT_PRECISION)"]
-    body += [
         "else:",
         "    for k in range(k_first, k_end):",
         "        k_mask = offs_k < K - k * BLOCK_K",
@@ -291,9 +259,8 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     return src
 
 
-def _cfg(bn: int, bk: int, split: int, warps: int, stages: int, one_row: bool = False,
-         reg_pipe: bool = False) -> triton.Config:
-    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": one_row, "REG_PIPE": reg_pipe},
+def _cfg(bn: int, bk: int, split: int, warps: int, stages: int, one_row: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": one_row},
                          num_warps=warps, num_stages=stages)
 
 
@@ -321,12 +288,6 @@ def gpu_gemv_configs() -> list[triton.Config]:
         _cfg(128, 64, 4, 4, 6),
         _cfg(32, 256, 4, 8, 4),
         _cfg(64, 128, 8, 4, 6),
-        # The pipeline in registers (REG_PIPE, one stage), whose weight loads keep their L2 evict_first policy. H200
-        # (benchmarks/probe_m16_flush.py, device µs after do_bench's dirty flush / a clean one): llama down M=16
-        # N64 K256 split4 w4 34.2 / 30.5 against the cp.async tiles' 37.3 / 29.6; gate+up N64 K128 64.3 (64.0).
-        _cfg(64, 256, 4, 4, 1, reg_pipe=True),
-        _cfg(64, 256, 4, 8, 1, reg_pipe=True),
-        _cfg(64, 128, 1, 8, 1, reg_pipe=True),
         # M == 1 only (ONE_ROW): a few weight rows per program, long K runs, like Inductor's reduction kernels.
         # H200 sweep with N and K constant (probe_gemv_sweep.py --one-row, device µs after do_bench's flush):
         # llama gate+up 59.4 (N1 K2048 w16) / 60.1 (N1 K4096 w8), llama down 31.7 (N1 K1024 w16, N1 K8192 w16),
@@ -360,8 +321,8 @@ def gemv_configs() -> list[triton.Config]:
     if _interpreting():
         # Small tiles and two K splits, so the tests' odd widths exercise the K mask, wrapped columns and the
         # workspace hand-off.
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2, "ONE_ROW": False, "REG_PIPE": False},
-                              num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 2, "ONE_ROW": False}, num_warps=4,
+                              num_stages=1)]
     return gpu_gemv_configs()
 
 
