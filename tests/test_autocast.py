@@ -1,7 +1,7 @@
-"""Optimized models under ``torch.autocast``: a fused region follows autocast (fused on a cast input when its
-weights already have the autocast dtype, or on kept casts of fp32 weights in a call that records no gradients;
-else the original ops), and a method that reads or sets the autocast state is not a host. Each result is compared
-with eager's under the same autocast."""
+"""Optimized models under ``torch.autocast``: a fused region follows autocast (fused when its weights already have
+the autocast dtype, on kept casts of fp32 weights in a call that records no gradients, on casts made with autograd
+in one that does (mixed-precision training); else the original ops), and a method that reads or sets the autocast
+state is not a host. Each result is compared with eager's under the same autocast."""
 
 from __future__ import annotations
 
