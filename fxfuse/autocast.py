@@ -56,7 +56,7 @@ from . import epilogue as ep
 from .spec import MLPSpec
 
 __all__ = ["AUTOCAST_NEUTRAL_OPS", "FUSED_AUTOCAST_DEVICES", "REFERENCE", "WeightCasts", "any_autocast",
-           "autocast_args", "weight_casts"]
+           "autocast_args", "records_grad", "weight_casts"]
 
 # Whether autocast is on for any device type (one C call; checked on every call of a fused graph).
 any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
@@ -148,9 +148,16 @@ def _neutral(spec: str) -> bool:
     return all(set(ops(stage.expr)) <= AUTOCAST_NEUTRAL_OPS for stage in MLPSpec.loads(spec).stages)
 
 
-def _records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for group in (weights, biases)
-                                                                for p in group))
+def records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                 operands: Sequence[Tensor] = ()) -> bool:
+    """Whether autograd records a region's call on these tensors (grad mode on and some input requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    for group in (weights, biases, operands):
+        for t in group:
+            if t.requires_grad:
+                return True
+    return x.requires_grad
 
 
 def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weights: Sequence[Tensor],
@@ -164,7 +171,7 @@ def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weigh
     for i, t in enumerate(tensors):
         if t.dtype is not dtype:
             if out is None:
-                training, cache = _records_grad(x, weights, biases), torch.is_autocast_cache_enabled()
+                training, cache = records_grad(x, weights, biases), torch.is_autocast_cache_enabled()
                 if training or not cache:
                     weight_casts.clear()  # (training: autocast keeps its own casts, if any; cache off: none wanted)
                 if dtype is torch.float32 or not (training or cache):
@@ -197,7 +204,7 @@ def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     cast_biases = None if cast_weights is None else _cast_params(biases, dtype, x, weights, biases)
     if cast_biases is None:
         return REFERENCE
-    if x.dtype is dtype or (x.dtype is torch.float32 and not _records_grad(x, weights, biases)):
+    if x.dtype is dtype or (x.dtype is torch.float32 and not records_grad(x, weights, biases)):
         # (fp32 x, no gradients: the kernels round it to ``dtype`` as they load it, or cast it first as a step of
         # the region's replay; see fxfuse.ops._run_kernels)
         return x, cast_weights, cast_biases

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import epilogue as ep
 from . import replay
-from .autocast import any_autocast, autocast_args, weight_casts
+from .autocast import any_autocast, autocast_args, records_grad, weight_casts
 from .backward import forward_for_walk, fused_chain_gradients, walk_reads_output
 from .gated_mlp_training import gated_mlp
 from .gated_training import gated_form, gated_product, gated_training_enabled
@@ -142,8 +142,7 @@ def _plan(spec: str) -> tuple[tuple[_StagePlan, ...], int, int, int]:
 def _compute_dtype(x: Tensor, weights: Sequence[Tensor]) -> torch.dtype:
     """The dtype a region's kernels compute in: x's, or under autocast the weights' (their casts'), to which the
     kernels round an fp32 x as autocast's first Linear would (:mod:`fxfuse.autocast`)."""
-    if x.dtype is torch.float32 and weights and weights[0].dtype is not torch.float32 and any_autocast() \
-            and torch.is_autocast_enabled(x.device.type):
+    if x.dtype is torch.float32 and weights and weights[0].dtype is not torch.float32 and _autocast_on(x):
         return weights[0].dtype
     return x.dtype
 
@@ -348,18 +347,6 @@ def _traced_or_watched(x: Tensor) -> bool:
     return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
 
 
-def _records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
-                  operands: Sequence[Tensor]) -> bool:
-    """Whether autograd records this call (grad mode on and some input requires grad)."""
-    if not torch.is_grad_enabled():
-        return False
-    for group in (weights, biases, operands):
-        for t in group:
-            if t.requires_grad:
-                return True
-    return x.requires_grad
-
-
 # Specs whose op backward has run: their regions are being trained (see ``fused_mlp``).
 _trained: set[str] = set()
 # Specs whose backward was the walk (wide narrow chains, fxfuse.backward): from then on their gradient-recording
@@ -382,8 +369,9 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     ``spec`` has run a backward, calls that record gradients run the original ops instead: autograd
     keeps their intermediates, and the step costs what eager's does. Calls without gradients stay fused.
 
-    Under autocast the region runs fused on its input cast to the autocast dtype, with fp32 weights replaced by
-    kept casts in a call that records no gradients, or as the original ops (:mod:`fxfuse.autocast`).
+    Under autocast the region runs fused in the autocast dtype (fp32 weights replaced by kept casts, or by casts
+    made with autograd in a call that records gradients; an fp32 input rounded by the kernels in a call that
+    records none), or as the original ops (:mod:`fxfuse.autocast`).
 
     Example:
         >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
@@ -395,18 +383,18 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on cast tensors, or eager's ops
-        if spec in _trained and _records_grad(x, weights, biases, operands):
+        if spec in _trained and records_grad(x, weights, biases, operands):
             # A trained region runs its original ops (see below): autocast casts their inputs itself, in C++ and
             # with its per-context cache, which costs the host less than casting them here first.
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
         cast = autocast_args(x, weights, biases, operands, spec)
         if cast is None:
             return reference_mlp(x, weights, biases, operands, spec,
-                                 trained=_records_grad(x, weights, biases, operands))
+                                 trained=records_grad(x, weights, biases, operands))
         x, weights, biases = cast
     elif weight_casts:  # the first call after autocast: its weight casts go, as autocast's own do at its exit
         weight_casts.clear()
-    if _records_grad(x, weights, biases, operands):
+    if records_grad(x, weights, biases, operands):
         if spec in _trained:
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
         # The op's autograd, in a plain autograd.Function: the custom op's wrapper flattens and checks its
