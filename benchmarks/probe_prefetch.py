@@ -11,6 +11,7 @@ DRAM round trip overlaps the first stage's tail.
    replays dropped at each switch), do_bench, interleaved rounds; outputs checked against float64.
 
     python3 benchmarks/probe_prefetch.py [--rounds 5] [--only llama_swiglu_m1,gpt2m_mlp_m1]
+        [--down 1x16384x16,2x8192x16,1x8192x16x2]   # part 1's down configs: BLOCK_N x BLOCK_K x warps [x SPLIT_K]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from benchmarks.workloads import optimized_row  # noqa: E402
 from fxfuse import replay  # noqa: E402
 from fxfuse.kernels import gemv_launch, run_stage_gemv  # noqa: E402
 
-# (BLOCK_N, BLOCK_K, warps) of one-row down configs; 16384 holds llama's whole K = 14336 row in one step.
+# (BLOCK_N, BLOCK_K, warps[, SPLIT_K]) of one-row down configs; 16384 holds llama's whole K = 14336 row in one step.
 DOWN = [(1, 8192, 16), (1, 1024, 16), (1, 16384, 16), (1, 16384, 32)]
 
 
@@ -46,7 +47,7 @@ def _switch(on: bool) -> None:
     replay.replays.clear()
 
 
-def direct_pair(rounds: int) -> None:
+def direct_pair(rounds: int, down=DOWN) -> None:
     torch.manual_seed(0)
     d, hdim = 4096, 14336
     x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
@@ -54,8 +55,9 @@ def direct_pair(rounds: int) -> None:
     wd = torch.randn(d, hdim, device="cuda", dtype=torch.bfloat16) / hdim ** 0.5
     ref = (torch.nn.functional.silu(x.double() @ wg.double().T) * (x.double() @ wu.double().T)) @ wd.double().T
     print("1. gate+up then down, llama_swiglu_m1 (device do_bench µs, median of rounds)")
-    for bn, bk, warps in DOWN:
-        config = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "ONE_ROW": True}, num_warps=warps,
+    for bn, bk, warps, *split in down:
+        split = split[0] if split else 1
+        config = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": True}, num_warps=warps,
                                num_stages=1)
         times: dict[bool, list[float]] = {False: [], True: []}
 
@@ -71,10 +73,10 @@ def direct_pair(rounds: int) -> None:
                 for prefetch in (False, True):
                     times[prefetch].append(_bench(lambda prefetch=prefetch: pair(prefetch)))
         except Exception as e:  # a config that does not compile (registers) is reported, not fatal
-            print(f"   down N{bn} K{bk} w{warps}: {type(e).__name__}: {str(e)[:120]}")
+            print(f"   down N{bn} K{bk} w{warps} split{split}: {type(e).__name__}: {str(e)[:120]}")
             continue
         off, on = statistics.median(times[False]), statistics.median(times[True])
-        print(f"   down N{bn} K{bk} w{warps}: off {off:.2f}  on {on:.2f}  (on - off {on - off:+.2f}; "
+        print(f"   down N{bn} K{bk} w{warps} split{split}: off {off:.2f}  on {on:.2f}  (on - off {on - off:+.2f}; "
               f"rounds off {', '.join(f'{t:.2f}' for t in times[False])} / on "
               f"{', '.join(f'{t:.2f}' for t in times[True])})")
 
@@ -144,14 +146,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default="llama_swiglu_m1")
+    parser.add_argument("--down", default=None, help="part 1's down configs, e.g. 1x16384x16,2x8192x16,1x8192x16x2")
+    parser.add_argument("--module", action="store_true", help="also part 2 (the module, prefetch off and on)")
     parser.add_argument("--bench-like", action="store_true", help="only part 3 (a fresh process's first row)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     if args.bench_like:
         bench_like(args.only.split(",")[0], args.rounds)
         return
-    direct_pair(args.rounds)
-    module_ab(args.only.split(","), args.rounds)
+    down = [tuple(int(v) for v in c.split("x")) for c in args.down.split(",")] if args.down else DOWN
+    direct_pair(args.rounds, down)
+    if args.module or not args.down:
+        module_ab(args.only.split(","), args.rounds)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
   original ops (:mod:`fxfuse.stages`).
 
 On a GPU each candidate and the original ops are timed once per shape bucket and the fastest runs
-(:func:`fastest`), so fusing never makes a region slower; without timing (``FXFUSE_AUTOTUNE=0``, the
+(:func:`fastest`), so fusing never makes a region slower; a candidate the cost model puts above twice the best
+time measured before it is not even built (``SKIP_ABOVE_BEST``); without timing (``FXFUSE_AUTOTUNE=0``, the
 interpreter) the first candidate runs. :func:`choose_strategy` is that first candidate, which the report shows
 before anything was measured.
 
@@ -146,6 +147,7 @@ class Measurement:
     predicted_regime: str = ""  # what bounds ``strategy`` in the cost model: "compute", "memory" or "launch"
     times: tuple[tuple[str, float], ...] = ()  # every candidate's time, fastest first
     for_cuda_graph: bool = False  # scored by GPU time alone, for a CUDA graph's replays
+    skipped: tuple[tuple[str, float], ...] = ()  # candidates never built: (strategy, its predicted µs)
 
     @property
     def fused(self) -> bool:
@@ -204,6 +206,7 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     dtype = str(x.dtype).replace("torch.", "")
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
+    skipped: dict[str, float] = {}
     disk_key = f"{spec} | M~{key[1]} | {','.join('x'.join(map(str, w.shape)) for w in weights)} | {dtype}" + \
         (" | CUDA graph" if for_cuda_graphs() else "")
     stored = tuning_cache.lookup(disk_key, device)
@@ -212,7 +215,10 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     elif x.is_cuda and torch.cuda.is_current_stream_capturing():
         return next(iter(runners))
     else:
-        times = time_candidates(spec, key[1], {**runners, ORIGINAL_OPS: run_reference}, path_us=path_us)
+        everything = {**runners, ORIGINAL_OPS: run_reference}
+        predicted = {s: getattr(p, "predicted_us", None)
+                     for s, p in zip(everything, _predict(spec, widths, m, dtype, device, list(everything)))}
+        times = time_candidates(spec, key[1], everything, path_us=path_us, predicted=predicted, skipped=skipped)
         source = "timed"
     best = min(times, key=times.get)
     if stored is None or source == "timed":
@@ -225,7 +231,8 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
                                  kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source,
                                  getattr(fused_pred, "predicted_us", None),
                                  getattr(original_pred, "predicted_us", None),
-                                 getattr(fused_pred, "regime", ""), times=ranked, for_cuda_graph=key[-1])
+                                 getattr(fused_pred, "regime", ""), times=ranked, for_cuda_graph=key[-1],
+                                 skipped=tuple(skipped.items()))
     _choices[key] = best
     log.info("fxfuse: %s at M~%d (%s%s): %s -> %s", spec, key[1], source,
              ", for a CUDA graph: GPU time only" if for_cuda_graphs() else "",
@@ -246,12 +253,24 @@ def host_us(run: Callable[[], object], calls: int = 10) -> float:
 
 
 TIMING_ROUNDS = 2  # interleaved rounds over the candidates; each keeps its best
+# A kernel candidate whose predicted time is above this many times the best time measured so far is not built.
+# The cost model (fxfuse.cost) takes 80-95% of the measured ceilings, so such a candidate would have to run at
+# about twice the GPU's copy bandwidth or matmul rate to win. (nerf64 at 2^20 rows: the per-stage kernels, predicted
+# at 258 µs, against the fused chain's 54: their compiling and autotuning took 11.6 of the first call's 13.8 s.)
+SKIP_ABOVE_BEST = 2.0
 
 
 def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]],
-                    path_us: float = 0.0) -> dict[str, float]:
+                    path_us: float = 0.0, predicted: Optional[dict[str, Optional[float]]] = None,
+                    skipped: Optional[dict[str, float]] = None) -> dict[str, float]:
     """µs per call of each runner: the larger of its GPU median (``do_bench``) and its host time per call plus
     ``path_us``, the best of ``TIMING_ROUNDS`` rounds; the GPU median alone within :func:`scoring_for_cuda_graphs`.
+
+    ``predicted``: the cost model's µs per runner (None where it has none). Then every runner is timed once as
+    soon as it is built, and a later kernel runner predicted above ``SKIP_ABOVE_BEST`` times the best of those
+    times is never built (compiling and autotuning it costs seconds, and it cannot win); it goes into ``skipped``
+    with its prediction (logged at INFO). These first timings only decide that: the rounds below time every
+    built runner again.
 
     Every runner is called once first (compiling and autotuning), then all are timed in interleaved rounds:
     timing one candidate right after its own autotuning burst, or only once, let the GPU's clock and power
@@ -268,10 +287,27 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
 
     log.info("fxfuse: %s at M~%d: first call at this shape bucket, compiling and timing %s", what, bucket,
              ", ".join(runners))
+    graphed = for_cuda_graphs()
+
+    def timed(run: Callable[[], torch.Tensor]) -> float:
+        us = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+        return us if graphed else max(us, host_us(run) + path_us)
+
     ready: dict[str, Callable[[], torch.Tensor]] = {}
-    for name, run in runners.items():
+    first: dict[str, float] = {}  # one timing of each runner as soon as it is built (for the skip rule)
+    for name, run in runners.items():  # (fastest's order: the cost model's favourite first, the original ops last)
+        guess = predicted.get(name) if predicted and name != ORIGINAL_OPS else None
+        if guess is not None and first and guess > SKIP_ABOVE_BEST * min(first.values()):
+            best = min(first, key=first.get)
+            log.info("fxfuse: %s for %s not built: predicted %.1f us, above %g x the %.1f us measured for %s", name,
+                     what, guess, SKIP_ABOVE_BEST, first[best], best)
+            if skipped is not None:
+                skipped[name] = guess
+            continue
         try:
             run()
+            if predicted:
+                first[name] = timed(run)
             ready[name] = run
         except torch.OutOfMemoryError:
             raise
@@ -280,13 +316,9 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
                 raise  # the original ops failing is the user's error, not ours
             log.warning("fxfuse: %s for %s failed (%s: %s); not using it", name, what, type(err).__name__, err)
     times: dict[str, float] = {}
-    graphed = for_cuda_graphs()
     for _ in range(TIMING_ROUNDS):
         for name, run in ready.items():
-            us = do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
-            if not graphed:
-                us = max(us, host_us(run) + path_us)
-            times[name] = min(times.get(name, float("inf")), us)
+            times[name] = min(times.get(name, float("inf")), timed(run))
     return times
 
 

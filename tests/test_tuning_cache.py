@@ -226,3 +226,59 @@ def test_no_tuning_inside_a_cuda_graph_capture(monkeypatch):
     with pytest.raises(tuning.TuningDuringCapture):
         _add_one.check_disk_cache(("another key",), _add_one.configs, lambda: benched.append("benchmark"))
     assert len(benched) == 2 and x[:47].eq(2).all() and x[47] == 0
+
+
+@tuning.autotune(configs=[triton.Config({"BLOCK": b}) for b in (16, 32, 64, 128, 256, 512)], key=["N"],
+                 do_bench=_bench)
+@triton.jit
+def _add_one_six(x_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < N) + 1, mask=offs < N)
+
+
+def test_screening_leaves_the_fastest_configs_to_tritons_benchmark(monkeypatch, caplog):
+    """Six configs: each is timed briefly first; Triton's benchmark then times the three fastest (and any within
+    10% of the fastest) and reads the others as infinitely slow."""
+    ms = {16: 5.0, 32: 1.0, 64: 2.0, 128: 1.05, 256: 9.0, 512: 3.0}
+    reps = []
+
+    def brief_bench(self, *args, config, **meta):  # Triton's _bench: times one config with self.do_bench
+        return self.do_bench(lambda: ms[config.kwargs["BLOCK"]], quantiles=(0.5, 0.2, 0.8))
+
+    monkeypatch.setattr(Autotuner, "_bench", brief_bench)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: reps.append(rep) or [fn()] * 3)
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(_add_one_six, "_call", ((torch.zeros(40), 40), {}))
+    configs = _add_one_six.configs
+    with caplog.at_level(logging.INFO, logger="fxfuse.kernels.tuning"):
+        out = _add_one_six.screen(configs)
+    assert sorted(c.kwargs["BLOCK"] for c in out) == [16, 256, 512]
+    assert reps == [tuning.SCREEN_REP_MS] * 6 and _add_one_six.do_bench is _bench  # Triton's benchmarker is back
+    assert "screened 6 configs" in caplog.text and "timing the 3 fastest" in caplog.text
+    monkeypatch.setattr(_add_one_six, "_screened_out", out)
+    # Triton's benchmark: the kept configs through its own benchmarker (this kernel's: 1.0), the others not at all.
+    assert [_add_one_six._bench(config=c)[0] for c in configs] == [float("inf"), 1.0, 1.0, 1.0, float("inf"),
+                                                                 float("inf")]
+    # Few configs, no call in progress, or the interpreter: nothing is screened.
+    assert _add_one.screen(_add_one.configs) == frozenset()
+    monkeypatch.setattr(_add_one_six, "_call", None)
+    assert _add_one_six.screen(configs) == frozenset()
+
+
+@pytest.mark.gpu
+def test_gpu_screened_tuning_picks_a_kept_config_and_computes_right(caplog):
+    """On the GPU the whole path: parallel compile, the screening, Triton's benchmark of the kept configs."""
+    @tuning.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128, 256) for w in (1, 4)],
+                     key=["N"])
+    @triton.jit
+    def add_two(x_ptr, N, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < N) + 2, mask=offs < N)
+
+    x = torch.zeros(1 << 20, device="cuda")
+    with caplog.at_level(logging.INFO, logger="fxfuse.kernels.tuning"):
+        add_two[lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)](x, x.numel())
+    assert "screened 6 configs" in caplog.text and add_two.best_config in add_two.configs
+    assert not add_two._screened_out  # only during a benchmark
+    # Every tuning call added 2 (the autotuner restores nothing here); the launch itself once more.
+    assert x.eq(x[0]).all() and x[0] > 0 and x[0] % 2 == 0

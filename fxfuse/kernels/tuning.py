@@ -20,6 +20,10 @@ The generated kernels use ``@autotune(configs=..., key=..., prune_configs_by=...
 * Before the benchmark, the configs are compiled in parallel threads (``triton.AsyncCompileMode`` where
   Triton has it): a first call at a new shape otherwise compiles them one at a time, seconds each on the
   GPU machine, while the compiler's work (MLIR passes, ptxas) runs largely outside the GIL.
+* Then, when there are more than ``SCREEN_KEEP + 1`` configs, each is timed briefly (``do_bench`` with
+  ``SCREEN_REP_MS`` of repetitions instead of Triton's 100 ms); Triton's own benchmark then times only the
+  ``SCREEN_KEEP`` fastest and any within ``SCREEN_TOLERANCE`` of the fastest (the others read as infinitely
+  slow). Triton's disk cache and its key (all the configs) are as before.
 
 The object returned is the ``Autotuner`` Triton built, with its class switched to a subclass that wraps
 ``run``, ``prune_configs`` and ``check_disk_cache`` (methods of every Triton 3.x ``Autotuner``): the
@@ -44,6 +48,7 @@ import time
 
 import torch
 import triton
+import triton.testing
 from triton.runtime.autotuner import Autotuner
 
 from .template import interpreting
@@ -55,6 +60,11 @@ log = logging.getLogger(__name__)
 CACHES_RESULTS = "cache_results" in inspect.signature(triton.autotune).parameters
 _ASYNC_COMPILE = getattr(triton, "AsyncCompileMode", None)
 _MAX_COMPILE_THREADS = 16
+# The screening before Triton's benchmark (see the module doc). H200, fresh caches (benchmarks/probe_first_call.py):
+# the benchmark of 22-25 small-M configs took ~2.8 s of each decode stage's ~4.4 s of tuning.
+SCREEN_KEEP = 3
+SCREEN_TOLERANCE = 0.10
+SCREEN_WARMUP_MS, SCREEN_REP_MS = 5, 20
 
 
 class TuningDuringCapture(RuntimeError):
@@ -86,6 +96,7 @@ class ProgressAutotuner(Autotuner):
     _tuning_since = None  # perf_counter() when a benchmark of several configs began in this run
     _disk_hit = False
     _call = None  # (args, kwargs) of the run() in progress
+    _screened_out: frozenset = frozenset()  # configs Triton's benchmark in progress skips (see screen())
 
     def prune_configs(self, kwargs):
         # Triton calls this on a key it has not tuned yet, right before benchmarking what it returns.
@@ -102,7 +113,11 @@ class ProgressAutotuner(Autotuner):
         def compile_then_bench():
             self._refuse_during_capture()
             self.precompile(configs)
-            bench_fn()
+            self._screened_out = self.screen(configs)
+            try:
+                bench_fn()
+            finally:
+                self._screened_out = frozenset()
 
         try:
             self._disk_hit = super().check_disk_cache(tuning_key, configs, compile_then_bench)
@@ -120,6 +135,8 @@ class ProgressAutotuner(Autotuner):
                                       "is being captured on this stream (tuning would invalidate it)")
 
     def _bench(self, *args, config, **meta):
+        if config in self._screened_out:
+            return [float("inf")] * 3
         self._refuse_during_capture()  # (not caught below: no config can be timed here)
         try:
             return super()._bench(*args, config=config, **meta)
@@ -160,6 +177,31 @@ class ProgressAutotuner(Autotuner):
             return
         log.info("fxfuse: compiled %d configs of %s in %.1f s (%d threads)", len(launches), self._name(),
                  time.perf_counter() - t0, threads)
+
+    def screen(self, configs) -> frozenset:
+        """The configs Triton's benchmark need not time: all but the ``SCREEN_KEEP`` fastest (and those within
+        ``SCREEN_TOLERANCE`` of the fastest) by a brief ``do_bench`` of each, for the current call's arguments."""
+        call = self._call
+        if len(configs) <= SCREEN_KEEP + 1 or call is None or interpreting():
+            return frozenset()
+        args, kwargs = call
+        t0 = time.perf_counter()
+        full = self.do_bench  # Triton's benchmarker (an attribute or a cached property, depending on the release)
+        try:
+            self.do_bench = lambda fn, quantiles: triton.testing.do_bench(
+                fn, warmup=SCREEN_WARMUP_MS, rep=SCREEN_REP_MS, quantiles=quantiles)
+        except AttributeError:  # a read-only property in some release: Triton's benchmark times every config
+            return frozenset()
+        try:
+            times = {c: self._bench(*args, config=c, **kwargs)[0] for c in configs}
+        finally:
+            self.do_bench = full
+        ranked = sorted(configs, key=times.get)
+        best = times[ranked[0]]
+        kept = {c for i, c in enumerate(ranked) if i < SCREEN_KEEP or times[c] <= best * (1 + SCREEN_TOLERANCE)}
+        log.info("fxfuse: screened %d configs of %s in %.1f s; timing the %d fastest", len(configs), self._name(),
+                 time.perf_counter() - t0, len(kept))
+        return frozenset(c for c in configs if c not in kept)
 
     def run(self, *args, **kwargs):
         self._tuning_since = None
