@@ -160,18 +160,18 @@ def records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
     return x.requires_grad
 
 
-def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, x: Tensor, weights: Sequence[Tensor],
-                 biases: Sequence[Tensor]) -> Optional[Sequence[Tensor]]:
+def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, training: bool) -> Optional[Sequence[Tensor]]:
     """``tensors`` (the weights or the biases) with every one not in ``dtype`` replaced by its cast, or None when the
     original ops must run (a tensor autocast leaves, autocast's cache off for a call without gradients).
 
-    A call that records gradients casts them with autograd (``.to``, as autocast casts a Linear's weight: the
-    gradient flows back to the fp32 parameter) and drops the kept casts; one that does not takes its kept casts."""
+    A call that records gradients (``training``) casts them with autograd (``.to``, as autocast casts a Linear's
+    weight: the gradient flows back to the fp32 parameter) and drops the kept casts; one that does not takes its
+    kept casts."""
     out = None
     for i, t in enumerate(tensors):
         if t.dtype is not dtype:
             if out is None:
-                training, cache = records_grad(x, weights, biases), torch.is_autocast_cache_enabled()
+                cache = torch.is_autocast_cache_enabled()
                 if training or not cache:
                     weight_casts.clear()  # (training: autocast keeps its own casts, if any; cache off: none wanted)
                 if dtype is torch.float32 or not (training or cache):
@@ -200,11 +200,12 @@ def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     dtype = torch.get_autocast_dtype(device)
     if device not in FUSED_AUTOCAST_DEVICES or operands or x.dtype not in _CAST_DTYPES or not _neutral(spec):
         return REFERENCE
-    cast_weights = _cast_params(weights, dtype, x, weights, biases)
-    cast_biases = None if cast_weights is None else _cast_params(biases, dtype, x, weights, biases)
+    training = records_grad(x, weights, biases)  # (once: the casts and the input's decision all depend on it)
+    cast_weights = _cast_params(weights, dtype, training)
+    cast_biases = None if cast_weights is None else _cast_params(biases, dtype, training)
     if cast_biases is None:
         return REFERENCE
-    if x.dtype is dtype or (x.dtype is torch.float32 and not records_grad(x, weights, biases)):
+    if x.dtype is dtype or (x.dtype is torch.float32 and not training):
         # (fp32 x, no gradients: the kernels round it to ``dtype`` as they load it, or cast it first as a step of
         # the region's replay; see fxfuse.ops._run_kernels)
         return x, cast_weights, cast_biases
