@@ -84,6 +84,15 @@ def test_one_row_configs_are_only_tuned_for_one_row():
         one_row = [c for c in kept if c.kwargs["ONE_ROW"]]
         assert bool(one_row) == (bucket == 1)
         assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in one_row)
+        # One row over a column per SM or more: the one-row stream only (it beat every tile measured there).
+        assert (len(one_row) == len(kept)) == (bucket == 1)
+
+
+def test_one_row_keeps_the_tiles_when_columns_leave_sms_idle():
+    x = torch.empty(1, 65536, dtype=torch.bfloat16)
+    kept = _prune(gpu_gemv_configs(), {"x_ptr": x, "N": 64, "K": 65536, "M_BUCKET": 1})
+    assert any(c.kwargs["ONE_ROW"] for c in kept) and any(not c.kwargs["ONE_ROW"] for c in kept)
+    assert any(c.kwargs["SPLIT_K"] > 1 for c in kept)  # the split-K tiles that fill the SMs stay candidates
 
 
 def test_prefetching_one_row_launch_takes_whole_row_configs():

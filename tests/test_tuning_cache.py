@@ -265,6 +265,22 @@ def test_screening_leaves_the_fastest_configs_to_tritons_benchmark(monkeypatch, 
     assert _add_one_six.screen(configs) == frozenset()
 
 
+def test_tritons_benchmark_after_screening_is_shortened(monkeypatch):
+    """Triton's own benchmark of the configs left runs ``do_bench`` over FINAL_REP_MS, not its 100 ms; its
+    benchmarker is put back afterwards."""
+    reps = []
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, warmup, rep, quantiles: reps.append((warmup, rep)) or [fn()] * 3)
+    monkeypatch.setattr(Autotuner, "check_disk_cache", lambda self, key, configs, bench_fn: bench_fn() or False)
+    monkeypatch.setattr(_add_one_six, "_call", None)  # nothing to compile ahead or screen
+
+    def tritons_benchmark():  # what Triton's bench_fn does per config: time it with self.do_bench
+        return [_add_one_six.do_bench(lambda: 1.0, quantiles=(0.5, 0.2, 0.8)) for _ in range(2)]
+
+    _add_one_six.check_disk_cache(("a key",), _add_one_six.configs, tritons_benchmark)
+    assert reps == [(tuning.FINAL_WARMUP_MS, tuning.FINAL_REP_MS)] * 2 and _add_one_six.do_bench is _bench
+
+
 @pytest.mark.gpu
 def test_gpu_screened_tuning_picks_a_kept_config_and_computes_right(caplog):
     """On the GPU the whole path: parallel compile, the screening, Triton's benchmark of the kept configs."""

@@ -378,6 +378,11 @@ def _prune(configs, named_args, **kwargs):
             kept.append(c)
     if not kept:
         kept = [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    if one_row and N >= sms and any(c.kwargs.get("ONE_ROW") for c in kept):
+        # One row with a column per SM or more: the one-row stream beat every tl.dot tile on each shape measured
+        # (H200, probe_gemv_sweep.py: llama gate+up 59.4 vs 63.9 µs, down 31.7 vs 40.0, gpt2m fc1 4.9 vs 6.4, fc2
+        # 4.8 vs 8.9), so the tiles are not compiled and timed at a first call (about half of its configs).
+        kept = [c for c in kept if c.kwargs.get("ONE_ROW")]
     if args.get("PREFETCH"):
         # A prefetching launch (see PREFETCH) gains most when its first step is the whole row: its standalone
         # timing cannot show that, so it chooses among those configs only, when there are any.
