@@ -389,7 +389,7 @@ def summarize_report(rep) -> dict:
     regions = list(getattr(rep, "regions", []) or [])
     return {
         "n_regions": len(regions),
-        "strategies": dict(Counter(str(getattr(r, "strategy", "?")) for r in regions)),
+        "strategies": dict(Counter(str(getattr(r, "running", getattr(r, "strategy", "?"))) for r in regions)),
         "patterns": dict(Counter(str(getattr(r, "pattern", "?")) for r in regions)),
         "module_paths": [str(getattr(r, "module_path", "")) for r in regions],
         "text": str(rep),

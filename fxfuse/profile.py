@@ -264,7 +264,8 @@ class _Regions:
         label = REGION + path
         if label in self.sites:
             label += f" #{sum(s.path == path for s in self.sites.values()) + 1}"
-        strategy = rep.strategy if rep else "?"
+        # What runs (the first GPU call's choice), unless it differs between M buckets: then the plan.
+        strategy = "?" if rep is None else rep.running if " at M~" not in rep.running else rep.strategy
         n = re.search(r"\((\d+) launch", strategy)
         site = _Site(label, path, rep.pattern if rep else "?", spec, strategy,
                      int(n.group(1)) if n else len(MLPSpec.loads(spec).stages))

@@ -2,7 +2,9 @@
 
 Each fused region also shows the cost model's time (:mod:`fxfuse.cost`) of its kernels and of its
 original ops at the M seen when optimizing, and, once the region has run on a GPU, the two measured
-times (:func:`fxfuse.strategy.measurements`, read when the report is printed).
+times (:func:`fxfuse.strategy.measurements`, read when the report is printed). Its strategy column says
+what runs: the plan until the first GPU call, then the strategy that call measured fastest (at one row a
+one-launch decode kernel can overrule a per-stage plan; slower than the original ops: "original ops").
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from .capture import CaptureFailure
 from .kernels.template import m_bucket
 from .meta import tensor_info
 from .records import FusionRegion, Rejection
-from .strategy import ORIGINAL_OPS, Measurement, choose_strategy, launches, measurements
+from .strategy import ONE_LAUNCH, ORIGINAL_OPS, Measurement, choose_strategy, launches, measurements
 
 __all__ = ["FusedVsOriginal", "FusionReport", "RegionReport"]
 
@@ -53,6 +55,7 @@ class RegionReport:
     predicted_us: Optional[FusedVsOriginal] = None  # the cost model at ``m`` (None: M unknown, or no model)
     predicted_regime: str = ""  # of the fused kernels: "compute", "memory" or "launch"
     predicted_on: str = ""  # the GPU whose ceilings the prediction used
+    stages: int = 0  # GEMM stages of the region (what a per-stage strategy launches)
 
     @classmethod
     def from_region(cls, region: FusionRegion, spec: str, prefix: str = "",
@@ -63,7 +66,8 @@ class RegionReport:
         else:
             n = launches(region.spec, region.strategy)
             strategy = f"{region.strategy} ({n} launch{'es' if n > 1 else ''})"
-        report = cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels))
+        report = cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels),
+                     stages=len(region.spec.stages) if region.replacement is None else 0)
         if region.replacement is None:
             report._predict(region)
         return report
@@ -75,6 +79,27 @@ class RegionReport:
         found = {(r.m_bucket, r.for_cuda_graph): r for r in measurements()
                  if (r.spec, r.widths, r.dtype) == (self.spec, self.widths, self.dtype)}
         return [found[b] for b in sorted(found)]
+
+    @property
+    def running(self) -> str:
+        """What runs on plain calls: the strategy the first GPU call chose at the bucket of ``m`` (at each bucket
+        measured, when M was unknown at optimize time), with its launches; before any GPU call, ``strategy``
+        (the plan, which the first GPU call may overrule: at one row a one-launch decode kernel can win).
+
+        Example: ``decode_grid_sync (1 launch)``, ``gemm_epilogue (2 launches) at M~8; original ops at M~16``.
+        """
+        found = [r for r in self.measurements if not r.for_cuda_graph]
+        if self.m is not None:
+            found = [r for r in found if r.m_bucket == m_bucket(self.m)]
+        if not found or not self.stages:
+            return self.strategy
+        cells = []
+        for r in found:
+            n = 1 if r.strategy in ONE_LAUNCH else self.stages
+            cells.append(f"{r.strategy} ({n} launch{'es' if n > 1 else ''})" if r.fused else "original ops")
+        if len(found) == 1:
+            return cells[0]
+        return "; ".join(f"{c} at M~{r.m_bucket}" for c, r in zip(cells, found))
 
     @property
     def measured_us(self) -> Optional[FusedVsOriginal]:
@@ -165,7 +190,7 @@ class FusionReport:
             lines.append(f"CUDA graphs: {self.cuda_graphs}")
         if self.regions:
             lines.append("fused:")
-            rows = [(r.module_path, r.pattern, r.strategy, r.predicted_cell(), r.measured_cell(), r.spec)
+            rows = [(r.module_path, r.pattern, r.running, r.predicted_cell(), r.measured_cell(), r.spec)
                     for r in self.regions]
             lines += _table(("module", "pattern", "strategy", "predicted µs (fused / original)",
                              "measured µs (fused / original)", "spec"), rows)

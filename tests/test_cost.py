@@ -10,6 +10,8 @@ Workload figures by hand (H200: copy 4.23 TB/s, bf16 701 / fp16 707 TFLOP/s):
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -124,6 +126,28 @@ def test_report_shows_predicted_and_measured_columns(monkeypatch):
                                                    "fused_chain", 7.5, 12.25, "timed")
     assert region.measured_us.fused_us == 7.5
     assert "7.5 / 12.2 at M~32" in str(fxfuse.report(fast))
+
+
+def test_report_strategy_column_says_what_the_first_gpu_call_chose(monkeypatch):
+    monkeypatch.setattr(strategy, "_measured", {})
+    fast = fxfuse.optimize(_mlp(), (torch.randn(1, 64),))
+    region = fxfuse.report(fast).regions[0]
+    planned = region.strategy
+    assert region.running == planned  # nothing measured yet: the plan
+    measured = functools.partial(strategy.Measurement, region.spec, 1, 1, (64, 256, 64), "float32", "cpu")
+    strategy._measured["graph"] = measured("gemm_epilogue", 9.0, 12.0, "timed", for_cuda_graph=True)
+    assert region.running == planned  # a choice for CUDA graph replays is not what plain calls run
+    strategy._measured["plain"] = measured(strategy.DECODE_GRID_SYNC, 11.0, 12.0, "timed")
+    assert region.running == "decode_grid_sync (1 launch)" and region.strategy == planned
+    assert "decode_grid_sync (1 launch)" in str(fxfuse.report(fast))
+    strategy._measured["plain"] = measured(strategy.GEMM_EPILOGUE, 13.0, 12.0, "timed")  # slower: originals run
+    assert region.running == "original ops"
+    # M unknown at optimize time: each bucket measured.
+    unknown = fxfuse.report(fxfuse.optimize(_mlp())).regions[0]
+    strategy._measured["plain"] = measured(strategy.GEMM_EPILOGUE, 11.0, 12.0, "timed")
+    strategy._measured["m8"] = strategy.Measurement(region.spec, 8, 8, (64, 256, 64), "float32", "cpu",
+                                                    strategy.DECODE, 11.0, 12.0, "timed")
+    assert unknown.running == "gemm_epilogue (2 launches) at M~1; decode_split_hidden (1 launch) at M~8"
 
 
 def test_report_says_when_m_is_unknown(monkeypatch):
