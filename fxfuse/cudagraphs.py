@@ -18,9 +18,8 @@ A call is replayed only when all of these hold, otherwise the plain forward runs
   returned tensors and plain values in containers ``torch.utils._pytree`` rebuilds (tuple, list, dict,
   namedtuple, Hugging Face ``ModelOutput``);
 * the capture succeeded (one that fails, e.g. on a ``.item()``, leaves that signature plain for good);
-* its replay is faster than the plain call: right after the capture both are timed as the caller's calls run
-  (through this forward's checks; ten calls back to back, two interleaved rounds) and a graph slower by more
-  than 3% is dropped, so that opting in is never slower.
+* its replay is faster than the plain call: right after the capture both are timed (ten calls back to back,
+  two interleaved rounds) and a graph slower by more than 3% is dropped, so that opting in is never slower.
   A single fused MLP, whose plain call is one bound launch per stage, can lose to its replay's input copy and
   output clone (H200, Llama MLP at one row: 80.8 µs per call plain, 88.7 replayed); a whole model wins;
 * fewer than ``max_graphs`` graphs exist for the module.
@@ -353,7 +352,7 @@ class GraphedForward:
                 cause = err.__context__ if err.__context__ is not None else err
                 reason = f"capture failed: {type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
         if entry is not None and keep_only_faster:
-            reason = self._slower_than_plain(entry, key, args, kwargs)
+            reason = self._slower_than_plain(entry, module, args, kwargs, tensors)
             if reason is not None:
                 entry = None
         if entry is None:
@@ -364,26 +363,17 @@ class GraphedForward:
         self._graphs[key] = entry
         return out
 
-    def _slower_than_plain(self, entry: _Graph, key: tuple, args: tuple, kwargs: dict) -> Optional[str]:
-        """Why the replay of ``entry`` is not worth keeping (slower than the plain call), or None.
+    def _slower_than_plain(self, entry: _Graph, module: nn.Module, args: tuple, kwargs: dict,
+                           tensors: list) -> Optional[str]:
+        """Why the replay of ``entry`` is not worth keeping (slower than the plain call), or None."""
+        def plain() -> None:
+            self._call(module, args, kwargs)
 
-        Both are timed as the caller's calls will run, through this forward's checks and key (a few µs of Python
-        a bare ``entry.run`` would leave out of the replay's side only), with the signature's entry set to the
-        graph and to None (what a dropped graph leaves).
-        """
-        def per_call_us(with_entry: Optional[_Graph]) -> float:
-            self._graphs[key] = with_entry
-            return _per_call_us(lambda: self(*args, **kwargs))
-
-        try:
-            self._graphs[key] = None
-            self(*args, **kwargs)  # the plain path's own first call at this signature (planned for plain calls)
-            replay_us, plain_us = [], []
-            for _ in range(_TIMED_ROUNDS):
-                replay_us.append(per_call_us(entry))
-                plain_us.append(per_call_us(None))
-        finally:
-            del self._graphs[key]  # (the caller sets it)
+        plain()  # the plain path's own first call at this signature (its regions planned for plain calls)
+        replay_us, plain_us = [], []
+        for _ in range(_TIMED_ROUNDS):
+            replay_us.append(_per_call_us(lambda: entry.run(tensors)))
+            plain_us.append(_per_call_us(plain))
         if min(replay_us) <= min(plain_us) * _KEEP_MARGIN:
             return None
         return f"its replay ({min(replay_us):.1f} µs per call) is slower than the plain call ({min(plain_us):.1f} µs)"

@@ -188,21 +188,6 @@ def gelu_mlp(d=256, h=1024, dtype=torch.bfloat16):
     return nn.Sequential(nn.Linear(d, h), nn.GELU(approximate="tanh"), nn.Linear(h, d)).cuda().to(dtype).eval()
 
 
-@pytest.mark.parametrize("replay_us, kept", [(10.0, True), (30.0, False)])
-def test_keep_timing_runs_the_callers_path_with_the_graph_and_without(monkeypatch, replay_us, kept):
-    """The replay and the plain call are both timed through the forward itself (its checks and signature key), with
-    the signature's entry set to the graph and then to None: a bare replay would leave that Python out of the
-    graph's side only. The entry is left for the caller to set."""
-    graph = object()  # stands in for a captured _Graph
-    fwd = GraphedForward(nn.Linear(4, 4).eval())
-    entries = []
-    monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a, **k: entries.append(self._graphs.get("key")))
-    monkeypatch.setattr(cudagraphs, "_per_call_us", lambda fn, calls=10: fn() or (replay_us if entries[-1] else 20.0))
-    reason = fwd._slower_than_plain(graph, "key", (torch.ones(1, 4),), {})
-    assert entries == [None] + [graph, None] * cudagraphs._TIMED_ROUNDS  # a plain first call, then the rounds
-    assert (reason is None) == kept and "key" not in fwd._graphs
-
-
 @pytest.mark.gpu
 def test_fused_mlp_graphs_match_plain_and_eager_for_several_shapes():
     model = gelu_mlp()
