@@ -42,7 +42,8 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     ``cuda_graphs=True`` (for static shapes, e.g. decoding): the result's ``forward`` replays a CUDA graph per
     input signature (shapes, strides, dtypes) instead of running its Python, for calls in eval mode without
     grad whose tensors are on the GPU; other calls run the plain forward (see :func:`fxfuse.cuda_graphed`). A
-    graph whose replay is slower than the plain call (timed right after its capture) is dropped, logged at INFO.
+    graph whose replay is not at least 3% faster than the plain call (timed right after its capture) is dropped,
+    logged at INFO.
     Outputs are clones. ``cuda_graphs="static"`` returns the graph's own output tensors instead (lowest
     latency, as ``torch.compile(mode="reduce-overhead")``): the next call overwrites them, clone what you keep.
 
