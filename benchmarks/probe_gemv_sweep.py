@@ -69,7 +69,7 @@ def one_row_configs(k: int, n: int) -> list[triton.Config]:
             if split > 1 and triton.cdiv(n, bn) >= SMS:
                 continue
             for warps, stages in ONE_ROW_DEPTHS:
-                out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": True},
+                out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": 1},
                                          num_warps=warps, num_stages=stages))
     return out
 
@@ -87,7 +87,7 @@ def configs_for(k: int, n: int, n_w: int, wide: bool = False, m: int = 16,
             if split > triton.cdiv(k, bk) or (split > 1 and tiles >= 2 * SMS) or tiles * split > 8 * SMS:
                 continue
             for warps, stages in WIDE_DEPTHS if wide else DEPTHS:
-                c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": False},
+                c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": 0},
                                   num_warps=warps, num_stages=stages)
                 fitted = fit_stages(c, (n_w * bn * bk + GEMV_BLOCK_M * bk) * 2)
                 if fitted is not None and fitted.num_stages == stages:

@@ -68,7 +68,7 @@ def same_tiles(model, x, configs) -> None:
     ws = [model.gate.weight, model.up.weight]
     for stages in sorted({1, cfg.get("num_stages", 1)}):
         c = triton.Config({"BLOCK_N": cfg["XBLOCK"], "BLOCK_K": cfg.get("R0_BLOCK", cfg.get("RBLOCK")), "SPLIT_K": 1,
-                           "ONE_ROW": True}, num_warps=cfg["num_warps"], num_stages=stages)
+                           "ONE_ROW": 1}, num_warps=cfg["num_warps"], num_stages=stages)
         fn = functools.partial(run_stage_gemv, x, ws, [None, None], [], "mul(silu(a0),a1)", config=c)
         for kname, t in kernels_after_flush(fn):
             print(f"    fxfuse ONE_ROW with Inductor's tile ({c}): {t:7.1f} µs  {kname[:60]}")

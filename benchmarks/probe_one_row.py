@@ -23,12 +23,12 @@ from probe_inductor_decode import kernels_after_flush  # noqa: E402
 from fxfuse.kernels import gemv_launch, run_stage_gemv  # noqa: E402
 
 CONFIGS = {
-    "dot N64 K128 w4 s3": ({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "ONE_ROW": False}, 4, 3),
-    "dot N128 K64 w8 s4": ({"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "ONE_ROW": False}, 8, 4),
-    "one-row N1 K4096 w16": ({"BLOCK_N": 1, "BLOCK_K": 4096, "SPLIT_K": 1, "ONE_ROW": True}, 16, 1),
-    "one-row N2 K2048 w8": ({"BLOCK_N": 2, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_ROW": True}, 8, 1),
-    "one-row N4 K1024 w4": ({"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "ONE_ROW": True}, 4, 1),
-    "one-row N8 K512 w4": ({"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "ONE_ROW": True}, 4, 1),
+    "dot N64 K128 w4 s3": ({"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "ONE_ROW": 0}, 4, 3),
+    "dot N128 K64 w8 s4": ({"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "ONE_ROW": 0}, 8, 4),
+    "one-row N1 K4096 w16": ({"BLOCK_N": 1, "BLOCK_K": 4096, "SPLIT_K": 1, "ONE_ROW": 1}, 16, 1),
+    "one-row N2 K2048 w8": ({"BLOCK_N": 2, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_ROW": 1}, 8, 1),
+    "one-row N4 K1024 w4": ({"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "ONE_ROW": 1}, 4, 1),
+    "one-row N8 K512 w4": ({"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 1, "ONE_ROW": 1}, 4, 1),
 }
 
 

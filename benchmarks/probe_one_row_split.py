@@ -37,7 +37,7 @@ FC = [(1, 4096, 1, 8, 2), (1, 1024, 1, 8, 1), (1, 1024, 2, 8, 1), (1, 512, 2, 8,
 
 
 def _config(bn, bk, split, warps, stages) -> triton.Config:
-    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": True},
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": 1},
                          num_warps=warps, num_stages=stages)
 
 

@@ -57,7 +57,7 @@ def direct_pair(rounds: int, down=DOWN) -> None:
     print("1. gate+up then down, llama_swiglu_m1 (device do_bench µs, median of rounds)")
     for bn, bk, warps, *split in down:
         split = split[0] if split else 1
-        config = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": True}, num_warps=warps,
+        config = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "ONE_ROW": 1}, num_warps=warps,
                                num_stages=1)
         times: dict[bool, list[float]] = {False: [], True: []}
 

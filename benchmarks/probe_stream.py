@@ -156,7 +156,7 @@ def case(name, x, ws, epilogue, tiles, fxfuse_tiles, quick) -> None:
             measure(f"rows/separate fp32 X{xblock} R{rblock} w{warps}", fn, ref,
                     result=lambda gu: torch.nn.functional.silu(gu[0]) * gu[1])
     for bn, bk, warps, stages in fxfuse_tiles:
-        c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "ONE_ROW": True}, num_warps=warps,
+        c = triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "ONE_ROW": 1}, num_warps=warps,
                           num_stages=stages)
         fn = functools.partial(run_stage_gemv, x, ws, [None] * len(ws), [], epilogue, config=c)
         measure(f"fxfuse ONE_ROW N{bn} K{bk} w{warps} s{stages}", fn, ref)

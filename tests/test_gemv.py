@@ -59,9 +59,9 @@ def test_gemv_matches_float64_reference(stage, dtype):
 
 # ONE_ROW configs (M == 1, multiply-and-sum instead of tl.dot), small enough for the interpreter: a tile narrower
 # than 16 columns, a split-K one, and a split one-column tile (one counter per column; probe_one_row_split.py).
-ONE_ROW_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1, "ONE_ROW": True}, num_warps=4),
-                   triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "ONE_ROW": True}, num_warps=4),
-                   triton.Config({"BLOCK_N": 1, "BLOCK_K": 16, "SPLIT_K": 2, "ONE_ROW": True}, num_warps=4)]
+ONE_ROW_CONFIGS = [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 1, "ONE_ROW": 1}, num_warps=4),
+                   triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "ONE_ROW": 1}, num_warps=4),
+                   triton.Config({"BLOCK_N": 1, "BLOCK_K": 16, "SPLIT_K": 2, "ONE_ROW": 1}, num_warps=4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -73,19 +73,38 @@ def test_one_row_configs_match_float64_reference(stage, dtype):
         args = make_stage(*stage, 1, dtype)
         assert rel_err(run_stage_gemv(*args, config=config), reference(*args)) < TOL[dtype], config
     assert workspaces_are_clean()
-    with pytest.raises(ValueError, match="one row"):
+    with pytest.raises(ValueError, match="at most ONE_ROW=1 rows"):
         run_stage_gemv(*make_stage(*stage, 2, dtype), config=ONE_ROW_CONFIGS[0])
 
 
-def test_one_row_configs_are_only_tuned_for_one_row():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
+def test_register_stream_for_a_few_rows_matches_float64_reference(stage, dtype):
+    """ONE_ROW = R streams each weight tile once for R rows; fewer rows read row r % M and drop it at the store."""
+    for rows, one_row in ((2, ONE_ROW_CONFIGS[0]), (8, ONE_ROW_CONFIGS[1])):  # (the second splits K)
+        config = triton.Config({**one_row.kwargs, "ONE_ROW": rows}, num_warps=one_row.num_warps)
+        for m in (rows - 1, rows):
+            args = make_stage(*stage, m, dtype)
+            out = run_stage_gemv(*args, config=config)
+            assert out.shape == (m, stage[-1]) and rel_err(out, reference(*args)) < TOL[dtype], (config, m)
+    assert workspaces_are_clean()
+
+
+def test_register_stream_configs_take_the_m_bucket_as_their_rows():
     x = torch.empty(1, 4096, dtype=torch.bfloat16)
-    for bucket in (1, 2, 16):
-        kept = _prune(gpu_gemv_configs(), {"x_ptr": x, "N": 14336, "K": 4096, "M_BUCKET": bucket})
-        one_row = [c for c in kept if c.kwargs["ONE_ROW"]]
-        assert bool(one_row) == (bucket == 1)
-        assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in one_row)
-        # One row over a column per SM or more: the one-row stream only (it beat every tile measured there).
-        assert (len(one_row) == len(kept)) == (bucket == 1)
+    for bucket in (1, 2, 4, 8, 16):
+        for gated in (False, True):
+            args = {"x_ptr": x, "N": 14336, "K": 4096, "M_BUCKET": bucket, **({"w1_ptr": x} if gated else {})}
+            kept = _prune(gpu_gemv_configs(), args)
+            stream = [c for c in kept if c.kwargs["ONE_ROW"]]
+            assert bool(stream) == (bucket <= 8) and all(c.kwargs["ONE_ROW"] == bucket for c in stream)
+            assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in stream)
+            # Partial sums within the register budget: 8 rows drop the widest one-row tiles.
+            assert all(c.kwargs["ONE_ROW"] * (2 if gated else 1) * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"]
+                       <= 128 * 32 * c.num_warps for c in stream)
+            # One row over a column per SM or more: the one-row stream only (it beat every tile measured there);
+            # a few rows keep the tl.dot tiles beside it.
+            assert (len(stream) == len(kept)) == (bucket == 1)
 
 
 def test_one_row_keeps_the_tiles_when_columns_leave_sms_idle():
@@ -176,10 +195,16 @@ def test_every_gpu_config(stage):
     """Each config the autotuner may pick (fitted to shared memory as it would be), split-K ones included, run
     directly (bf16)."""
     for config in (fit_gemv_config(c, stage[1], 2) for c in gpu_gemv_configs()):
-        for m in (1,) if config.kwargs["ONE_ROW"] else (1, GEMV_MAX_M):
+        runs = [(config, m) for m in ((1,) if config.kwargs["ONE_ROW"] else (1, GEMV_MAX_M))]
+        if config.kwargs["ONE_ROW"]:  # the register stream at 8 rows too, where its partial sums fit (as pruned)
+            eight = fit_gemv_config(triton.Config({**config.kwargs, "ONE_ROW": 8}, num_warps=config.num_warps,
+                                                  num_stages=config.num_stages), stage[1], 2)
+            if 8 * stage[1] * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= 128 * 32 * config.num_warps:
+                runs += [(eight, 5), (eight, 8)]
+        for run_config, m in runs:
             args = make_stage(*stage, m, torch.bfloat16, "cuda")
-            out = run_stage_gemv(*args, config=config)
-            assert rel_err(out, reference(*args)) < 1e-2, (config, m)
+            out = run_stage_gemv(*args, config=run_config)
+            assert rel_err(out, reference(*args)) < 1e-2, (run_config, m)
     torch.cuda.synchronize()
     assert workspaces_are_clean()
 

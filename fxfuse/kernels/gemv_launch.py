@@ -134,8 +134,9 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     if config is not None:  # one variant, bypassing the autotuner
-        if config.kwargs.get("ONE_ROW") and M != 1:
-            raise ValueError(f"a ONE_ROW config computes one row; got {M}")
+        if config.kwargs.get("ONE_ROW") and M > config.kwargs["ONE_ROW"]:
+            raise ValueError(f"a register-stream config computes at most ONE_ROW={config.kwargs['ONE_ROW']:d} rows; "
+                             f"got {M}")
         kernel.fn[grid](**{**args, **config.all_kwargs()})  # (a probe's config may set PREFETCH too)
         return out
     launch_kernel(kernel, grid, args, x)
