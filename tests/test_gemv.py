@@ -81,7 +81,7 @@ def test_one_row_configs_match_float64_reference(stage, dtype):
 @pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
 def test_register_stream_for_a_few_rows_matches_float64_reference(stage, dtype):
     """ONE_ROW = R streams each weight tile once for R rows; fewer rows read row r % M and drop it at the store."""
-    for rows, one_row in ((2, ONE_ROW_CONFIGS[0]), (8, ONE_ROW_CONFIGS[1])):  # (the second splits K)
+    for rows, one_row in ((2, ONE_ROW_CONFIGS[0]), (4, ONE_ROW_CONFIGS[1])):  # (the second splits K)
         config = triton.Config({**one_row.kwargs, "ONE_ROW": rows}, num_warps=one_row.num_warps)
         for m in (rows - 1, rows):
             args = make_stage(*stage, m, dtype)
@@ -97,9 +97,9 @@ def test_register_stream_configs_take_the_m_bucket_as_their_rows():
             args = {"x_ptr": x, "N": 14336, "K": 4096, "M_BUCKET": bucket, **({"w1_ptr": x} if gated else {})}
             kept = _prune(gpu_gemv_configs(), args)
             stream = [c for c in kept if c.kwargs["ONE_ROW"]]
-            assert bool(stream) == (bucket <= 8) and all(c.kwargs["ONE_ROW"] == bucket for c in stream)
+            assert bool(stream) == (bucket <= 4) and all(c.kwargs["ONE_ROW"] == bucket for c in stream)
             assert all(c.kwargs["SPLIT_K"] == 1 or c.kwargs["BLOCK_N"] >= 16 for c in stream)
-            # Partial sums within the register budget: 8 rows drop the widest one-row tiles.
+            # Partial sums within the register budget: 4 rows drop the widest gated one-row tiles.
             assert all(c.kwargs["ONE_ROW"] * (2 if gated else 1) * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"]
                        <= 128 * 32 * c.num_warps for c in stream)
             # One row over a column per SM or more: the one-row stream only (it beat every tile measured there);
@@ -196,11 +196,11 @@ def test_every_gpu_config(stage):
     directly (bf16)."""
     for config in (fit_gemv_config(c, stage[1], 2) for c in gpu_gemv_configs()):
         runs = [(config, m) for m in ((1,) if config.kwargs["ONE_ROW"] else (1, GEMV_MAX_M))]
-        if config.kwargs["ONE_ROW"]:  # the register stream at 8 rows too, where its partial sums fit (as pruned)
-            eight = fit_gemv_config(triton.Config({**config.kwargs, "ONE_ROW": 8}, num_warps=config.num_warps,
-                                                  num_stages=config.num_stages), stage[1], 2)
-            if 8 * stage[1] * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= 128 * 32 * config.num_warps:
-                runs += [(eight, 5), (eight, 8)]
+        if config.kwargs["ONE_ROW"]:  # the register stream at 4 rows too, where its partial sums fit (as pruned)
+            four = fit_gemv_config(triton.Config({**config.kwargs, "ONE_ROW": 4}, num_warps=config.num_warps,
+                                                 num_stages=config.num_stages), stage[1], 2)
+            if 4 * stage[1] * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= 128 * 32 * config.num_warps:
+                runs += [(four, 3), (four, 4)]
         for run_config, m in runs:
             args = make_stage(*stage, m, torch.bfloat16, "cuda")
             out = run_stage_gemv(*args, config=run_config)
