@@ -73,6 +73,7 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -385,11 +386,18 @@ def cuda_graph(mod, x):
     return g, out
 
 
-def summarize_report(rep) -> dict:
+def summarize_report(rep, m: Optional[int] = None) -> dict:
+    """The report's facts for the results; strategies as they run at ``m`` rows (the row's M)."""
     regions = list(getattr(rep, "regions", []) or [])
+
+    def running(r) -> str:
+        if hasattr(r, "running_at"):
+            return r.running_at(m if getattr(r, "m", None) is None else r.m)
+        return str(getattr(r, "strategy", "?"))
+
     return {
         "n_regions": len(regions),
-        "strategies": dict(Counter(str(getattr(r, "running", getattr(r, "strategy", "?"))) for r in regions)),
+        "strategies": dict(Counter(running(r) for r in regions)),
         "patterns": dict(Counter(str(getattr(r, "pattern", "?")) for r in regions)),
         "module_paths": [str(getattr(r, "module_path", "")) for r in regions],
         "text": str(rep),
@@ -496,7 +504,7 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
             opt = keep["opt"]
 
             def report():
-                s = summarize_report(fx.report(opt))
+                s = summarize_report(fx.report(opt), w.m)
                 row["report"] = s
                 print("  fxfuse.report:")
                 print("    " + "\n    ".join(s["text"].splitlines()))

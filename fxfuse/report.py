@@ -88,9 +88,13 @@ class RegionReport:
 
         Example: ``decode_grid_sync (1 launch)``, ``gemm_epilogue (2 launches) at M~8; original ops at M~16``.
         """
+        return self.running_at(self.m)
+
+    def running_at(self, m: Optional[int]) -> str:
+        """:attr:`running` for calls of ``m`` rows (None: every bucket this region's shape has run at)."""
         found = [r for r in self.measurements if not r.for_cuda_graph]
-        if self.m is not None:
-            found = [r for r in found if r.m_bucket == m_bucket(self.m)]
+        if m is not None:
+            found = [r for r in found if r.m_bucket == m_bucket(m)]
         if not found or not self.stages:
             return self.strategy
         cells = []

@@ -148,6 +148,7 @@ def test_report_strategy_column_says_what_the_first_gpu_call_chose(monkeypatch):
     strategy._measured["m8"] = strategy.Measurement(region.spec, 8, 8, (64, 256, 64), "float32", "cpu",
                                                     strategy.DECODE, 11.0, 12.0, "timed")
     assert unknown.running == "gemm_epilogue (2 launches) at M~1; decode_split_hidden (1 launch) at M~8"
+    assert unknown.running_at(5) == "decode_split_hidden (1 launch)"
 
 
 def test_report_says_when_m_is_unknown(monkeypatch):
