@@ -265,7 +265,8 @@ class _Regions:
         if label in self.sites:
             label += f" #{sum(s.path == path for s in self.sites.values()) + 1}"
         # What runs (the first GPU call's choice), unless it differs between M buckets: then the plan.
-        strategy = "?" if rep is None else rep.running if " at M~" not in rep.running else rep.strategy
+        running = rep.running if rep is not None else "?"
+        strategy = rep.strategy if " at M~" in running else running
         n = re.search(r"\((\d+) launch", strategy)
         site = _Site(label, path, rep.pattern if rep else "?", spec, strategy,
                      int(n.group(1)) if n else len(MLPSpec.loads(spec).stages))

@@ -39,6 +39,10 @@ class FusedVsOriginal:
         return f"{_us(self.fused_us)} / {_us(self.original_us)}"
 
 
+def _with_launches(strategy: str, n: int) -> str:
+    return f"{strategy} ({n} launch{'es' if n > 1 else ''})"
+
+
 @dataclass
 class RegionReport:
     """One fused region, as the user sees it."""
@@ -64,8 +68,7 @@ class RegionReport:
         if region.replacement is not None:
             strategy = "user replacement"
         else:
-            n = launches(region.spec, region.strategy)
-            strategy = f"{region.strategy} ({n} launch{'es' if n > 1 else ''})"
+            strategy = _with_launches(region.strategy, launches(region.spec, region.strategy))
         report = cls(path or "<root>", region.pattern, spec, strategy, list(region.notes), list(kernels),
                      stages=len(region.spec.stages) if region.replacement is None else 0)
         if region.replacement is None:
@@ -97,10 +100,8 @@ class RegionReport:
             found = [r for r in found if r.m_bucket == m_bucket(m)]
         if not found or not self.stages:
             return self.strategy
-        cells = []
-        for r in found:
-            n = 1 if r.strategy in ONE_LAUNCH else self.stages
-            cells.append(f"{r.strategy} ({n} launch{'es' if n > 1 else ''})" if r.fused else "original ops")
+        cells = [_with_launches(r.strategy, 1 if r.strategy in ONE_LAUNCH else self.stages) if r.fused
+                 else "original ops" for r in found]
         if len(found) == 1:
             return cells[0]
         return "; ".join(f"{c} at M~{r.m_bucket}" for c, r in zip(cells, found))
