@@ -4,7 +4,8 @@
 
 For the row's module under ``fxfuse.optimize`` (no autograd), each strategy that is replayed at this shape
 (per-stage small-M launches, the one-launch grid-sync kernel) is forced in turn; then, as host µs per call
-(50 calls back to back, best of 20 loops): the module, the host method without ``nn.Module.__call__``,
+(50 calls back to back, best of 20 loops): the module without its shortcut (``fxfuse.shortcut``) and its wall
+time, the shortcut's hits after learning, the module, the host method without ``nn.Module.__call__``,
 ``fused_mlp``, ``_dispatch``, the replay key and lookup, the replay alone, and the small pieces they are made
 of (``torch.empty``, stream and capture queries, autocast check). Then the wall µs per call of 200 calls and
 the do_bench GPU median of the module, against eager, and the cProfile top of the module call.
@@ -48,6 +49,9 @@ def pieces(x: torch.Tensor) -> dict:
     }
 
 
+SHORTCUT = "_fxfuse_shortcut_forward"  # the module's fxfuse.shortcut.Shortcut
+
+
 def probe(name: str) -> None:
     mod, x, opt, args, m = optimized_row(name)
     torch.set_grad_enabled(False)
@@ -60,10 +64,16 @@ def probe(name: str) -> None:
         opt(x), opt(x)
         key = replay.replay_key(*args)
         run = replay.replays.get(key)
-        row = {"module": host_us(lambda: opt(x)), "host method": host_us(lambda: method(opt, x)),
+        shortcut = opt.__dict__.pop(SHORTCUT, None)  # the full path first, then with the module's shortcut
+        row = {"module, full path": host_us(lambda: opt(x)), "wall, full path": wall_us(lambda: opt(x))}
+        if shortcut is not None:
+            opt.__dict__[SHORTCUT] = shortcut
+            opt(x), opt(x)  # learn
+            row["shortcut hits"] = float(shortcut.hits)
+        row.update({"module": host_us(lambda: opt(x)), "host method": host_us(lambda: method(opt, x)),
                "fused_mlp": host_us(lambda: ops.fused_mlp(*args)), "_dispatch": host_us(lambda: ops._dispatch(*args)),
                "replay_key": host_us(lambda: replay.replay_key(*args)),
-               "key+lookup": host_us(lambda: replay.lookup(replay.replay_key(*args)))}
+               "key+lookup": host_us(lambda: replay.lookup(replay.replay_key(*args)))})
         if run is not None:
             row["replay"] = host_us(lambda run=run: run(x))
         row["wall"] = wall_us(lambda: opt(x))

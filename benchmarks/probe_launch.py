@@ -19,12 +19,18 @@ from fxfuse import codegen  # noqa: E402
 from fxfuse.kernels import fastlaunch, run_decode, run_stage  # noqa: E402
 
 
-def main() -> None:
+def gpt2m_m1_tensors() -> tuple[torch.Tensor, ...]:
+    """``x, w1, b1, w2, b2`` of GPT-2 medium's MLP at one row, bf16 on the GPU (seeded)."""
     torch.manual_seed(0)
     d = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 1024, **d)
     w1, b1 = torch.randn(4096, 1024, **d) / 32, torch.randn(4096, **d)
     w2, b2 = torch.randn(1024, 4096, **d) / 64, torch.randn(1024, **d)
+    return x, w1, b1, w2, b2
+
+
+def main() -> None:
+    x, w1, b1, w2, b2 = gpt2m_m1_tensors()
     print("lean enabled:", fastlaunch.lean_launch_enabled(), "hooks:",
           fastlaunch._knobs.runtime.launch_enter_hook, fastlaunch._knobs.runtime.launch_exit_hook)
     kernel = codegen.generated_kernel(1, "gelu_tanh(a0)").fused_stage_kernel

@@ -57,6 +57,7 @@ from .plan import find_regions
 from .records import Rejection
 from .report import FusionReport, RegionReport
 from .rewrite import fused_call_args
+from .shortcut import Shortcut, region_call
 
 __all__ = ["Host", "Install", "Placement", "assemble", "fused_graphs", "place"]
 
@@ -494,14 +495,16 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
-                 lifted_paths: Sequence[str] = (), autocast_free: bool = False):
+                 lifted_paths: Sequence[str] = (), autocast_free: bool = False, shortcut_attr: Optional[str] = None):
     """The host method: the fused graph when the guards hold, else the original method.
 
     ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
     ``autocast_free``: the graph may run under autocast (its trace touched no autocast state; each fused region
     then follows autocast itself, :mod:`fxfuse.autocast`).
     ``lifted_paths``: the parameters the fused graph takes as trailing arguments (:mod:`fxfuse.lift`), read
-    here through the modules' dicts on every call."""
+    here through the modules' dicts on every call.
+    ``shortcut_attr``: the instance attribute holding the module's :class:`fxfuse.shortcut.Shortcut` (a graph
+    that is one region on one input): a call of that input alone tries it first, and teaches it afterwards."""
     sig = _signature_of(specs)
     # A positional call of exactly the leading required parameters needs no binding.
     n_fast = 0
@@ -522,6 +525,13 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
     def method(self, *args, **kwargs):
         if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
             extra = get_lifted(self) if get_lifted is not None else ()
+            shortcut = None
+            if shortcut_attr is not None and not kwargs and len(args) == 1:
+                shortcut = self.__dict__.get(shortcut_attr)
+                if shortcut is not None:  # (its entries check the dtype of every region tensor, among the rest)
+                    out = shortcut(args[0], extra)
+                    if out is not None:
+                        return out
             if get_weights is not None:
                 ws = extra if in_lifted is not None else get_weights(self)
                 dtype = ws[weight_at[0]].dtype
@@ -532,6 +542,10 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
                 for a in args:
                     if a is None:
                         return orig(self, *args, **kwargs)
+                if shortcut is not None:
+                    out = fused(self, *args, *extra)
+                    shortcut.learn(args[0], extra)
+                    return out
                 return fused(self, *args, *extra)
             values = _bind(specs, args, kwargs, sig)
             if values is not None:
@@ -648,9 +662,17 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     # Parameters as arguments (fxfuse.lift): the module's own __getattr__ per read costs more than the dicts.
     gm, lifted = lift_params(h.scope.gm)
     autocast_free = h.scope.autocast_free
-    key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted))
-    fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free)
-    return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, dict(h.scope.constants))
+    attrs = dict(h.scope.constants)
+    call = region_call(gm) if len(h.scope.args) == 1 else None
+    shortcut_attr = None
+    if call is not None:  # one region on the method's one input (fxfuse.shortcut): each instance keeps its own
+        shortcut_attr = f"_fxfuse_shortcut_{h.method}"
+        attrs[shortcut_attr] = Shortcut(call, autocast_free)
+    key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted),
+           shortcut_attr)
+    fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
+                      shortcut_attr)
+    return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs)
 
 
 def _copy_module(module: nn.Module, installs: list[Install]) -> nn.Module:

@@ -37,7 +37,37 @@ log = logging.getLogger(__name__)
 
 _MAX_REPLAYS = 1024  # past it, all are dropped (recorded again on the next call of each)
 _MAX_FAILED_BUILDS = 3  # recordings that left no replay before a region shape stops trying
-replays: dict[tuple, Callable[[Tensor], Tensor]] = {}
+
+
+class _Replays(dict):
+    """The replays by key; ``generation`` counts the changes that drop or replace one (a host method's shortcut
+    to a replay, :mod:`fxfuse.shortcut`, is valid while it is unchanged). Adding a replay changes nothing."""
+
+    generation = 0
+
+    def __setitem__(self, key, value) -> None:
+        if key in self:
+            self.generation += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self.generation += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.generation += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.generation += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.generation += 1
+        super().clear()
+
+
+replays: _Replays = _Replays()  # key -> replay (``Callable[[Tensor], Tensor]``)
 _failed_builds: dict[tuple, int] = {}  # (spec, input shape) -> recordings that left no replay
 
 

@@ -274,3 +274,22 @@ def test_direct_launch_calls_the_known_c_layout_and_falls_back_otherwise(monkeyp
     assert fastlaunch._direct_launch(with_scratch) is with_scratch
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKOOOO", raising=False)  # another Triton's layout
     assert fastlaunch._direct_launch(run) is run
+
+
+def test_an_output_step_allocates_like_its_input_when_the_layouts_match():
+    seen = []
+
+    def bound(h, out):
+        seen.append(out)
+        out.copy_(h[:, : out.shape[1]] * 2)
+
+    x = torch.randn(2, 8)
+    step = fastlaunch.output_step(bound, 2, 8, x.dtype, x.device, x)
+    assert step.__name__ == "step_like"
+    y = step(torch.randn(2, 8))
+    assert y.shape == (2, 8) and y.stride() == (8, 1) and y.dtype == x.dtype
+    wide = fastlaunch.output_step(bound, 2, 4, x.dtype, x.device, x)  # another output width: a sized torch.empty
+    assert wide.__name__ == "step" and wide(x).shape == (2, 4)
+    strided = torch.randn(8, 2).t()  # the output's shape, not its strides
+    assert fastlaunch.output_step(bound, 2, 8, x.dtype, x.device, strided).__name__ == "step"
+    assert fastlaunch.output_step(bound, 2, 8, torch.float16, x.device, x).__name__ == "step"

@@ -83,7 +83,7 @@ def run_chain(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence
         if hidden is None:
             bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr"))
             fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, dims[-1], dtype,
-                                                                                x.device))
+                                                                                x.device, x))
         else:
             stores = tuple(f"hs{i}_ptr" for i in range(1, len(weights)))
             bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr", *stores))

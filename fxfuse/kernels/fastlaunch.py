@@ -154,10 +154,24 @@ def new_output(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -
     return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
-def output_step(bound: Callable[..., None], rows: int, cols: int, dtype: torch.dtype,
-                device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+def output_step(bound: Callable[..., None], rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                recorded: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A replay step (:func:`record`) of a launch bound to all but its input and output: ``h -> out``, a fresh
-    ``[rows, cols]`` output each call."""
+    ``[rows, cols]`` output each call.
+
+    ``recorded``: the input of the launch being recorded. A replay calls the step only on inputs of its layout
+    (the replay key fixes the region input's, and a later step's input is the fresh output of the one before),
+    so when that layout is the output's (a ``[rows, cols]`` contiguous tensor of ``dtype``) the output is made
+    with ``torch.empty_like`` (~0.5 µs less host time than ``torch.empty`` with sizes on the H200 machine)."""
+    if recorded is not None and recorded.shape == (rows, cols) and recorded.dtype is dtype \
+            and recorded.stride() == (cols, 1):
+        def step_like(h: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(h)
+            bound(h, out)
+            return out
+
+        return step_like
+
     def step(h: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows, cols, dtype=dtype, device=device)
         bound(h, out)

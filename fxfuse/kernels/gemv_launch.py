@@ -101,7 +101,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
             out = fastlaunch.new_output(M, N, x.dtype, x.device)
             bound(x, out)
             if fastlaunch.recording_open():
-                fastlaunch.record(fastlaunch.output_step(bound, M, N, x.dtype, x.device))
+                fastlaunch.record(fastlaunch.output_step(bound, M, N, x.dtype, x.device, x))
             return out
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -146,5 +146,5 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         if bound is not None:
             _bound.keep(call_key, bound)
     if fastlaunch.recording_open():
-        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, N, x.dtype, x.device))
+        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, N, x.dtype, x.device, x))
     return out

@@ -112,7 +112,7 @@ def run_grid_sync(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
             out = fastlaunch.new_output(1, N, x.dtype, x.device)
             bound(x, out)
             if fastlaunch.recording_open():
-                fastlaunch.record(fastlaunch.output_step(bound, 1, N, x.dtype, x.device))
+                fastlaunch.record(fastlaunch.output_step(bound, 1, N, x.dtype, x.device, x))
             return out
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     if N == 0:
@@ -149,5 +149,5 @@ def run_grid_sync(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
         if bound is not None:
             _bound.keep(call_key, bound)
     if fastlaunch.recording_open():
-        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, 1, N, x.dtype, x.device))
+        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, 1, N, x.dtype, x.device, x))
     return out

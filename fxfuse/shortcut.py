@@ -1,0 +1,194 @@
+"""Shortcuts: a host method whose fused graph is one region calls that region's replay directly.
+
+A decode-size region's call is a stack of checks, each there for a reason: the host method's guards (training
+mode, autocast, the arguments), the fused graph's code, :func:`fxfuse.ops.fused_mlp`'s (tracing, dispatch and
+function modes, autocast, gradients), the op's dispatch, and the replay's key (:func:`fxfuse.replay.replay_key`:
+every tensor's address, shape, strides and dtype, the stream). On the H200 machine's host that is ~10 µs of a
+~19 µs call of GPT-2 medium's MLP at one row, around a ~7 µs replay (an output's ``torch.empty`` and one launch).
+
+When a host method's fused graph is nothing but one region on its arguments (``GPT2MLP``, ``LlamaMLP``, timm's
+``Mlp`` and ``nn.Sequential`` MLPs in eval mode), the host method keeps a :class:`Shortcut`: after a call that
+went the full way and found its replay, it learns an *entry* for the input's shape holding
+
+* a ``TensorGuards`` over the input and the region's tensors (dynamo's C++ check of type, dtype, device, shape,
+  strides, ``requires_grad`` and dispatch keys: ~0.5 µs for five tensors, a third of the same in Python),
+* the tensors' addresses, the input's 16-byte alignment, the stream, the TF32 flag for fp32,
+* whether any tensor requires gradients (then only calls without grad mode may take it),
+* the replay itself, and the replays' ``generation`` when it was learned.
+
+A later call takes the entry when all of that holds and nothing must see the op: no tracing or compiling, no
+dispatch or function mode, no autocast and no kept autocast casts, no CUDA graph capture, and no replay dropped
+or replaced since (a dropped replay can mean a changed choice). Otherwise it goes the full way, which may learn
+the entry again. So the shortcut runs exactly what the full path's replay would, with the same checks made in
+fewer frames.
+
+Example:
+    >>> call = region_call(lifted_gm)                       # doctest: +SKIP
+    >>> shortcut = Shortcut(call) if call is not None else None  # doctest: +SKIP
+    >>> out = shortcut(x, params)   # None: take the full path, then shortcut.learn(x, params)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from . import replay
+from .autocast import any_autocast, weight_casts
+from .kernels.fastlaunch import _raw_stream
+from .ops import _traced_or_watched, fused_mlp
+
+try:  # dynamo's C++ tensor check (torch >= 2.1); without it there are no shortcuts
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # pragma: no cover - a torch without dynamo's guards
+    TensorGuards = None
+
+__all__ = ["RegionCall", "Shortcut", "region_call"]
+
+log = logging.getLogger(__name__)
+
+_MAX_ENTRIES = 8  # input shapes per host method; past it, all are learned again
+_MAX_MISSES = 8  # full-path calls at one input shape that found no replay before that shape stops learning
+_data_ptr = Tensor.data_ptr
+
+
+class RegionCall(NamedTuple):
+    """Where a one-region graph's tensors are among the host method's extra (lifted) arguments, and its spec."""
+
+    weights: tuple[int, ...]
+    biases: tuple[int, ...]
+    operands: tuple[int, ...]
+    spec: str
+
+
+def region_call(gm: fx.GraphModule) -> Optional[RegionCall]:
+    """The region of a lifted graph (:func:`fxfuse.lift.lift_params`) that is exactly ``fused_mlp(x, params...)``
+    on its first placeholder and the trailing ones, returned as is; None for any other graph."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    rest = nodes[len(placeholders):]
+    if len(placeholders) < 2 or any(n.op == "placeholder" for n in rest) or len(rest) != 2:
+        return None
+    call, output = rest
+    if call.op != "call_function" or call.target is not fused_mlp or call.kwargs or len(call.args) != 5 \
+            or output.op != "output" or output.args != (call,):
+        return None
+    x, weights, biases, operands, spec = call.args
+    position = {n: i - 1 for i, n in enumerate(placeholders)}  # place among the extra arguments (x is first)
+    groups = (weights, biases, operands)
+    if x is not placeholders[0] or not isinstance(spec, str) \
+            or not all(isinstance(g, (list, tuple)) and all(position.get(t, -1) >= 0 for t in g) for g in groups):
+        return None
+    return RegionCall(*(tuple(position[t] for t in g) for g in groups), spec)
+
+
+def _entry(call: RegionCall, x: Tensor, tensors: tuple, run: Callable[[Tensor], Tensor], autocast_free: bool) \
+        -> Optional[Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]]:
+    """A learned entry (see the module doc): ``(x, extra) -> out``, or None when a check fails."""
+    try:
+        guards = TensorGuards(x, *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except Exception as err:  # pragma: no cover - another torch's constructor: no shortcut
+        log.debug("fxfuse: no shortcut for %s (TensorGuards: %s)", call.spec, err)
+        return None
+    check = guards.check
+    index = call.weights + call.biases + call.operands
+    get = operator.itemgetter(*index) if len(index) > 1 else (lambda extra, i=index[0]: (extra[i],))
+    ptrs = tuple(map(_data_ptr, tensors))
+    aligned = x.data_ptr() % 16 == 0
+    device = x.get_device()
+    on_gpu = device >= 0  # (CPU tensors: the tests' stand-in replays; no streams, no capture)
+    stream_of = _raw_stream if on_gpu else (lambda device: 0)
+    stream = stream_of(device)
+    # (the C query itself: ``torch.cuda.is_current_stream_capturing`` is a Python frame around it)
+    capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing) \
+        if on_gpu else (lambda: False)
+    fp32 = x.dtype is torch.float32
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if fp32 else None
+    needs_no_grad = x.requires_grad or any(t.requires_grad for t in tensors)
+    learned = replay.replays.generation
+    replays = replay.replays
+    is_grad_enabled = torch.is_grad_enabled
+    casts = weight_casts._casts  # (its dict: truth-tested in C, not through ``WeightCasts.__len__``)
+
+    def take(x: Tensor, extra: Sequence[Tensor]) -> Optional[Tensor]:
+        ts = get(extra)
+        if replays.generation != learned or not check(x, *ts) or tuple(map(_data_ptr, ts)) != ptrs \
+                or (x.data_ptr() % 16 == 0) is not aligned or stream_of(device) != stream:
+            return None
+        if (needs_no_grad and is_grad_enabled()) or _traced_or_watched(x) or casts \
+                or (autocast_free and any_autocast()) or capturing():
+            return None
+        if fp32 and torch.backends.cuda.matmul.allow_tf32 != tf32:
+            return None
+        return run(x)
+
+    return take
+
+
+class Shortcut:
+    """A one-region host method's direct calls of its replays, by input shape (see the module doc).
+
+    Args:
+        call: the region's place among the host method's arguments (:func:`region_call`).
+        autocast_free: the host method runs its graph under autocast too (then the shortcut checks autocast
+            itself: under it the region follows autocast, which a replay does not).
+    """
+
+    def __init__(self, call: RegionCall, autocast_free: bool = False):
+        self.call = call
+        self.autocast_free = autocast_free
+        self.entries: dict[torch.Size, Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]] = {}
+        self.misses: dict[torch.Size, int] = {}  # full-path calls per shape that found no replay to learn
+        self.hits = 0  # calls that took the shortcut (tests read it)
+
+    def __copy__(self) -> Shortcut:
+        return Shortcut(self.call, self.autocast_free)  # entries are learned again (they hold C++ guards)
+
+    def __deepcopy__(self, memo: dict) -> Shortcut:
+        return Shortcut(self.call, self.autocast_free)
+
+    def __call__(self, x: object, extra: Sequence[Tensor]) -> Optional[Tensor]:
+        """The region's output through a learned entry, or None: then the caller takes the full path and
+        calls :meth:`learn`."""
+        if type(x) is not Tensor:
+            return None
+        entry = self.entries.get(x.shape)
+        if entry is None:
+            return None
+        out = entry(x, extra)
+        if out is not None:
+            self.hits += 1
+        return out
+
+    def learn(self, x: object, extra: Sequence[Tensor]) -> None:
+        """After a full-path call: keep an entry for x's shape if that call's replay exists and a later call
+        like it may take it (plain CUDA tensors, no gradients recorded, nothing watching)."""
+        if TensorGuards is None or type(x) is not Tensor or not x.is_cuda:
+            return
+        shape = x.shape
+        if self.misses.get(shape, 0) >= _MAX_MISSES:
+            return
+        call = self.call
+        weights = [extra[i] for i in call.weights]
+        biases = [extra[i] for i in call.biases]
+        operands = [extra[i] for i in call.operands]
+        tensors = (*weights, *biases, *operands)
+        if (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))) \
+                or _traced_or_watched(x) or any_autocast() or weight_casts \
+                or torch.cuda.is_current_stream_capturing() or not replay.may_replay(call.spec, x):
+            return
+        run = replay.replays.get(replay.replay_key(x, weights, biases, operands, call.spec))
+        entry = None if run is None else _entry(call, x, tensors, run, self.autocast_free)
+        if entry is None:
+            self.misses[shape] = self.misses.get(shape, 0) + 1
+            return
+        if len(self.entries) >= _MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[shape] = entry
+        log.debug("fxfuse: %s at %s called through its shortcut from now on", call.spec, tuple(shape))
