@@ -88,9 +88,10 @@ def region_call(gm: fx.GraphModule) -> Optional[RegionCall]:
     return RegionCall(*(tuple(position[t] for t in g) for g in groups), spec)
 
 
-def _entry(call: RegionCall, x: Tensor, tensors: tuple, run: Callable[[Tensor], Tensor], autocast_free: bool) \
-        -> Optional[Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]]:
-    """A learned entry (see the module doc): ``(x, extra) -> out``, or None when a check fails."""
+def _entry(call: RegionCall, x: Tensor, tensors: tuple, key: tuple, run: Callable[[Tensor], Tensor],
+           autocast_free: bool) -> Optional[Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]]:
+    """A learned entry (see the module doc) for the replay ``run`` kept under ``key``: ``(x, extra) -> out``, or
+    None when a check fails."""
     try:
         guards = TensorGuards(x, *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except Exception as err:  # pragma: no cover - another torch's constructor: no shortcut
@@ -126,7 +127,14 @@ def _entry(call: RegionCall, x: Tensor, tensors: tuple, run: Callable[[Tensor], 
             return None
         if fp32 and torch.backends.cuda.matmul.allow_tf32 != tf32:
             return None
-        return run(x)
+        try:
+            return run(x)
+        except ReferenceError:  # a tensor it held weakly is gone: as the full path does, drop it (and this entry)
+            replays.pop(key, None)
+        except Exception as err:  # never expected; the full path decides again
+            log.warning("fxfuse: replaying %s failed (%s: %s); dropped", call.spec, type(err).__name__, err)
+            replays.pop(key, None)
+        return None
 
     return take
 
@@ -183,8 +191,9 @@ class Shortcut:
                 or _traced_or_watched(x) or any_autocast() or weight_casts \
                 or torch.cuda.is_current_stream_capturing() or not replay.may_replay(call.spec, x):
             return
-        run = replay.replays.get(replay.replay_key(x, weights, biases, operands, call.spec))
-        entry = None if run is None else _entry(call, x, tensors, run, self.autocast_free)
+        key = replay.replay_key(x, weights, biases, operands, call.spec)
+        run = replay.replays.get(key)
+        entry = None if run is None else _entry(call, x, tensors, key, run, self.autocast_free)
         if entry is None:
             self.misses[shape] = self.misses.get(shape, 0) + 1
             return

@@ -66,20 +66,22 @@ def test_a_graph_with_more_than_the_region_has_no_shortcut():
     assert isinstance(vars(opt)["_fxfuse_shortcut_forward"], shortcut.Shortcut)
 
 
-def _learned(model: GPT2MLP, x: torch.Tensor, calls: list, autocast_free: bool = False):
+def _learned(model: GPT2MLP, x: torch.Tensor, calls: list, autocast_free: bool = False, run=None):
     """A Shortcut with an entry learned by hand for x (a CPU stand-in for a recorded replay) and the extra
     arguments the host method would pass."""
     gm, paths = lift_params(fxfuse.hosts.fused_graphs(fxfuse.optimize(model))[0][1])
     call = shortcut.region_call(gm)
     extra = [model.get_parameter(p) for p in paths]
 
-    def run(h):
+    def model_run(h):
         calls.append(h)
         return model(h)
 
     sc = shortcut.Shortcut(call, autocast_free)
     tensors = tuple(extra[i] for i in call.weights + call.biases + call.operands)
-    sc.entries[x.shape] = shortcut._entry(call, x, tensors, run, autocast_free)
+    key = ("test", "shortcut", id(sc))
+    replay.replays[key] = run or model_run
+    sc.entries[x.shape] = shortcut._entry(call, x, tensors, key, run or model_run, autocast_free)
     return sc, paths
 
 
@@ -124,10 +126,27 @@ def test_an_entry_runs_its_replay_only_while_every_check_holds():
     assert sc(x.clone(), extra()) is None
     with torch.no_grad():
         assert sc(x.clone(), extra()) is not None
-        replay.replays[("test", "shortcut")] = None  # adding a replay keeps the entries
+        replay.replays[("test", "another")] = None  # adding a replay keeps the entries
         assert sc(x.clone(), extra()) is not None
-        replay.replays.pop(("test", "shortcut"))  # dropping one may have dropped a choice: learn again
+        replay.replays.pop(("test", "another"))  # dropping one may have dropped a choice: learn again
         assert sc(x.clone(), extra()) is None
+    replay.forget_all()
+
+
+def test_an_entry_whose_replay_lost_a_tensor_drops_it_and_takes_the_full_path():
+    model = GPT2MLP().eval()
+    x = torch.randn(2, 64)
+
+    def gone(h):
+        raise ReferenceError("a tensor of a replayed stage was freed")
+
+    sc, paths = _learned(model, x, [], run=gone)
+    extra = [model.get_parameter(p) for p in paths]
+    (key,) = [k for k in replay.replays if k[:2] == ("test", "shortcut")]
+    with torch.no_grad():
+        assert sc(x.clone(), extra) is None
+    assert key not in replay.replays
+    replay.forget_all()
 
 
 def test_a_copied_module_learns_its_own_entries():
