@@ -169,7 +169,9 @@ def test_no_entry_is_learned_without_a_replay():
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_cls", [GPT2MLP, Gated])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_decode_calls_take_the_shortcut_and_follow_every_change(model_cls, dtype, no_tf32):
+def test_decode_calls_take_the_shortcut_and_follow_every_change(model_cls, dtype, no_tf32, untrained_specs):
+    """(``untrained_specs``: the backward below marks these specs trained for the process, which would change how
+    later tests' regions of the same spec run.)"""
     replay.forget_all()
     model = model_cls(256, 1024).cuda().to(dtype).eval()
     opt = fxfuse.optimize(model)
