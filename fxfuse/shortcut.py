@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 _MAX_ENTRIES = 8  # input shapes per host method; past it, all are learned again
 _MAX_MISSES = 8  # full-path calls at one input shape that found no replay before that shape stops learning
 _data_ptr = Tensor.data_ptr
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class RegionCall(NamedTuple):
@@ -88,18 +89,23 @@ def region_call(gm: fx.GraphModule) -> Optional[RegionCall]:
     return RegionCall(*(tuple(position[t] for t in g) for g in groups), spec)
 
 
-def _entry(call: RegionCall, x: Tensor, tensors: tuple, key: tuple, run: Callable[[Tensor], Tensor],
-           autocast_free: bool) -> Optional[Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]]:
+def _tensor_getter(call: RegionCall) -> Callable[[Sequence[Tensor]], tuple]:
+    """``extra -> (weights..., biases..., operands...)``: the region's tensors among the extra arguments, in C."""
+    index = call.weights + call.biases + call.operands
+    return operator.itemgetter(*index) if len(index) > 1 else (lambda extra, i=index[0]: (extra[i],))
+
+
+def _entry(call: RegionCall, get: Callable[[Sequence[Tensor]], tuple], x: Tensor, tensors: tuple, key: tuple,
+           run: Callable[[Tensor], Tensor], autocast_free: bool) \
+        -> Optional[Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]]:
     """A learned entry (see the module doc) for the replay ``run`` kept under ``key``: ``(x, extra) -> out``, or
-    None when a check fails."""
+    None when a check fails. ``get``: :func:`_tensor_getter` of ``call``; ``tensors``: what it gave for x's call."""
     try:
         guards = TensorGuards(x, *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except Exception as err:  # pragma: no cover - another torch's constructor: no shortcut
         log.debug("fxfuse: no shortcut for %s (TensorGuards: %s)", call.spec, err)
         return None
     check = guards.check
-    index = call.weights + call.biases + call.operands
-    get = operator.itemgetter(*index) if len(index) > 1 else (lambda extra, i=index[0]: (extra[i],))
     ptrs = tuple(map(_data_ptr, tensors))
     aligned = x.data_ptr() % 16 == 0
     device = x.get_device()
@@ -111,7 +117,7 @@ def _entry(call: RegionCall, x: Tensor, tensors: tuple, key: tuple, run: Callabl
         if on_gpu else (lambda: False)
     fp32 = x.dtype is torch.float32
     tf32 = torch.backends.cuda.matmul.allow_tf32 if fp32 else None
-    needs_no_grad = x.requires_grad or any(t.requires_grad for t in tensors)
+    needs_no_grad = x.requires_grad or any(map(_requires_grad, tensors))
     learned = replay.replays.generation
     replays = replay.replays
     is_grad_enabled = torch.is_grad_enabled
@@ -151,6 +157,7 @@ class Shortcut:
     def __init__(self, call: RegionCall, autocast_free: bool = False):
         self.call = call
         self.autocast_free = autocast_free
+        self._tensors = _tensor_getter(call)
         self.entries: dict[torch.Size, Callable[[Tensor, Sequence[Tensor]], Optional[Tensor]]] = {}
         self.misses: dict[torch.Size, int] = {}  # full-path calls per shape that found no replay to learn
         self.hits = 0  # calls that took the shortcut (tests read it)
@@ -183,17 +190,17 @@ class Shortcut:
         if self.misses.get(shape, 0) >= _MAX_MISSES:
             return
         call = self.call
-        weights = [extra[i] for i in call.weights]
-        biases = [extra[i] for i in call.biases]
-        operands = [extra[i] for i in call.operands]
-        tensors = (*weights, *biases, *operands)
-        if (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))) \
+        tensors = self._tensors(extra)
+        # (runs after every full-path call: a grad-recording call, which never has a replay, leaves first)
+        if (torch.is_grad_enabled() and (x.requires_grad or any(map(_requires_grad, tensors)))) \
                 or _traced_or_watched(x) or any_autocast() or weight_casts \
                 or torch.cuda.is_current_stream_capturing() or not replay.may_replay(call.spec, x):
             return
-        key = replay.replay_key(x, weights, biases, operands, call.spec)
+        n_weights, n_biases = len(call.weights), len(call.biases)
+        key = replay.replay_key(x, tensors[:n_weights], tensors[n_weights:n_weights + n_biases],
+                                tensors[n_weights + n_biases:], call.spec)
         run = replay.replays.get(key)
-        entry = None if run is None else _entry(call, x, tensors, key, run, self.autocast_free)
+        entry = None if run is None else _entry(call, self._tensors, x, tensors, key, run, self.autocast_free)
         if entry is None:
             self.misses[shape] = self.misses.get(shape, 0) + 1
             return

@@ -81,7 +81,7 @@ def _learned(model: GPT2MLP, x: torch.Tensor, calls: list, autocast_free: bool =
     tensors = tuple(extra[i] for i in call.weights + call.biases + call.operands)
     key = ("test", "shortcut", id(sc))
     replay.replays[key] = run or model_run
-    sc.entries[x.shape] = shortcut._entry(call, x, tensors, key, run or model_run, autocast_free)
+    sc.entries[x.shape] = shortcut._entry(call, sc._tensors, x, tensors, key, run or model_run, autocast_free)
     return sc, paths
 
 
