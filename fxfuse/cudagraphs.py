@@ -49,8 +49,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
+import gc
 import inspect
 import logging
 import time
@@ -403,7 +405,7 @@ class GraphedForward:
         try:
             # fxfuse's split-K workspaces: zeroed once below instead of by a fill kernel in every replay
             with torch.cuda.device(device), zero_after_capture() as workspaces, \
-                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), _gc_paused():
                 capturing = True
                 out = self._call(module, s_args, s_kwargs)
         except Exception:
@@ -427,6 +429,21 @@ class GraphedForward:
 
 def _restore(module: nn.Module, static_outputs: bool, max_graphs: int, warmup: int, plain: Any) -> GraphedForward:
     return GraphedForward(module, static_outputs=static_outputs, max_graphs=max_graphs, warmup=warmup, plain=plain)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection inside: a collection during a capture can free an unreachable CUDA graph of
+    an earlier module, whose destruction is an operation a capturing stream forbids, and the capture fails (H200:
+    `test_grad_and_train_mode_run_plainly_frozen_parameters_are_graphed` after other GPU tests, depending on when
+    the collector ran; with the collector off, never). ``torch.cuda.graph`` collects once before it begins."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _recover(device: torch.device, pool: Any) -> None:

@@ -427,3 +427,22 @@ def test_regions_of_a_graphed_module_are_planned_by_gpu_time(monkeypatch, tmp_pa
     assert strategy._choices and all(key[-1] for key in strategy._choices)  # only graph-scored choices
     assert any("for a CUDA graph: GPU time only" in r.getMessage() for r in caplog.records)
     tuning_cache.clear_loaded()
+
+
+def test_no_garbage_collection_inside_a_capture():
+    """A collection during a capture can destroy an earlier module's unreachable graph, which fails the capture."""
+    import gc
+
+    from fxfuse.cudagraphs import _gc_paused
+
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # the caller's setting is kept
+    finally:
+        gc.enable()
