@@ -3,7 +3,9 @@
 Found by name through the ``torch_dynamo_backends`` entry point (no ``import fxfuse`` needed).
 Dynamo hands over the graph with parameters as placeholders and ``nn.Linear`` inlined as
 ``torch._C._nn.linear``; the pass normalizes both. By default the rewritten graph goes on to
-Inductor, which compiles the rest and keeps the fused regions as calls to the fxfuse op. With
+Inductor, which compiles the rest and keeps each fused region as an opaque call of ``torch.ops.fxfuse.mlp_infer``
+(``mlp_extern`` in a graph compiled with grad mode on; :mod:`fxfuse.extern`): at run time fxfuse plans and
+replays the region as ``fxfuse.optimize`` does, instead of Inductor compiling the op's kernels untimed. With
 ``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait. A graph
 compiled for training (grad mode on, weights that require grad) keeps its chains for Inductor.
 
@@ -21,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .api import record_backend_report
+from .extern import externalize
 from .pipeline import fuse_graph
 
 __all__ = ["fxfuse_backend"]
@@ -51,5 +54,6 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    externalize(gm, inference=not torch.is_grad_enabled())
     patches = list_mode_options(mode) if mode else None
     return compile_fx(gm, example_inputs, config_patches=patches)

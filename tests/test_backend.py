@@ -50,6 +50,76 @@ def test_backend_with_inductor_default():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_backend_hands_inductor_opaque_region_calls(monkeypatch):
+    # Inductor would trace into the triton_op with fake tensors (untimed strategy, no replay, workspaces as fresh
+    # zeros kernels): it gets opaque calls instead (fxfuse.mlp_infer without grad mode), which run fxfuse's
+    # runtime at run time.
+    import torch._inductor.compile_fx as inductor
+
+    from fxfuse import ops
+
+    graphs, dispatched = [], []
+    compile_fx, dispatch = inductor.compile_fx, ops._dispatch
+
+    def spy_compile(gm, example_inputs, **kwargs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return compile_fx(gm, example_inputs, **kwargs)
+
+    def spy_dispatch(*args):
+        dispatched.append(type(args[0]))
+        return dispatch(*args)
+
+    monkeypatch.setattr(inductor, "compile_fx", spy_compile)
+    monkeypatch.setattr(ops, "_dispatch", spy_dispatch)
+    model = GatedMLP().eval()
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert graphs == [[torch.ops.fxfuse.mlp_infer.default]]
+    assert torch.Tensor in dispatched  # fxfuse's runtime ran on the real input, not only on fake tensors
+
+
+def test_backend_frozen_region_in_a_grad_graph_is_differentiable(monkeypatch):
+    # Grad mode on, frozen weights: the region is fused as fxfuse.mlp_extern, whose autograd gives x's gradient.
+    import torch._inductor.compile_fx as inductor
+
+    graphs = []
+    compile_fx = inductor.compile_fx
+
+    def spy_compile(gm, example_inputs, **kwargs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return compile_fx(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", spy_compile)
+    model = GatedMLP().eval().requires_grad_(False)
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(4, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    compiled(x).square().sum().backward()
+    model(x_ref).square().sum().backward()
+    assert graphs == [[torch.ops.fxfuse.mlp_extern.default]]
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_opaque_ops_match_the_op_and_pass_opcheck():
+    x = torch.randn(3, 8, requires_grad=True)
+    w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    b1 = torch.randn(16, requires_grad=True)
+    args = (x, [w1, w2], [b1], [], "1b:gelu_tanh(a0);1:a0")
+    out = torch.ops.fxfuse.mlp_extern(*args)
+    ref = torch.ops.fxfuse.mlp(*args)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), (x, w1, w2, b1))
+    grads_ref = torch.autograd.grad(ref.square().sum(), (x, w1, w2, b1))
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g, r)
+    torch.library.opcheck(torch.ops.fxfuse.mlp_extern.default, args)
+    plain = (x.detach(), [w1.detach(), w2.detach()], [b1.detach()], [], args[-1])
+    torch.testing.assert_close(torch.ops.fxfuse.mlp_infer(*plain), ref.detach())
+    torch.library.opcheck(torch.ops.fxfuse.mlp_infer.default, plain)
+
+
 def test_backend_leaves_training_graphs_to_inductor():
     # Compiled with grad mode on, AOTAutograd differentiates the graph: Inductor's backward keeps the
     # intermediates, where the op's would recompute the forward. The no_grad graph (its own Dynamo graph,
@@ -78,6 +148,23 @@ def test_unknown_backend_option_is_a_clear_error():
     compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductr": False})
     with pytest.raises(Exception, match="inductr"):
         compiled(torch.randn(2, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_backend_with_inductor_replays_decode_regions(rows):
+    # The region runs fxfuse's runtime under Inductor: planned at the first call on real tensors, then replayed.
+    from fxfuse import replay
+
+    model = GPT2MLP(1024, 4096).cuda().to(torch.bfloat16).eval()
+    compiled = torch.compile(model, backend="fxfuse")
+    before = set(replay.replays)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+            out, ref = compiled(x), model(x)
+            assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+    assert set(replay.replays) - before, "the region was not replayed"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,87 @@
+"""``torch.ops.fxfuse.mlp_extern``: a fused region as a call Inductor makes, not code Inductor compiles.
+
+``torch.ops.fxfuse.mlp`` is a ``triton_op``: a tracer sees its Triton launches, so ``torch.export`` and
+AOTInductor can carry the kernels. But Inductor traces *into* it too, with fake tensors, where fxfuse's runtime
+cannot work: the planner cannot time candidates (it takes the cost model's first guess), replays and bound
+launches do not exist, and the kernels' self-resetting workspaces become fresh ``zeros`` kernels on every call.
+On the H200 (``benchmarks/probe_backend.py``), ``torch.compile(model, backend="fxfuse")`` through that path read
+GPT-2-medium's MLP at one row at 89.5 µs on the GPU (``fxfuse.optimize``: 14.6; eager 26.0) and 116 µs per call
+on the wall (eager 59.5), Llama's at 108 µs (91.9), seed_geglu at 244 µs (198).
+
+The compile backend therefore hands Inductor a graph whose fused regions call one of these ops instead
+(:func:`externalize`), which Inductor keeps as opaque calls (fallback kernels) and compiles everything around. At
+run time the call is fxfuse's own: the region is planned on real tensors at its first call, then replayed.
+
+* ``fxfuse::mlp_infer`` for a graph compiled without grad mode (inference; Dynamo guards on grad mode, so the graph
+  never runs with it): defined with ``torch.library.Library`` and no autograd kernel, so a call is the dispatcher
+  and one Python kernel. A ``torch.library.custom_op`` layers Python wrappers around its kernel (autograd, then
+  checks of the result): ~36 µs of host per call on the H200 machine around fxfuse's ~17.
+* ``fxfuse::mlp_extern`` for a graph compiled with grad mode on: a ``custom_op`` with the triton_op's autograd
+  (the vjp of the original ops), for regions whose weights are frozen but whose input may want gradients.
+
+Example:
+    >>> gm = fuse_graph_somehow(dynamo_graph)                 # doctest: +SKIP
+    >>> externalize(gm, inference=True)  # fused_mlp(...) -> torch.ops.fxfuse.mlp_infer.default(...)  # doctest: +SKIP
+    1
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from . import ops
+
+__all__ = ["externalize", "mlp_extern"]
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = "(Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] operands, str spec) -> Tensor"
+_lib = torch.library.Library("fxfuse", "FRAGMENT")  # (kept alive with the module: it owns the registrations)
+_lib.define("mlp_infer" + _SCHEMA)
+
+
+def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
+    """The region by fxfuse's runtime on real tensors, as ``torch.ops.fxfuse.mlp`` runs it."""
+    if ops._autocast_on(x) or (x.device.type == "cpu" and not ops._interpreting()):
+        return ops.reference_mlp(x, weights, biases, operands, spec)
+    # (every path returns a fresh tensor, as an op must: kernels, replays and the original ops' last linear)
+    return ops._not_a_view(ops._dispatch(x, weights, biases, operands, spec))
+
+
+def _fake(x, weights, biases, operands, spec):
+    return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
+
+
+_lib.impl("mlp_infer", _run, "CUDA")
+_lib.impl("mlp_infer", _run, "CPU")
+torch.library.register_fake("fxfuse::mlp_infer", _fake, lib=_lib)
+
+
+@torch.library.custom_op("fxfuse::mlp_extern", mutates_args=())
+def mlp_extern(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
+    """``torch.ops.fxfuse.mlp`` (same arguments, same result) as an opaque op: see the module doc."""
+    return _run(x, weights, biases, operands, spec)
+
+
+mlp_extern.register_fake(_fake)
+mlp_extern.register_autograd(ops._backward, setup_context=ops._setup_context)
+
+
+def externalize(gm: fx.GraphModule, inference: bool) -> int:
+    """Point ``gm``'s fused region calls at ``fxfuse::mlp_infer`` (``inference``: compiled without grad mode) or
+    ``fxfuse::mlp_extern``, lint and recompile; the number of calls changed."""
+    target = torch.ops.fxfuse.mlp_infer.default if inference else torch.ops.fxfuse.mlp_extern.default
+    changed = 0
+    for node in gm.graph.nodes:
+        if ops.is_fused_call(node):
+            node.target = target
+            changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("fxfuse backend: %d fused region call(s) handed to Inductor as opaque calls", changed)
+    return changed
