@@ -1,0 +1,206 @@
+"""Greedy decoding of a transformers Llama with Llama-3-8B's layer shapes: ms per token, eager vs fxfuse.
+
+The benchmark rows time one MLP. A user decoding with a real model sees the whole step: attention with its KV
+cache, norms, rotary embeddings, the LM head, and the Python around all of it. This script builds
+``LlamaForCausalLM`` with Llama-3-8B's layer shapes (hidden 4096, intermediate 14336, 32 heads, 8 KV heads; a few
+layers, a 32000-token vocabulary, random bf16 weights: nothing is downloaded), prefills a prompt, then times
+greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), one token per step, batch 1:
+
+* **wall ms per token**: ``steps`` steps between two synchronizations (what a user waits for), median of
+  interleaved rounds, eager and ``fxfuse.optimize(model)`` timed alternately;
+* **GPU ms per token**: the kernels' device time per step (torch.profiler, one pass after the timing, since a
+  profiler session slows later launches in the process); wall above GPU is host time the GPU waited for;
+* the MLPs' share of eager's GPU time, and the first step's logits against eager's.
+
+    python3 benchmarks/bench_decode_model.py --out DIR [--layers 4] [--steps 64] [--rounds 3] [--batch 1]
+
+Writes ``DIR/decode_model.md`` (and prints it). On a CPU (``TRITON_INTERPRET=1``) ``--tiny`` runs a small config
+for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be on before fxfuse defines its kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fxfuse  # noqa: E402
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+TINY_LAYER = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model, initialized on ``device`` in ``dtype`` (random weights at HF's init scale)."""
+    import transformers
+
+    shape = TINY_LAYER if tiny else LLAMA3_8B_LAYER
+    config = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096,
+                                      **shape)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, forced=None,
+           keep: int = 0) -> tuple[torch.Tensor, float, list]:
+    """Prefill ``prompt``, then ``steps`` greedy steps: (tokens fed, seconds of the steps, logits of the prefill's
+    last position and of the first ``keep`` steps, in fp32). ``forced``: feed these tokens (``[B, steps + 1]``,
+    another run's) instead of this model's own picks, so two models see the same inputs. ``sync``: called before
+    and after the timed steps (``torch.cuda.synchronize`` on a GPU)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        out = model(input_ids=prompt, past_key_values=DynamicCache(), use_cache=True)
+        kept = [out.logits[:, -1:].float()] if keep else []
+        token = out.logits[:, -1:].argmax(-1) if forced is None else forced[:, :1]
+        cache = out.past_key_values
+        tokens = [token]
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            token = out.logits[:, -1:].argmax(-1) if forced is None else forced[:, i + 1:i + 2]
+            tokens.append(token)
+            if i < keep - 1:
+                kept.append(out.logits.float())
+        if sync is not None:
+            sync()
+        seconds = time.perf_counter() - start
+    return torch.cat(tokens, 1), seconds, kept
+
+
+def _is_kernel(e) -> bool:
+    return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
+def gpu_ms_per_step(model, prompt, steps: int) -> float:
+    """The kernels' device ms per decode step, from one profiled pass of ``steps`` steps less a prefill-only pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    passes = []
+    for n in (steps, 0):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            decode(model, prompt, n, torch.cuda.synchronize)
+        passes.append(sum(e.time_range.elapsed_us() for e in prof.events() if _is_kernel(e)))
+    return (passes[0] - passes[1]) / steps / 1e3
+
+
+def rel_err(logits: list, ref: list) -> float:
+    a, b = torch.cat(logits, 1).double(), torch.cat(ref, 1).double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write decode_model.md here")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt length")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--compile", action="store_true",
+                    help="also torch.compile(model) and torch.compile(model, backend='fxfuse')")
+    ap.add_argument("--tiny", action="store_true", help="a small config (CPU smoke test)")
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    tiny = args.tiny or not gpu
+    vocab = 256 if tiny else args.vocab
+    torch.manual_seed(0)
+    model = build(args.layers, vocab, tiny, device, dtype)
+    prompt = torch.randint(3, vocab, (args.batch, args.prompt), device=device)
+    sync = torch.cuda.synchronize if gpu else None
+    keep = min(args.steps, 8) + 1
+
+    # Accuracy first: every variant fed the fp32 model's greedy tokens, its logits against the fp32 model's.
+    reference = copy.deepcopy(model).float()
+    forced, _, ref_logits = decode(reference, prompt, args.steps, sync, keep=keep)
+    del reference
+
+    variants: dict[str, torch.nn.Module] = {"eager": model}
+    start = time.perf_counter()
+    variants["fxfuse"] = fxfuse.optimize(model)
+    notes = [f"fxfuse.optimize {time.perf_counter() - start:.2f} s"]
+    if args.compile:
+        # Both compiled variants wrap the same forward, whose compiled entries Dynamo keeps in one cache per code
+        # object (the prefill, then the cache lengths until it marks them dynamic): room for both.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        variants["torch.compile"] = torch.compile(model)
+        variants["torch.compile(backend='fxfuse')"] = torch.compile(model, backend="fxfuse")
+    first_call, errors = {}, {}
+    for name, m in list(variants.items()):
+        start = time.perf_counter()
+        try:  # the first pass plans, tunes and compiles (every cache length a compiler specializes on included)
+            _, _, logits = decode(m, prompt, args.steps, sync, forced=forced, keep=keep)
+        except Exception as err:  # a variant that fails is reported, not fatal
+            notes.append(f"{name} failed: {type(err).__name__}: {str(err)[:200]}")
+            del variants[name]
+            continue
+        first_call[name] = time.perf_counter() - start
+        errors[name] = rel_err(logits, ref_logits)
+
+    walls = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, m in variants.items():
+            walls[name].append(decode(m, prompt, args.steps, sync)[1] * 1e3 / args.steps)
+    wall = {k: statistics.median(v) for k, v in walls.items()}
+    gpu_ms = {k: gpu_ms_per_step(m, prompt, min(args.steps, 16)) for k, m in variants.items()} if gpu else {}
+
+    shape = TINY_LAYER if tiny else LLAMA3_8B_LAYER
+    cmd = (f"python3 benchmarks/bench_decode_model.py --layers {args.layers} --steps {args.steps} --rounds "
+           f"{args.rounds} --batch {args.batch} --prompt {args.prompt}" + (" --compile" if args.compile else ""))
+    lines = [f"### Greedy decode, `LlamaForCausalLM` ({args.layers} layers of hidden {shape['hidden_size']}, "
+             f"intermediate {shape['intermediate_size']}, {shape['num_attention_heads']} heads / "
+             f"{shape['num_key_value_heads']} KV heads; vocab {vocab}; {str(dtype).replace('torch.', '')}; batch "
+             f"{args.batch}, prompt {args.prompt}, {args.steps} steps)", "",
+             f"- {torch.cuda.get_device_name() if gpu else 'CPU (Triton interpreter)'}; torch {torch.__version__}; "
+             f"`{cmd}`",
+             "- " + "; ".join(notes),
+             "- wall = ms per decode step (one token per sequence) over all steps between two synchronizations, "
+             "median of interleaved rounds; GPU = the kernels' device time per step (torch.profiler); "
+             "first pass = the first prefill + decode, planning, "
+             "tuning and compiling included; rel err = the logits of the prefill and the first "
+             f"{keep - 1} steps against the fp32 model's, every variant fed the fp32 model's greedy tokens",
+             "", "| | wall ms / step (rounds) | tokens/s | GPU ms / step | first pass s | rel err |",
+             "|---|---|---|---|---|---|"]
+    for name in variants:
+        g = gpu_ms.get(name)
+        lines.append(f"| {name} | {wall[name]:.3f} ({', '.join(f'{t:.3f}' for t in walls[name])}) | "
+                     f"{1e3 / wall[name] * args.batch:.0f} | {f'{g:.3f}' if g else 'n/a'} | {first_call[name]:.1f} | "
+                     f"{errors[name]:.1e} |")
+    summary = f"fxfuse vs eager: **{wall['eager'] / wall['fxfuse']:.2f}×** on the wall per step"
+    if gpu_ms:
+        summary += f", {gpu_ms['eager'] / gpu_ms['fxfuse']:.2f}× on GPU time"
+    lines += ["", summary + "."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode_model.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
