@@ -16,10 +16,14 @@ What it does, in order:
      fxfuse as a user gets it: ``fxfuse.optimize(mod)`` with default settings (autotuning and the measured
      choice against the original ops on), each built first (first-call wall time for torch.compile and
      fxfuse, one warm-up call) and kept alive until the row's timing is done;
+   * ``torch.compile(mod, backend="fxfuse")`` (the compile backend: fxfuse's regions as opaque calls, Inductor
+     around them), built after fxfuse.optimize (so its first call finds fxfuse's choices made) and checked for
+     correctness against the same reference;
    * decode rows also: ``fxfuse.optimize(mod, cuda_graphs=True)`` (opt-in CUDA graphs), built and checked
      for correctness the same way; "n/a" when this fxfuse has no such option;
    * then the timing, in ``--rounds`` (default 3) interleaved rounds: each round times every variant once, in
-     a fixed order (eager, CUDA graph, compile default, fxfuse, fxfuse CUDA graphs), and a cell is the median
+     a fixed order (eager, CUDA graph, compile default, compile backend=fxfuse, fxfuse, fxfuse CUDA graphs), and a
+     cell is the median
      over the rounds (``gpu_rounds`` / ``wall_rounds`` in results.json keep each round). GPU µs: do_bench
      median (L2 flushed); decode rows also wall µs/call of 200 back-to-back calls (median of 5 such loops).
      H200 timings drift by 3-6 % within a run (clocks, power): variants timed one after the other would get
@@ -104,7 +108,9 @@ MAX_AUTOTUNE_ORDER = [
     "seed_geglu", "gpt2_mlp", "llama_swiglu_m16", "gpt2m_mlp_m1", "nerf64", "nerf128",
     "gpt2m_mlp_m8", "llama_swiglu_m1", "llama_swiglu_4096",
 ]
-VARIANTS = ["eager", "cudagraph", "compile_default", "compile_max_autotune", "fxfuse"]
+VARIANTS = ["eager", "cudagraph", "compile_default", "compile_max_autotune", "compile_fxfuse", "fxfuse"]
+# The order of every timing round (the variants a row built).
+TIMING_ORDER = ["eager", "cudagraph", "compile_default", "compile_fxfuse", "fxfuse", "fxfuse_cuda_graphs"]
 SKIPPED_BUDGET = "skipped (budget)"  # a max-autotune cell the time bound left out (never silently empty)
 
 T_START = time.perf_counter()
@@ -538,6 +544,11 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
         else:
             row["gpu_us"]["fxfuse"] = row["first_call_s"]["fxfuse"]
             row["check"]["pass"] = False
+    if fx is not None:
+        cb = build_compile_fxfuse(w, mod, x, ref_state, timer, row)
+        if cb is not None:
+            keep["cb"] = cb
+            timed["compile_fxfuse"] = lambda: cb(x)
     if w.decode:
         optg = build_fxfuse_cuda_graphs(w, fx, mod, x, ref_state, timer, row)
         if optg is not None:
@@ -545,6 +556,7 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
             timed["fxfuse_cuda_graphs"] = lambda: optg(x)
 
     # the timing: interleaved rounds over every variant that was built (GPU median; decode rows also wall)
+    timed = {k: timed[k] for k in TIMING_ORDER if k in timed}
     print(f"  timing {', '.join(timed)} in {args.rounds} interleaved round(s)  [t={elapsed():.0f}s]")
     time_rounds(row, "gpu_us", "gpu_rounds", timed, timer.gpu_us, args.rounds)
     if w.decode:
@@ -555,6 +567,39 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
     derive(row)
     print_row(row)
     ref_state.clear()  # the module, inputs and compiled variants go with this frame; main() then cleans up
+
+
+def build_compile_fxfuse(w: Workload, mod, x, ref_state: dict, timer: Timer, row: dict):
+    """``torch.compile(mod, backend="fxfuse")``: build (first-call wall time), check against the float64 reference
+    (``rel_err["compile_fxfuse"]``, ``check["compile_fxfuse_pass"]``); the compiled module, or None if it failed."""
+    keep = {}
+
+    def first():
+        t0 = time.perf_counter()
+        cb = torch.compile(mod, backend="fxfuse")
+        cb(x)
+        timer.sync()
+        keep["cb"] = cb
+        return time.perf_counter() - t0
+
+    v = guarded(row, "first_call_s", "compile_fxfuse", first)
+    if "cb" not in keep:
+        row["gpu_us"]["compile_fxfuse"] = v
+        return None
+    cb = keep["cb"]
+
+    def check():
+        if "ref" not in ref_state:
+            raise RuntimeError("no float64 reference (see rel_err.eager)")
+        out = cb(ref_state["xc"])
+        timer.sync()
+        return rel_err(out, ref_state["ref"])
+
+    e = guarded(row, "rel_err", "compile_fxfuse", check)
+    row["check"]["compile_fxfuse_pass"] = bool(is_num(e) and e <= TOL)
+    print(f"  compile backend=fxfuse: rel err {fmt_err(e)} -> "
+          f"{'PASS' if row['check']['compile_fxfuse_pass'] else 'FAIL'}")
+    return cb
 
 
 def build_fxfuse_cuda_graphs(w: Workload, fx, mod, x, ref_state: dict, timer: Timer, row: dict):
@@ -669,7 +714,8 @@ def print_row(row: dict):
     spread = d.get("eager_spread")
     print(f"  GPU median µs: floor {fmt_us(row['floor'].get('floor_us'))} | eager {fmt_us(g.get('eager'))} "
           f"(spread {f'{spread:.1%}' if is_num(spread) else '—'}) | graph {fmt_us(g.get('cudagraph'))} | compile "
-          f"{fmt_us(g.get('compile_default'))} | fxfuse {fmt_us(g.get('fxfuse'))}")
+          f"{fmt_us(g.get('compile_default'))} | compile backend=fxfuse {fmt_us(g.get('compile_fxfuse'))} | fxfuse "
+          f"{fmt_us(g.get('fxfuse'))}")
     for key, label in (("gpu_rounds", "GPU"), ("wall_rounds", "wall")):
         if row.get(key):
             print(f"  {label} µs per round: " + "; ".join(
@@ -715,7 +761,14 @@ def wall_str(row: dict) -> str:
     if not row["decode"]:
         return "—"
     wl = row["wall_us"]
-    return " / ".join(fmt_us(wl.get(k)) for k in ("eager", "cudagraph", "compile_default", "fxfuse"))
+    return " / ".join(fmt_us(wl.get(k)) for k in ("eager", "cudagraph", "compile_default", "compile_fxfuse", "fxfuse"))
+
+
+def backend_cell(row: dict) -> str:
+    s = fmt_us(row["gpu_us"].get("compile_fxfuse"))
+    if is_num(row["gpu_us"].get("compile_fxfuse")) and row["check"].get("compile_fxfuse_pass") is False:
+        s += " (wrong results)"
+    return s
 
 
 def err_cell(row: dict) -> str:
@@ -770,15 +823,18 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
     L.append(f"- GPU times, µs: median over {args.rounds} interleaved rounds of `triton.testing.do_bench` "
              f"medians (warmup {args.warmup} ms, rep {args.rep} ms, L2 flushed). Every variant of a row is built "
              f"first, then each round times all of them once in a fixed order (eager, CUDA graph, compile default, "
-             f"fxfuse, fxfuse CUDA graphs), so drift within the run favours none; compile max-autotune is one "
-             f"do_bench median from a later pass. Floor = max(FLOPs / matmul rate, min bytes / copy bandwidth). "
+             f"compile backend=fxfuse, fxfuse, fxfuse CUDA graphs), so drift within the run favours none; compile "
+             f"max-autotune is one do_bench median from a later pass. Floor = max(FLOPs / matmul rate, min bytes / "
+             f"copy bandwidth). "
              f"vs eager / vs compile = speedup of fxfuse (>1 is faster). rel err = ‖fxfuse − ref‖/‖ref‖ vs float64 "
              f"on a fresh input (tol {TOL:g}).")
     L.append(f"- fxfuse = `fxfuse.optimize(model)` with default settings, timed after one warm-up call "
-             f"(FXFUSE_* environment: {env.get('fxfuse_env') or 'none set'}).")
+             f"(FXFUSE_* environment: {env.get('fxfuse_env') or 'none set'}). compile backend=fxfuse = "
+             f"`torch.compile(model, backend=\"fxfuse\")`: fxfuse's regions as opaque calls, Inductor around them "
+             f"(built after fxfuse.optimize: its first call finds the regions' choices made).")
     L.append(f"- Wall (decode rows) = µs per call of {DECODE_CALLS} back-to-back calls, synchronized before and after "
              f"(median of {DECODE_LOOPS} loops; median over {args.rounds} interleaved rounds as the GPU times), as "
-             f"eager / CUDA-graph replay / compile default / fxfuse; "
+             f"eager / CUDA-graph replay / compile default / compile backend=fxfuse / fxfuse; "
              f"'fxfuse CUDA graphs' = the same for `fxfuse.optimize(model, cuda_graphs=True)` (n/a: no such option).")
     L.append(f"- pass = correct, fxfuse GPU median ≤ target (gpt2m_mlp_m1: also fxfuse wall ≤ its wall target), and "
              f"not slower than eager: fxfuse ≤ eager × {1 + args.eager_slack:g} on the GPU median and, on decode rows, "
@@ -788,8 +844,9 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
              "there can include launch gaps (compare 'eager spread' below, the CUDA-graph column and the wall column).")
     L.append(f"- Command: `{env['argv']}`")
     L.append("")
-    hdr = ["name", "floor", "eager", "CUDA-graph eager", "compile default", "compile max-autotune", "fxfuse",
-           "fxfuse/floor", "vs eager", "vs compile", "rel err", "wall µs/call (eager / graph / compile / fxfuse)",
+    hdr = ["name", "floor", "eager", "CUDA-graph eager", "compile default", "compile max-autotune",
+           "compile backend=fxfuse", "fxfuse", "fxfuse/floor", "vs eager", "vs compile", "rel err",
+           "wall µs/call (eager / graph / compile / compile backend=fxfuse / fxfuse)",
            "fxfuse CUDA graphs wall", "target", "meets target", "not slower than eager", "pass"]
     L.append("| " + " | ".join(hdr) + " |")
     L.append("|" + "---|" * len(hdr))
@@ -797,7 +854,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
         g, d = r["gpu_us"], r.get("derived", {})
         cells = [
             r["name"], fmt_us(r["floor"].get("floor_us")), fmt_us(g.get("eager")), fmt_us(g.get("cudagraph")),
-            fmt_us(g.get("compile_default")), fmt_us(g.get("compile_max_autotune")), fmt_us(g.get("fxfuse")),
+            fmt_us(g.get("compile_default")), fmt_us(g.get("compile_max_autotune")), backend_cell(r),
+            fmt_us(g.get("fxfuse")),
             fmt_ratio(d.get("fxfuse_over_floor")), fmt_ratio(d.get("speedup_vs_eager")),
             fmt_ratio(d.get("speedup_vs_compile")), err_cell(r), wall_str(r), graphs_wall_str(r), target_str(r),
             meets_str(r), yes_no(d.get("not_slower_than_eager")), pass_str(r),
@@ -810,8 +868,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
              "(max − min) / min of eager's GPU rounds).")
     L.append("")
     hdr2 = ["name", "M", "dims", "dtype", "GFLOP", "min MB", "bound", "compile default s", "max-autotune s",
-            "fxfuse s (optimize + first run)", "fused regions", "strategies", "eager rel err", "fxfuse deterministic",
-            "eager spread"]
+            "compile backend=fxfuse s", "fxfuse s (optimize + first run)", "fused regions", "strategies",
+            "eager rel err", "fxfuse deterministic", "eager spread"]
     L.append("| " + " | ".join(hdr2) + " |")
     L.append("|" + "---|" * len(hdr2))
     for r in rows:
@@ -827,7 +885,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
         cells = [
             r["name"], str(r["m"]), r["dims"], r["dtype"],
             f"{f['flops'] / 1e9:.1f}" if "flops" in f else "—", f"{f['bytes'] / 1e6:.1f}" if "bytes" in f else "—",
-            f.get("bound", "—"), s(fc.get("compile_default")), s(fc.get("compile_max_autotune")), fxs,
+            f.get("bound", "—"), s(fc.get("compile_default")), s(fc.get("compile_max_autotune")),
+            s(fc.get("compile_fxfuse")), fxs,
             str(rp.get("n_regions", r["check"].get("n_regions", "—"))), strat, fmt_err(r["rel_err"].get("eager")),
             str(r["check"].get("deterministic", "—")),
             f"{d['eager_spread'] * 100:.1f}%" if is_num(d.get("eager_spread")) else "—",
