@@ -8,8 +8,8 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
 
 * **wall ms per token**: ``steps`` steps between two synchronizations (what a user waits for), median of
   interleaved rounds, eager and ``fxfuse.optimize(model)`` timed alternately;
-* **GPU ms per token**: the kernels' device time per step (torch.profiler, one pass after the timing, since a
-  profiler session slows later launches in the process); wall above GPU is host time the GPU waited for;
+* **GPU ms per token**: the time per step during which a kernel ran (torch.profiler, one pass after the timing,
+  since a profiler session slows later launches in the process); wall above GPU is host time the GPU waited for;
 * the MLPs' share of eager's GPU time, and the first step's logits against eager's.
 
     python3 benchmarks/bench_decode_model.py --out DIR [--layers 4] [--steps 64] [--rounds 3] [--batch 1]
@@ -95,15 +95,27 @@ def _is_kernel(e) -> bool:
     return e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
 
 
+def busy_us(events) -> float:
+    """µs during which at least one kernel ran: the union of the kernels' intervals. (A sum of kernel durations
+    would count twice the time a programmatic dependent launch spends waiting beside the kernel before it.)"""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if _is_kernel(e))
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def gpu_ms_per_step(model, prompt, steps: int) -> float:
-    """The kernels' device ms per decode step, from one profiled pass of ``steps`` steps less a prefill-only pass."""
+    """The GPU's busy ms per decode step, from one profiled pass of ``steps`` steps less a prefill-only pass."""
     from torch.profiler import ProfilerActivity, profile
 
     passes = []
     for n in (steps, 0):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             decode(model, prompt, n, torch.cuda.synchronize)
-        passes.append(sum(e.time_range.elapsed_us() for e in prof.events() if _is_kernel(e)))
+        passes.append(busy_us(prof.events()))
     return (passes[0] - passes[1]) / steps / 1e3
 
 
@@ -180,7 +192,7 @@ def main() -> None:
              f"`{cmd}`",
              "- " + "; ".join(notes),
              "- wall = ms per decode step (one token per sequence) over all steps between two synchronizations, "
-             "median of interleaved rounds; GPU = the kernels' device time per step (torch.profiler); "
+             "median of interleaved rounds; GPU = the time per step during which a kernel ran (torch.profiler); "
              "first pass = the first prefill + decode, planning, "
              "tuning and compiling included; rel err = the logits of the prefill and the first "
              f"{keep - 1} steps against the fp32 model's, every variant fed the fp32 model's greedy tokens",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -184,3 +186,30 @@ def test_cli_runs_on_cpu(flag):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert ("--max-autotune-budget" in res.stdout) if flag == "--help" else ("dry run OK" in res.stdout)
+
+
+def test_decode_model_bench_runs_on_cpu(tmp_path):
+    # The whole-model decode benchmark on a tiny config in the interpreter: both variants decode, fxfuse's logits
+    # match the fp32 model's (the model is fp32 here), and the table is written.
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_decode_model.py"), "--tiny", "--layers", "1",
+                          "--steps", "2", "--rounds", "1", "--prompt", "4", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = (tmp_path / "decode_model.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()
+            if line.startswith("| eager") or line.startswith("| fxfuse")}
+    assert set(rows) == {"eager", "fxfuse"}
+    assert float(rows["fxfuse"][-1].strip(" |")) < 1e-4  # rel err against the fp32 model
+
+
+def test_decode_model_busy_time_merges_overlapping_kernels():
+    from benchmarks.bench_decode_model import busy_us
+
+    class Span:
+        def __init__(self, a, b):
+            self.time_range = Namespace(start=a, end=b)
+            self.device_type = torch.autograd.DeviceType.CUDA
+            self.is_user_annotation = False
+
+    # (a launch waiting beside the kernel before it overlaps it: counted once)
+    assert busy_us([Span(0, 10), Span(5, 12), Span(20, 25), Span(21, 22)]) == 17
