@@ -7,7 +7,7 @@ Inductor's 2.07, with the same GPU time: this probe asks where that goes, one ML
 Per row and variant: GPU µs (do_bench median, L2 flushed), wall µs per call (200 back-to-back calls), rel err
 against float64, first-call seconds, and what ran on the GPU (kernel names and launches per call, profiler).
 
-    python3 benchmarks/probe_backend.py [--rows llama_swiglu_m1,gpt2m_mlp_m1,seed_geglu,nerf64]
+    python3 benchmarks/probe_backend.py [--rows llama_swiglu_m1,gpt2m_mlp_m1,seed_geglu,nerf64] [--reduce-overhead]
 """
 
 from __future__ import annotations
@@ -26,14 +26,18 @@ from benchmarks.timing import kernels_after_flush, wall_us  # noqa: E402
 from benchmarks.workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 
-def variants(mod):
-    return {
+def variants(mod, reduce_overhead: bool = False):
+    out = {
         "eager": lambda: mod,
         "compile default": lambda: torch.compile(mod),
         "fxfuse.optimize": lambda: fxfuse.optimize(mod),
         "backend fxfuse": lambda: torch.compile(mod, backend="fxfuse"),
         "backend fxfuse, no inductor": lambda: torch.compile(mod, backend="fxfuse", options={"inductor": False}),
     }
+    if reduce_overhead:  # Inductor's CUDA graphs (cudagraph trees) around the whole graph, fxfuse's op included
+        out["compile reduce-overhead"] = lambda: torch.compile(mod, mode="reduce-overhead")
+        out["backend fxfuse reduce-overhead"] = lambda: torch.compile(mod, backend="fxfuse", mode="reduce-overhead")
+    return out
 
 
 def main() -> None:
@@ -41,6 +45,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="llama_swiglu_m1,gpt2m_mlp_m1,seed_geglu,nerf64")
+    ap.add_argument("--reduce-overhead", action="store_true", help="also mode='reduce-overhead' (CUDA graphs)")
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64
     for name in args.rows.split(","):
@@ -52,14 +57,15 @@ def main() -> None:
             mod = mod.to(w.dtype)
         print(f"== {name}", flush=True)
         built, notes = {}, {}
-        for label, make in variants(mod).items():
+        for label, make in variants(mod, args.reduce_overhead).items():
             with torch.no_grad():
                 start = time.perf_counter()
                 m = make()
-                m(x)
+                for _ in range(3):  # (cudagraph trees record on a later call than the first)
+                    m(x)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start
-                out = m(xc)
+                out = m(xc).clone()  # (a cudagraph tree's output is overwritten by its next replay)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             built[label] = m
             notes[label] = f"first {first:5.1f} s  rel err {err:.1e}"

@@ -19,6 +19,12 @@ run time the call is fxfuse's own: the region is planned on real tensors at its 
 * ``fxfuse::mlp_extern`` for a graph compiled with grad mode on: a ``custom_op`` with the triton_op's autograd
   (the vjp of the original ops), for regions whose weights are frozen but whose input may want gradients.
 
+Both are tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"`` Inductor's CUDA graphs (cudagraph trees)
+cover the graph around them and call them plainly. Captured, their first calls (planning, tuning, the replay's
+bound launches and kept workspaces) would allocate lasting tensors in the graphs' memory pool, which the trees
+reject ("tensor(s) in the cudagraph pool not tracked as outputs", seen on the H200); between graphs a region
+runs its replay, one bound launch per stage.
+
 Example:
     >>> gm = fuse_graph_somehow(dynamo_graph)                 # doctest: +SKIP
     >>> externalize(gm, inference=True)  # fused_mlp(...) -> torch.ops.fxfuse.mlp_infer.default(...)  # doctest: +SKIP
@@ -40,8 +46,10 @@ __all__ = ["externalize", "mlp_extern"]
 log = logging.getLogger(__name__)
 
 _SCHEMA = "(Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] operands, str spec) -> Tensor"
+# (the tag exists from torch 2.8; without it Inductor's CUDA graphs would capture the calls)
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _lib = torch.library.Library("fxfuse", "FRAGMENT")  # (kept alive with the module: it owns the registrations)
-_lib.define("mlp_infer" + _SCHEMA)
+_lib.define("mlp_infer" + _SCHEMA, tags=_TAGS)
 
 
 def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
@@ -61,7 +69,7 @@ _lib.impl("mlp_infer", _run, "CPU")
 torch.library.register_fake("fxfuse::mlp_infer", _fake, lib=_lib)
 
 
-@torch.library.custom_op("fxfuse::mlp_extern", mutates_args=())
+@torch.library.custom_op("fxfuse::mlp_extern", mutates_args=(), tags=_TAGS)
 def mlp_extern(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
     """``torch.ops.fxfuse.mlp`` (same arguments, same result) as an opaque op: see the module doc."""
     return _run(x, weights, biases, operands, spec)

@@ -176,3 +176,27 @@ def test_backend_on_gpu(inductor):
     with torch.no_grad():
         out, ref = compiled(x), model(x)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+
+
+def test_opaque_ops_are_not_captured_by_inductors_cuda_graphs():
+    # Their first calls allocate lasting state (tuning, replays, workspaces): inside a cudagraph tree's pool the
+    # tree rejects it. Tagged, Inductor graphs the rest and calls them plainly.
+    for op in (torch.ops.fxfuse.mlp_infer.default, torch.ops.fxfuse.mlp_extern.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64])
+def test_backend_with_reduce_overhead_runs_and_replays(rows):
+    from fxfuse import replay
+
+    model = GPT2MLP(1024, 4096).cuda().to(torch.bfloat16).eval()
+    compiled = torch.compile(model, backend="fxfuse", mode="reduce-overhead")
+    before = set(replay.replays)
+    with torch.no_grad():
+        for _ in range(5):  # (cudagraph trees warm up, then record, then replay)
+            x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+            out, ref = compiled(x).clone(), model(x)
+            assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+    if rows == 1:
+        assert set(replay.replays) - before, "the region was not replayed"
