@@ -469,16 +469,7 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
     # (checked on torch 2.x: a call after the reset traces and compiles again). The reset runs after the rounds
     # instead. fxfuse.optimize traces with torch.fx, not Dynamo, so the live Dynamo cache does not affect it.
     dynamo_reset()
-
-    def compile_first():
-        t0 = time.perf_counter()
-        cm = torch.compile(mod)
-        cm(x)
-        timer.sync()
-        keep["cm"] = cm
-        return time.perf_counter() - t0
-
-    guarded(row, "first_call_s", "compile_default", compile_first)
+    guarded(row, "first_call_s", "compile_default", first_compile(mod, x, timer, keep, "cm"))
     if "cm" in keep:
         cm = keep["cm"]
         timed["compile_default"] = lambda: cm(x)
@@ -569,20 +560,26 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
     ref_state.clear()  # the module, inputs and compiled variants go with this frame; main() then cleans up
 
 
+def first_compile(mod, x, timer: Timer, keep: dict, key: str, **compile_kwargs):
+    """A step for ``guarded``: ``torch.compile(mod, **compile_kwargs)`` and its first call on x; the compiled module
+    is kept in ``keep[key]``, the step returns the wall seconds of both."""
+
+    def first() -> float:
+        t0 = time.perf_counter()
+        compiled = torch.compile(mod, **compile_kwargs)
+        compiled(x)
+        timer.sync()
+        keep[key] = compiled
+        return time.perf_counter() - t0
+
+    return first
+
+
 def build_compile_fxfuse(w: Workload, mod, x, ref_state: dict, timer: Timer, row: dict):
     """``torch.compile(mod, backend="fxfuse")``: build (first-call wall time), check against the float64 reference
     (``rel_err["compile_fxfuse"]``, ``check["compile_fxfuse_pass"]``); the compiled module, or None if it failed."""
     keep = {}
-
-    def first():
-        t0 = time.perf_counter()
-        cb = torch.compile(mod, backend="fxfuse")
-        cb(x)
-        timer.sync()
-        keep["cb"] = cb
-        return time.perf_counter() - t0
-
-    v = guarded(row, "first_call_s", "compile_fxfuse", first)
+    v = guarded(row, "first_call_s", "compile_fxfuse", first_compile(mod, x, timer, keep, "cb", backend="fxfuse"))
     if "cb" not in keep:
         row["gpu_us"]["compile_fxfuse"] = v
         return None
@@ -659,16 +656,8 @@ def run_row_max_autotune(w: Workload, idx: int, args, timer: Timer, row: dict):
     x = make_input(w, device=dev, seed=seed + 1, m=None if m_eff == w.m else m_eff)
     dynamo_reset()
     st = {}
-
-    def first():
-        t0 = time.perf_counter()
-        cm = torch.compile(mod, mode="max-autotune-no-cudagraphs")
-        cm(x)
-        timer.sync()
-        st["cm"] = cm
-        return time.perf_counter() - t0
-
-    guarded(row, "first_call_s", "compile_max_autotune", first)
+    guarded(row, "first_call_s", "compile_max_autotune",
+            first_compile(mod, x, timer, st, "cm", mode="max-autotune-no-cudagraphs"))
     if "cm" in st:
         cm = st["cm"]
         guarded(row, "gpu_us", "compile_max_autotune", lambda: timer.gpu_us(lambda: cm(x)))
