@@ -62,17 +62,18 @@ def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype) 
 
 
 def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, forced=None,
-           keep: int = 0) -> tuple[torch.Tensor, float, list]:
-    """Prefill ``prompt``, then ``steps`` greedy steps: (tokens fed, seconds of the steps, logits of the prefill's
-    last position and of the first ``keep`` steps, in fp32). ``forced``: feed these tokens (``[B, steps + 1]``,
-    another run's) instead of this model's own picks, so two models see the same inputs. ``sync``: called before
-    and after the timed steps (``torch.cuda.synchronize`` on a GPU)."""
+           keep: int = 0) -> tuple[list, float, list]:
+    """Prefill ``prompt``, then ``steps`` greedy steps: (the ``[B, 1]`` tokens fed, seconds of the steps, logits of
+    the prefill's last position and of the first ``keep`` steps, in fp32). ``forced``: feed these tokens (another
+    run's list, each an argmax output like this run's own, so a compiled model sees the same strides and does not
+    recompile) instead of this model's own picks, so two models see the same inputs. ``sync``: called before and
+    after the timed steps (``torch.cuda.synchronize`` on a GPU)."""
     from transformers import DynamicCache
 
     with torch.no_grad():
         out = model(input_ids=prompt, past_key_values=DynamicCache(), use_cache=True)
         kept = [out.logits[:, -1:].float()] if keep else []
-        token = out.logits[:, -1:].argmax(-1) if forced is None else forced[:, :1]
+        token = out.logits[:, -1:].argmax(-1) if forced is None else forced[0]
         cache = out.past_key_values
         tokens = [token]
         if sync is not None:
@@ -81,14 +82,14 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, 
         for i in range(steps):
             out = model(input_ids=token, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            token = out.logits[:, -1:].argmax(-1) if forced is None else forced[:, i + 1:i + 2]
+            token = out.logits[:, -1:].argmax(-1) if forced is None else forced[i + 1]
             tokens.append(token)
             if i < keep - 1:
                 kept.append(out.logits.float())
         if sync is not None:
             sync()
         seconds = time.perf_counter() - start
-    return torch.cat(tokens, 1), seconds, kept
+    return tokens, seconds, kept
 
 
 def _is_kernel(e) -> bool:
