@@ -11,6 +11,8 @@
 #                                                #   -> results.*, log.txt, profile_demo.log, docs/* (8 files)
 #   bash benchmarks/gpu_session.sh training      # training steps vs eager / torch.compile -> training.md,
 #                                                #   a 4-layer transformers Llama's step -> llama_training.md
+#   bash benchmarks/gpu_session.sh decode-model  # greedy decode of a 4-layer Llama-3-8B-shaped transformers model:
+#                                                #   eager / fxfuse / torch.compile / backend=fxfuse -> decode_model.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
@@ -153,6 +155,11 @@ case "$mode" in
       python3 benchmarks/bench_llama_training.py --out "$OUT" --rounds 5
     tail -6 "$OUT/llama_training_console.log"
     ;;
+  decode-model)
+    step decode-model "${DECODE_MODEL_TIMEOUT:-300}" decode_model_console.log \
+      python3 benchmarks/bench_decode_model.py --out "$OUT" --layers 4 --steps 64 --rounds 5 --compile
+    tail -12 "$OUT/decode_model_console.log"
+    ;;
   probe)
     PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probe_decode.py --quick
     PROBE_TIMEOUT=${PROBE_TMA_TIMEOUT:-150} probe probe_tma benchmarks/probe_tma.py --quick
@@ -161,7 +168,7 @@ case "$mode" in
     cp /tmp/fxfuse-probe/probe.txt "$OUT/" 2>/dev/null  # (also a partial one, after a timeout)
     ;;
   *)
-    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | training | probe"; exit 2
+    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | training | decode-model | probe"; exit 2
     ;;
 esac
 n_files=$(find "$OUT" -type f | wc -l)
