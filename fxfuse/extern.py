@@ -1,4 +1,4 @@
-"""``torch.ops.fxfuse.mlp_extern``: a fused region as a call Inductor makes, not code Inductor compiles.
+"""``fxfuse::mlp_infer`` and ``fxfuse::mlp_extern``: a fused region as a call Inductor makes, not code it compiles.
 
 ``torch.ops.fxfuse.mlp`` is a ``triton_op``: a tracer sees its Triton launches, so ``torch.export`` and
 AOTInductor can carry the kernels. But Inductor traces *into* it too, with fake tensors, where fxfuse's runtime
@@ -25,9 +25,9 @@ bound launches and kept workspaces) would allocate lasting tensors in the graphs
 reject ("tensor(s) in the cudagraph pool not tracked as outputs", seen on the H200); between graphs a region
 runs its replay, one bound launch per stage.
 
-Example:
-    >>> gm = fuse_graph_somehow(dynamo_graph)                 # doctest: +SKIP
-    >>> externalize(gm, inference=True)  # fused_mlp(...) -> torch.ops.fxfuse.mlp_infer.default(...)  # doctest: +SKIP
+Example (what :func:`fxfuse.backend.fxfuse_backend` does with Dynamo's graph ``gm``):
+    >>> report = fxfuse.pipeline.fuse_graph(gm)  # one region: a fused_mlp(...) call    # doctest: +SKIP
+    >>> externalize(gm, inference=True)          # now torch.ops.fxfuse.mlp_infer.default(...)  # doctest: +SKIP
     1
 """
 
@@ -64,8 +64,8 @@ def _fake(x, weights, biases, operands, spec):
     return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
 
 
-_lib.impl("mlp_infer", _run, "CUDA")
-_lib.impl("mlp_infer", _run, "CPU")
+for _key in ("CUDA", "CPU", "XPU", "MPS"):  # (off CUDA, _dispatch runs the original ops, as the op does)
+    _lib.impl("mlp_infer", _run, _key)
 torch.library.register_fake("fxfuse::mlp_infer", _fake, lib=_lib)
 
 
