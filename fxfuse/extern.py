@@ -54,7 +54,7 @@ _lib.define("mlp_infer" + _SCHEMA, tags=_TAGS)
 
 def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
     """The region by fxfuse's runtime on real tensors, as ``torch.ops.fxfuse.mlp`` runs it."""
-    if ops._autocast_on(x) or (x.device.type == "cpu" and not ops._interpreting()):
+    if ops._autocast_on(x) or (x.is_cpu and not ops._interpreting()):
         return ops.reference_mlp(x, weights, biases, operands, spec)
     # (every path returns a fresh tensor, as an op must: kernels, replays and the original ops' last linear)
     return ops._not_a_view(ops._dispatch(x, weights, biases, operands, spec))

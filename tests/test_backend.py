@@ -50,38 +50,9 @@ def test_backend_with_inductor_default():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_hands_inductor_opaque_region_calls(monkeypatch):
-    # Inductor would trace into the triton_op with fake tensors (untimed strategy, no replay, workspaces as fresh
-    # zeros kernels): it gets opaque calls instead (fxfuse.mlp_infer without grad mode), which run fxfuse's
-    # runtime at run time.
-    import torch._inductor.compile_fx as inductor
-
-    from fxfuse import ops
-
-    graphs, dispatched = [], []
-    compile_fx, dispatch = inductor.compile_fx, ops._dispatch
-
-    def spy_compile(gm, example_inputs, **kwargs):
-        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
-        return compile_fx(gm, example_inputs, **kwargs)
-
-    def spy_dispatch(*args):
-        dispatched.append(type(args[0]))
-        return dispatch(*args)
-
-    monkeypatch.setattr(inductor, "compile_fx", spy_compile)
-    monkeypatch.setattr(ops, "_dispatch", spy_dispatch)
-    model = GatedMLP().eval()
-    compiled = torch.compile(model, backend="fxfuse")
-    x = torch.randn(4, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    assert graphs == [[torch.ops.fxfuse.mlp_infer.default]]
-    assert torch.Tensor in dispatched  # fxfuse's runtime ran on the real input, not only on fake tensors
-
-
-def test_backend_frozen_region_in_a_grad_graph_is_differentiable(monkeypatch):
-    # Grad mode on, frozen weights: the region is fused as fxfuse.mlp_extern, whose autograd gives x's gradient.
+@pytest.fixture
+def inductor_graphs(monkeypatch):
+    """The call_function targets of each graph the backend hands to Inductor (which still compiles it)."""
     import torch._inductor.compile_fx as inductor
 
     graphs = []
@@ -92,13 +63,41 @@ def test_backend_frozen_region_in_a_grad_graph_is_differentiable(monkeypatch):
         return compile_fx(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(inductor, "compile_fx", spy_compile)
+    return graphs
+
+
+def test_backend_hands_inductor_opaque_region_calls(inductor_graphs, monkeypatch):
+    # Inductor would trace into the triton_op with fake tensors (untimed strategy, no replay, workspaces as fresh
+    # zeros kernels): it gets opaque calls instead (fxfuse.mlp_infer without grad mode), which run fxfuse's
+    # runtime at run time.
+    from fxfuse import ops
+
+    dispatched = []
+    dispatch = ops._dispatch
+
+    def spy_dispatch(*args):
+        dispatched.append(type(args[0]))
+        return dispatch(*args)
+
+    monkeypatch.setattr(ops, "_dispatch", spy_dispatch)
+    model = GatedMLP().eval()
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert inductor_graphs == [[torch.ops.fxfuse.mlp_infer.default]]
+    assert torch.Tensor in dispatched  # fxfuse's runtime ran on the real input, not only on fake tensors
+
+
+def test_backend_frozen_region_in_a_grad_graph_is_differentiable(inductor_graphs):
+    # Grad mode on, frozen weights: the region is fused as fxfuse.mlp_extern, whose autograd gives x's gradient.
     model = GatedMLP().eval().requires_grad_(False)
     compiled = torch.compile(model, backend="fxfuse")
     x = torch.randn(4, 32, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     compiled(x).square().sum().backward()
     model(x_ref).square().sum().backward()
-    assert graphs == [[torch.ops.fxfuse.mlp_extern.default]]
+    assert inductor_graphs == [[torch.ops.fxfuse.mlp_extern.default]]
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
 
 
