@@ -12,10 +12,15 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
   since a profiler session slows later launches in the process); wall above GPU is host time the GPU waited for;
 * the MLPs' share of eager's GPU time, and the first step's logits against eager's.
 
-    python3 benchmarks/bench_decode_model.py --out DIR [--layers 4] [--steps 64] [--rounds 3] [--batch 1]
+* with ``--compile``, ``torch.compile(model)`` and ``torch.compile(model, backend="fxfuse")`` beside them; with
+  ``--static`` as well, the path transformers documents for fast decoding: a ``StaticCache`` with explicit cache
+  positions and ``mode="reduce-overhead"`` (one CUDA graph per step).
 
-Writes ``DIR/decode_model.md`` (and prints it). On a CPU (``TRITON_INTERPRET=1``) ``--tiny`` runs a small config
-for a smoke test.
+    python3 benchmarks/bench_decode_model.py --out DIR [--layers 4] [--steps 64] [--rounds 3] [--batch 1] \
+        [--compile] [--static]
+
+Writes ``DIR/decode_model.md`` (``decode_model_static.md`` with ``--static``) and prints it. On a CPU
+(``TRITON_INTERPRET=1``) ``--tiny`` runs a small config for a smoke test.
 """
 
 from __future__ import annotations
@@ -62,16 +67,23 @@ def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype) 
 
 
 def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, forced=None,
-           keep: int = 0) -> tuple[list, float, list]:
+           keep: int = 0, static=None) -> tuple[list, float, list]:
     """Prefill ``prompt``, then ``steps`` greedy steps: (the ``[B, 1]`` tokens fed, seconds of the steps, logits of
     the prefill's last position and of the first ``keep`` steps, in fp32). ``forced``: feed these tokens (another
     run's list, each an argmax output like this run's own, so a compiled model sees the same strides and does not
     recompile) instead of this model's own picks, so two models see the same inputs. ``sync``: called before and
-    after the timed steps (``torch.cuda.synchronize`` on a GPU)."""
+    after the timed steps (``torch.cuda.synchronize`` on a GPU). ``static``: a ``StaticCache`` to reset and decode
+    into, with explicit cache positions (as ``generate`` does for a compiled model); otherwise a ``DynamicCache``."""
     from transformers import DynamicCache
 
     with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=DynamicCache(), use_cache=True)
+        if static is not None:
+            static.reset()
+            position = torch.arange(prompt.shape[1], device=prompt.device)
+            out = model(input_ids=prompt, past_key_values=static, use_cache=True, cache_position=position)
+            position = position[-1:] + 1
+        else:
+            out = model(input_ids=prompt, past_key_values=DynamicCache(), use_cache=True)
         kept = [out.logits[:, -1:].float()] if keep else []
         token = out.logits[:, -1:].argmax(-1) if forced is None else forced[0]
         cache = out.past_key_values
@@ -80,8 +92,12 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, 
             sync()
         start = time.perf_counter()
         for i in range(steps):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            if static is not None:
+                out = model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
+                position = position + 1
+            else:
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
             token = out.logits[:, -1:].argmax(-1) if forced is None else forced[i + 1]
             tokens.append(token)
             if i < keep - 1:
@@ -108,14 +124,14 @@ def busy_us(events) -> float:
     return total
 
 
-def gpu_ms_per_step(model, prompt, steps: int) -> float:
+def gpu_ms_per_step(model, prompt, steps: int, static=None) -> float:
     """The GPU's busy ms per decode step, from one profiled pass of ``steps`` steps less a prefill-only pass."""
     from torch.profiler import ProfilerActivity, profile
 
     passes = []
     for n in (steps, 0):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            decode(model, prompt, n, torch.cuda.synchronize)
+            decode(model, prompt, n, torch.cuda.synchronize, static=static)
         passes.append(busy_us(prof.events()))
     return (passes[0] - passes[1]) / steps / 1e3
 
@@ -136,6 +152,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--compile", action="store_true",
                     help="also torch.compile(model) and torch.compile(model, backend='fxfuse')")
+    ap.add_argument("--static", action="store_true",
+                    help="decode into a StaticCache with explicit cache positions; the compiled variants then use "
+                         "mode='reduce-overhead' (CUDA graphs), the fast path transformers documents")
     ap.add_argument("--tiny", action="store_true", help="a small config (CPU smoke test)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -148,9 +167,21 @@ def main() -> None:
     sync = torch.cuda.synchronize if gpu else None
     keep = min(args.steps, 8) + 1
 
+    def static_cache(m):  # one per variant, reset by every decode (a compiled graph keeps its address)
+        if not args.static:
+            return None
+        from transformers import StaticCache
+        cache = StaticCache(config=m.config, max_cache_len=args.prompt + args.steps + 1)
+        # Allocated now, outside any compiled code, so its tensors are marked static: a compiled graph that mutates
+        # them is then still CUDA-graphed (lazily, inside a compiled prefill, they would not be).
+        c = m.config
+        cache.early_initialization(args.batch, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                                   next(m.parameters()).dtype, prompt.device)
+        return cache
+
     # Accuracy first: every variant fed the fp32 model's greedy tokens, its logits against the fp32 model's.
     reference = copy.deepcopy(model).float()
-    forced, _, ref_logits = decode(reference, prompt, args.steps, sync, keep=keep)
+    forced, _, ref_logits = decode(reference, prompt, args.steps, sync, keep=keep, static=static_cache(reference))
     del reference
 
     variants: dict[str, torch.nn.Module] = {"eager": model}
@@ -161,13 +192,16 @@ def main() -> None:
         # Both compiled variants wrap the same forward, whose compiled entries Dynamo keeps in one cache per code
         # object (the prefill, then the cache lengths until it marks them dynamic): room for both.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        variants["torch.compile"] = torch.compile(model)
-        variants["torch.compile(backend='fxfuse')"] = torch.compile(model, backend="fxfuse")
+        mode = "reduce-overhead" if args.static else None
+        said = f", mode='{mode}'" if mode else ""
+        variants[f"torch.compile({said[2:]})"] = torch.compile(model, mode=mode)
+        variants[f"torch.compile(backend='fxfuse'{said})"] = torch.compile(model, backend="fxfuse", mode=mode)
+    caches = {name: static_cache(model) for name in variants}
     first_call, errors = {}, {}
     for name, m in list(variants.items()):
         start = time.perf_counter()
         try:  # the first pass plans, tunes and compiles (every cache length a compiler specializes on included)
-            _, _, logits = decode(m, prompt, args.steps, sync, forced=forced, keep=keep)
+            _, _, logits = decode(m, prompt, args.steps, sync, forced=forced, keep=keep, static=caches[name])
         except Exception as err:  # a variant that fails is reported, not fatal
             notes.append(f"{name} failed: {type(err).__name__}: {str(err)[:200]}")
             del variants[name]
@@ -178,17 +212,21 @@ def main() -> None:
     walls = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, m in variants.items():
-            walls[name].append(decode(m, prompt, args.steps, sync)[1] * 1e3 / args.steps)
+            walls[name].append(decode(m, prompt, args.steps, sync, static=caches[name])[1] * 1e3 / args.steps)
     wall = {k: statistics.median(v) for k, v in walls.items()}
-    gpu_ms = {k: gpu_ms_per_step(m, prompt, min(args.steps, 16)) for k, m in variants.items()} if gpu else {}
+    gpu_ms = ({k: gpu_ms_per_step(m, prompt, min(args.steps, 16), caches[k]) for k, m in variants.items()}
+              if gpu else {})
 
     shape = TINY_LAYER if tiny else LLAMA3_8B_LAYER
+    cache_kind = "StaticCache" if args.static else "DynamicCache"
     cmd = (f"python3 benchmarks/bench_decode_model.py --layers {args.layers} --steps {args.steps} --rounds "
-           f"{args.rounds} --batch {args.batch} --prompt {args.prompt}" + (" --compile" if args.compile else ""))
+           f"{args.rounds} --batch {args.batch} --prompt {args.prompt}" + (" --compile" if args.compile else "")
+           + (" --static" if args.static else ""))
     lines = [f"### Greedy decode, `LlamaForCausalLM` ({args.layers} layers of hidden {shape['hidden_size']}, "
              f"intermediate {shape['intermediate_size']}, {shape['num_attention_heads']} heads / "
              f"{shape['num_key_value_heads']} KV heads; vocab {vocab}; {str(dtype).replace('torch.', '')}; batch "
-             f"{args.batch}, prompt {args.prompt}, {args.steps} steps)", "",
+             f"{args.batch}, prompt {args.prompt}, {args.steps} steps, {cache_kind})",
+             "",
              f"- {torch.cuda.get_device_name() if gpu else 'CPU (Triton interpreter)'}; torch {torch.__version__}; "
              f"`{cmd}`",
              "- " + "; ".join(notes),
@@ -212,7 +250,7 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode_model.md").write_text(text)
+        (Path(args.out) / ("decode_model_static.md" if args.static else "decode_model.md")).write_text(text)
 
 
 if __name__ == "__main__":

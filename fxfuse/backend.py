@@ -5,13 +5,15 @@ Dynamo hands over the graph with parameters as placeholders and ``nn.Linear`` in
 ``torch._C._nn.linear``; the pass normalizes both. By default the rewritten graph goes on to
 Inductor, which compiles the rest and keeps each fused region as an opaque call of ``torch.ops.fxfuse.mlp_infer``
 (``mlp_extern`` in a graph compiled with grad mode on; :mod:`fxfuse.extern`): at run time fxfuse plans and
-replays the region as ``fxfuse.optimize`` does, instead of Inductor compiling the op's kernels untimed. With
+replays the region as ``fxfuse.optimize`` does, instead of Inductor compiling the op's kernels untimed. Under
+``mode="reduce-overhead"`` the call is ``mlp_graphed``, whose kernels Inductor's CUDA graphs capture. With
 ``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait. A graph
 compiled for training (grad mode on, weights that require grad) keeps its chains for Inductor.
 
 Example:
     >>> fast = torch.compile(model, backend="fxfuse")                                # doctest: +SKIP
     >>> quick = torch.compile(model, backend="fxfuse", options={"inductor": False})  # doctest: +SKIP
+    >>> decode = torch.compile(model, backend="fxfuse", mode="reduce-overhead")   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     record_backend_report(report)  # Dynamo's nodes carry their example values: no shape propagation needed
     if not inductor:
         return gm.forward
+    from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    externalize(gm, inference=not torch.is_grad_enabled())
-    patches = list_mode_options(mode) if mode else None
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    patches = list_mode_options(mode) if mode else {}
+    # (mode="reduce-overhead": Inductor CUDA-graphs the graph, and the regions' kernels can be captured in it)
+    graphed = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    externalize(gm, inference=not torch.is_grad_enabled(), graphed=graphed)
+    return compile_fx(gm, example_inputs, config_patches=patches or None)

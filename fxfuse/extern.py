@@ -1,4 +1,5 @@
-"""``fxfuse::mlp_infer`` and ``fxfuse::mlp_extern``: a fused region as a call Inductor makes, not code it compiles.
+"""``fxfuse::mlp_infer``, ``mlp_graphed`` and ``mlp_extern``: a fused region as a call Inductor makes, not code it
+compiles.
 
 ``torch.ops.fxfuse.mlp`` is a ``triton_op``: a tracer sees its Triton launches, so ``torch.export`` and
 AOTInductor can carry the kernels. But Inductor traces *into* it too, with fake tensors, where fxfuse's runtime
@@ -18,16 +19,18 @@ run time the call is fxfuse's own: the region is planned on real tensors at its 
   checks of the result): ~36 µs of host per call on the H200 machine around fxfuse's ~17.
 * ``fxfuse::mlp_extern`` for a graph compiled with grad mode on: a ``custom_op`` with the triton_op's autograd
   (the vjp of the original ops), for regions whose weights are frozen but whose input may want gradients.
+* ``fxfuse::mlp_graphed`` for an inference graph that Inductor CUDA-graphs (``mode="reduce-overhead"``, or
+  ``triton.cudagraphs`` on): the region's kernels are captured with the rest of the graph, so a decode step is one
+  graph replay. Its calls during the trees' warm-up run off the graphs' memory pool (:mod:`fxfuse.graph_pool`): a
+  region's first calls keep state (its timed plan, replays, workspaces) that must not live in that pool.
 
-Both are tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"`` Inductor's CUDA graphs (cudagraph trees)
-cover the graph around them and call them plainly. Captured, their first calls (planning, tuning, the replay's
-bound launches and kept workspaces) would allocate lasting tensors in the graphs' memory pool, which the trees
-reject ("tensor(s) in the cudagraph pool not tracked as outputs", seen on the H200); between graphs a region
-runs its replay, one bound launch per stage.
+The other two are tagged ``cudagraph_unsafe``: where CUDA graphs cover a graph that holds them anyway (mlp_extern
+in a graph compiled with grad mode and ``mode="reduce-overhead"``), Inductor graphs the rest around them and calls
+them plainly.
 
 Example (what :func:`fxfuse.backend.fxfuse_backend` does with Dynamo's graph ``gm``):
     >>> report = fxfuse.pipeline.fuse_graph(gm)  # one region: a fused_mlp(...) call    # doctest: +SKIP
-    >>> externalize(gm, inference=True)          # now torch.ops.fxfuse.mlp_infer.default(...)  # doctest: +SKIP
+    >>> externalize(gm, inference=True, graphed=False)  # now torch.ops.fxfuse.mlp_infer.default(...)  # doctest: +SKIP
     1
 """
 
@@ -39,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from . import ops
+from . import graph_pool, ops
 
 __all__ = ["externalize", "mlp_extern"]
 
@@ -50,6 +53,7 @@ _SCHEMA = "(Tensor x, Tensor[] weights, Tensor[] biases, Tensor[] operands, str 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _lib = torch.library.Library("fxfuse", "FRAGMENT")  # (kept alive with the module: it owns the registrations)
 _lib.define("mlp_infer" + _SCHEMA, tags=_TAGS)
+_lib.define("mlp_graphed" + _SCHEMA)
 
 
 def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
@@ -60,13 +64,22 @@ def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[
     return ops._not_a_view(ops._dispatch(x, weights, biases, operands, spec))
 
 
+def _run_graphed(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
+    """:func:`_run`; during a cudagraph tree's warm-up on a helper thread, off the graphs' memory pool."""
+    if x.is_cuda and graph_pool.warming_up_into_pool(x.device):
+        return graph_pool.off_pool(_run, x, weights, biases, operands, spec)
+    return _run(x, weights, biases, operands, spec)
+
+
 def _fake(x, weights, biases, operands, spec):
     return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
 
 
 for _key in ("CUDA", "CPU", "XPU", "MPS"):  # (off CUDA, _dispatch runs the original ops, as the op does)
     _lib.impl("mlp_infer", _run, _key)
+    _lib.impl("mlp_graphed", _run_graphed, _key)
 torch.library.register_fake("fxfuse::mlp_infer", _fake, lib=_lib)
+torch.library.register_fake("fxfuse::mlp_graphed", _fake, lib=_lib)
 
 
 @torch.library.custom_op("fxfuse::mlp_extern", mutates_args=(), tags=_TAGS)
@@ -79,10 +92,14 @@ mlp_extern.register_fake(_fake)
 mlp_extern.register_autograd(ops._backward, setup_context=ops._setup_context)
 
 
-def externalize(gm: fx.GraphModule, inference: bool) -> int:
-    """Point ``gm``'s fused region calls at ``fxfuse::mlp_infer`` (``inference``: compiled without grad mode) or
-    ``fxfuse::mlp_extern``, lint and recompile; the number of calls changed."""
-    target = torch.ops.fxfuse.mlp_infer.default if inference else torch.ops.fxfuse.mlp_extern.default
+def externalize(gm: fx.GraphModule, inference: bool, graphed: bool = False) -> int:
+    """Point ``gm``'s fused region calls at ``fxfuse::mlp_infer`` (``inference``: compiled without grad mode;
+    ``fxfuse::mlp_graphed`` if Inductor will CUDA-graph it too) or ``fxfuse::mlp_extern``, lint and recompile; the
+    number of calls changed."""
+    if inference:
+        target = torch.ops.fxfuse.mlp_graphed.default if graphed else torch.ops.fxfuse.mlp_infer.default
+    else:
+        target = torch.ops.fxfuse.mlp_extern.default
     changed = 0
     for node in gm.graph.nodes:
         if ops.is_fused_call(node):

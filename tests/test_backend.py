@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from models import GPT2MLP, GatedMLP
+from models import GPT2MLP, Block, GatedMLP
 
 import fxfuse
 
@@ -115,8 +115,9 @@ def test_opaque_ops_match_the_op_and_pass_opcheck():
         torch.testing.assert_close(g, r)
     torch.library.opcheck(torch.ops.fxfuse.mlp_extern.default, args)
     plain = (x.detach(), [w1.detach(), w2.detach()], [b1.detach()], [], args[-1])
-    torch.testing.assert_close(torch.ops.fxfuse.mlp_infer(*plain), ref.detach())
-    torch.library.opcheck(torch.ops.fxfuse.mlp_infer.default, plain)
+    for op in (torch.ops.fxfuse.mlp_infer, torch.ops.fxfuse.mlp_graphed):
+        torch.testing.assert_close(op(*plain), ref.detach())
+        torch.library.opcheck(op.default, plain)
 
 
 def test_backend_leaves_training_graphs_to_inductor():
@@ -177,25 +178,69 @@ def test_backend_on_gpu(inductor):
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
 
 
-def test_opaque_ops_are_not_captured_by_inductors_cuda_graphs():
-    # Their first calls allocate lasting state (tuning, replays, workspaces): inside a cudagraph tree's pool the
-    # tree rejects it. Tagged, Inductor graphs the rest and calls them plainly.
+def test_only_the_graphed_op_is_captured_by_inductors_cuda_graphs():
+    # mlp_graphed's warm-up calls keep their lasting state off the graphs' pool (fxfuse.graph_pool); the others,
+    # should CUDA graphs cover them, are called between graphs.
     for op in (torch.ops.fxfuse.mlp_infer.default, torch.ops.fxfuse.mlp_extern.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.fxfuse.mlp_graphed.default.tags
+
+
+def test_backend_with_reduce_overhead_hands_inductor_graphed_calls(inductor_graphs):
+    model = GatedMLP().eval()
+    compiled = torch.compile(model, backend="fxfuse", mode="reduce-overhead")
+    x = torch.randn(4, 32)
+    with torch.no_grad():  # (on the CPU Inductor skips CUDA graphs: the op runs plainly)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    # (compile_fx with config patches calls itself once more inside them: the same graph twice)
+    assert inductor_graphs and all(g == [torch.ops.fxfuse.mlp_graphed.default] for g in inductor_graphs)
+
+
+def test_nothing_warms_up_into_a_graph_pool_on_the_cpu():
+    from fxfuse.graph_pool import warming_up_into_pool
+
+    assert not warming_up_into_pool(torch.device("cpu"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64])
-def test_backend_with_reduce_overhead_runs_and_replays(rows):
-    from fxfuse import replay
+def test_backend_with_reduce_overhead_captures_the_regions(rows, monkeypatch):
+    # The whole step is one CUDA graph: the region's kernels are captured with the norms around them. Its first
+    # call (the trees' warm-up) plans on fxfuse's helper thread, off the graphs' pool; the trees' own asserts
+    # check that pool after each warm-up and recording.
+    import threading
 
-    model = GPT2MLP(1024, 4096).cuda().to(torch.bfloat16).eval()
+    from fxfuse import extern
+
+    monkeypatch.setattr(torch._inductor.config.triton, "slow_path_cudagraph_asserts", True)
+    threads = []
+    run = extern._run
+
+    def spy_run(*args):
+        threads.append(threading.current_thread().name)
+        return run(*args)
+
+    monkeypatch.setattr(extern, "_run", spy_run)
+    model = Block(1024, 4096).cuda().to(torch.bfloat16).eval()
     compiled = torch.compile(model, backend="fxfuse", mode="reduce-overhead")
-    before = set(replay.replays)
     with torch.no_grad():
-        for _ in range(5):  # (cudagraph trees warm up, then record, then replay)
+        for step in range(6):  # (cudagraph trees warm up, then record, then replay)
             x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
             out, ref = compiled(x).clone(), model(x)
-            assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
-    if rows == 1:
-        assert set(replay.replays) - before, "the region was not replayed"
+            assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2, step
+    assert len(threads) == 2, threads  # the warm-up and the recording; the replays run no Python
+    assert threads[0].startswith("fxfuse-warmup") and not threads[1].startswith("fxfuse-warmup")
+
+
+@pytest.mark.gpu
+def test_off_pool_runs_on_the_callers_stream_without_grad():
+    from fxfuse.graph_pool import off_pool
+
+    side = torch.cuda.Stream()
+    x = torch.randn(4, device="cuda", requires_grad=True)
+    with torch.cuda.stream(side):
+        seen = off_pool(lambda t: (torch.cuda.current_stream().cuda_stream, torch.is_grad_enabled(), t * 2), x)
+    assert seen[0] == side.cuda_stream and seen[1] is False
+    torch.testing.assert_close(seen[2], x.detach() * 2)
+
+

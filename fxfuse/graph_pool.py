@@ -1,0 +1,60 @@
+"""Run a fused region's call outside the memory pool of Inductor's CUDA graphs while they warm up.
+
+Under ``torch.compile(..., mode="reduce-overhead")`` Inductor's cudagraph trees run each new graph once eagerly (the
+warm-up) with every allocation *of that thread* routed to the graphs' private memory pool, then capture it. The
+pool holds graph outputs and intermediates only: the trees free, reuse and check it on that assumption. A fused
+region's first calls keep state across calls (the planner's timed choice, replays, split-K workspaces); made in
+the pool, that memory would be handed to a later graph while fxfuse still uses it (the trees' asserts report
+"tensor(s) in the cudagraph pool not tracked as outputs"). So during a warm-up the call runs on a helper thread,
+which the routing does not cover, on the warm-up's stream, while the caller waits: its lasting state lands in the
+ordinary caching allocator. The capture that follows finds the region planned and records its kernels (nothing it
+makes outlives the graph: workspaces under capture are the graph's own).
+
+Example (what ``fxfuse::mlp_graphed`` does; see :mod:`fxfuse.extern`):
+    >>> if warming_up_into_pool(x.device):          # doctest: +SKIP
+    ...     out = off_pool(run_region, x, weights)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["off_pool", "warming_up_into_pool"]
+
+_helper: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def warming_up_into_pool(device: torch.device) -> bool:
+    """Whether this thread is inside a cudagraph tree's warm-up on ``device``: its allocations go to the pool.
+
+    The tree manager stays "in warm-up" after the run until its next call, so the current stream (the tree's own
+    while it warms up) must be the tree's too.
+    """
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or device.type != "cuda":
+        return False  # (no tree was ever made in this process)
+    manager = trees.get_manager(device.index if device.index is not None else torch.cuda.current_device(),
+                                create_if_none_exists=False)
+    return (manager is not None and manager.in_warmup
+            and torch.cuda.current_stream(device).cuda_stream == manager.stream.cuda_stream)
+
+
+def off_pool(fn: Callable[..., Any], x: torch.Tensor, *args: Any) -> Any:
+    """``fn(x, *args)`` on fxfuse's helper thread, on x's device and the caller's current stream, without grad
+    mode (the graphs this serves are compiled without it); the caller waits for it and gets its result or its
+    exception."""
+    global _helper
+    if _helper is None:
+        _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fxfuse-warmup")
+    stream = torch.cuda.current_stream(x.device)
+
+    def call():
+        with torch.cuda.device(x.device), torch.cuda.stream(stream), torch.no_grad():
+            return fn(x, *args)
+
+    return _helper.submit(call).result()
