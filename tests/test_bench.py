@@ -188,14 +188,19 @@ def test_cli_runs_on_cpu(flag):
     assert ("--max-autotune-budget" in res.stdout) if flag == "--help" else ("dry run OK" in res.stdout)
 
 
-def test_decode_model_bench_runs_on_cpu(tmp_path):
-    # The whole-model decode benchmark on a tiny config in the interpreter: both variants decode, fxfuse's logits
-    # match the fp32 model's (the model is fp32 here), and the table is written.
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decode_model_bench_runs_on_cpu(tmp_path, cache):
+    # The whole-model decode benchmark on a tiny config in the interpreter: both variants decode (into a
+    # DynamicCache, or a StaticCache with explicit positions), fxfuse's logits match the fp32 model's (the model is
+    # fp32 here), and the table is written.
+    static = cache == "static"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_decode_model.py"), "--tiny", "--layers", "1",
-                          "--steps", "2", "--rounds", "1", "--prompt", "4", "--out", str(tmp_path)],
+                          "--steps", "2", "--rounds", "1", "--prompt", "4", "--out", str(tmp_path)]
+                         + (["--static"] if static else []),
                          capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
-    table = (tmp_path / "decode_model.md").read_text()
+    table = (tmp_path / ("decode_model_static.md" if static else "decode_model.md")).read_text()
+    assert ("StaticCache" if static else "DynamicCache") in table
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()
             if line.startswith("| eager") or line.startswith("| fxfuse")}
     assert set(rows) == {"eager", "fxfuse"}
