@@ -230,6 +230,11 @@ def test_backend_with_reduce_overhead_captures_the_regions(rows, monkeypatch):
             assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2, step
     assert len(threads) == 2, threads  # the warm-up and the recording; the replays run no Python
     assert threads[0].startswith("fxfuse-warmup") and not threads[1].startswith("fxfuse-warmup")
+    with torch.no_grad():  # another row count: another graph (warm-up, recording), the first one still replays
+        for step, m in enumerate([2 * rows, rows, 2 * rows, 2 * rows, rows]):
+            x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+            out, ref = compiled(x).clone(), model(x)
+            assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2, (m, step)
 
 
 @pytest.mark.gpu
