@@ -7,8 +7,9 @@ region's first calls keep state across calls (the planner's timed choice, replay
 the pool, that memory would be handed to a later graph while fxfuse still uses it (the trees' asserts report
 "tensor(s) in the cudagraph pool not tracked as outputs"). So during a warm-up the call runs on a helper thread,
 which the routing does not cover, on the warm-up's stream, while the caller waits: its lasting state lands in the
-ordinary caching allocator. The capture that follows finds the region planned and records its kernels (nothing it
-makes outlives the graph: workspaces under capture are the graph's own).
+ordinary caching allocator. Its result is copied into a tensor of the pool, as every other op's result in a
+warm-up is (the trees track a warm-up's outputs as pool memory). The capture that follows finds the region planned
+and records its kernels (nothing it makes outlives the graph: workspaces under capture are the graph's own).
 
 Example (what ``fxfuse::mlp_graphed`` does; see :mod:`fxfuse.extern`):
     >>> if warming_up_into_pool(x.device):          # doctest: +SKIP
@@ -44,10 +45,10 @@ def warming_up_into_pool(device: torch.device) -> bool:
             and torch.cuda.current_stream(device).cuda_stream == manager.stream.cuda_stream)
 
 
-def off_pool(fn: Callable[..., Any], x: torch.Tensor, *args: Any) -> Any:
+def off_pool(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
     """``fn(x, *args)`` on fxfuse's helper thread, on x's device and the caller's current stream, without grad
-    mode (the graphs this serves are compiled without it); the caller waits for it and gets its result or its
-    exception."""
+    mode (the graphs this serves are compiled without it); the caller waits for it and gets a copy of its result,
+    allocated by the caller (in the pool), or its exception."""
     global _helper
     if _helper is None:
         _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fxfuse-warmup")
@@ -57,4 +58,5 @@ def off_pool(fn: Callable[..., Any], x: torch.Tensor, *args: Any) -> Any:
         with torch.cuda.device(x.device), torch.cuda.stream(stream), torch.no_grad():
             return fn(x, *args)
 
-    return _helper.submit(call).result()
+    out = _helper.submit(call).result()
+    return torch.empty_like(out).copy_(out)

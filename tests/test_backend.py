@@ -204,7 +204,8 @@ def test_nothing_warms_up_into_a_graph_pool_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64])
-def test_backend_with_reduce_overhead_captures_the_regions(rows, monkeypatch):
+@pytest.mark.parametrize("kind", ["block", "mlp"])  # (mlp: the region's result is the graph's output)
+def test_backend_with_reduce_overhead_captures_the_regions(rows, kind, monkeypatch):
     # The whole step is one CUDA graph: the region's kernels are captured with the norms around them. Its first
     # call (the trees' warm-up) plans on fxfuse's helper thread, off the graphs' pool; the trees' own asserts
     # check that pool after each warm-up and recording.
@@ -221,7 +222,7 @@ def test_backend_with_reduce_overhead_captures_the_regions(rows, monkeypatch):
         return run(*args)
 
     monkeypatch.setattr(extern, "_run", spy_run)
-    model = Block(1024, 4096).cuda().to(torch.bfloat16).eval()
+    model = (Block if kind == "block" else GPT2MLP)(1024, 4096).cuda().to(torch.bfloat16).eval()
     compiled = torch.compile(model, backend="fxfuse", mode="reduce-overhead")
     with torch.no_grad():
         for step in range(6):  # (cudagraph trees warm up, then record, then replay)
@@ -239,13 +240,24 @@ def test_backend_with_reduce_overhead_captures_the_regions(rows, monkeypatch):
 
 @pytest.mark.gpu
 def test_off_pool_runs_on_the_callers_stream_without_grad():
+    import threading
+
     from fxfuse.graph_pool import off_pool
 
     side = torch.cuda.Stream()
     x = torch.randn(4, device="cuda", requires_grad=True)
+    seen = []
+
+    def double(t):
+        seen.extend([threading.current_thread().name, torch.cuda.current_stream().cuda_stream,
+                     torch.is_grad_enabled()])
+        return t * 2
+
     with torch.cuda.stream(side):
-        seen = off_pool(lambda t: (torch.cuda.current_stream().cuda_stream, torch.is_grad_enabled(), t * 2), x)
-    assert seen[0] == side.cuda_stream and seen[1] is False
-    torch.testing.assert_close(seen[2], x.detach() * 2)
+        out = off_pool(double, x)
+        torch.testing.assert_close(out, x.detach() * 2)
+    assert seen[0].startswith("fxfuse-warmup") and seen[1:] == [side.cuda_stream, False]
+    with pytest.raises(ZeroDivisionError):  # the helper's exception reaches the caller
+        off_pool(lambda t: 1 / 0, x)
 
 
