@@ -13,7 +13,8 @@
 #                                                #   a 4-layer transformers Llama's step -> llama_training.md
 #   bash benchmarks/gpu_session.sh decode-model  # greedy decode of a 4-layer Llama-3-8B-shaped transformers model:
 #                                                #   eager / fxfuse / torch.compile / backend=fxfuse -> decode_model.md,
-#                                                #   and with StaticCache + reduce-overhead -> decode_model_static.md
+#                                                #   and with StaticCache + reduce-overhead -> decode_model_static.md;
+#                                                #   model.generate() with CompileConfig(backend="fxfuse") -> generate.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
@@ -164,6 +165,10 @@ case "$mode" in
     step decode-model-static "${DECODE_MODEL_TIMEOUT:-300}" decode_model_static_console.log \
       python3 benchmarks/bench_decode_model.py --out "$OUT" --layers 4 --steps 64 --rounds 5 --compile --static
     tail -12 "$OUT/decode_model_static_console.log"
+    # model.generate() with CompileConfig(backend="fxfuse") -> generate.md
+    step generate "${GENERATE_TIMEOUT:-200}" generate_console.log \
+      python3 benchmarks/bench_generate.py --out "$OUT" --layers 4 --new-tokens 64 --prompt 128 --rounds 5
+    tail -9 "$OUT/generate_console.log"
     ;;
   probe)
     PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probe_decode.py --quick

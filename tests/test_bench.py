@@ -218,3 +218,17 @@ def test_decode_model_busy_time_merges_overlapping_kernels():
 
     # (a launch waiting beside the kernel before it overlaps it: counted once)
     assert busy_us([Span(0, 10), Span(5, 12), Span(20, 25), Span(21, 22)]) == 17
+
+
+def test_generate_bench_runs_on_cpu(tmp_path):
+    # model.generate() with a static cache and CompileConfig(backend="fxfuse") on a tiny config in the interpreter:
+    # the backend's variant fuses the decode step's MLP and makes eager's greedy tokens.
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_generate.py"), "--tiny", "--layers", "1",
+                          "--new-tokens", "3", "--prompt", "4", "--rounds", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split(" | ") for line in (tmp_path / "generate.md").read_text().splitlines()
+            if line.startswith("| static cache")]
+    assert len(rows) == 2
+    backend = next(r for r in rows if "backend='fxfuse'" in r[0])
+    assert int(backend[-2]) >= 1 and backend[-1].strip(" |") == "3 / 3"  # (fp32 here: the same tokens)
