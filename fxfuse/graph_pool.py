@@ -19,6 +19,7 @@ Example (what ``fxfuse::mlp_graphed`` does; see :mod:`fxfuse.extern`):
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,22 +28,34 @@ import torch
 
 __all__ = ["off_pool", "warming_up_into_pool"]
 
+log = logging.getLogger(__name__)
+
 _helper: concurrent.futures.ThreadPoolExecutor | None = None
+_unknown_trees: list[Exception] = []  # (the first error, once logged)
 
 
 def warming_up_into_pool(device: torch.device) -> bool:
     """Whether this thread is inside a cudagraph tree's warm-up on ``device``: its allocations go to the pool.
 
-    The tree manager stays "in warm-up" after the run until its next call, so the current stream (the tree's own
-    while it warms up) must be the tree's too.
+    Never during a capture (the call must run on the capturing thread, its memory the graph's). The tree manager
+    stays "in warm-up" after the run until its next call, so the current stream (the tree's own while it warms up)
+    must be the tree's too. With trees this module does not know (another torch), True: a call off the pool is
+    always safe, one in it is not.
     """
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is None or device.type != "cuda":
-        return False  # (no tree was ever made in this process)
-    manager = trees.get_manager(device.index if device.index is not None else torch.cuda.current_device(),
-                                create_if_none_exists=False)
-    return (manager is not None and manager.in_warmup
-            and torch.cuda.current_stream(device).cuda_stream == manager.stream.cuda_stream)
+    if trees is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False  # (trees is None: no tree was ever made in this process)
+    try:
+        manager = trees.get_manager(device.index if device.index is not None else torch.cuda.current_device(),
+                                    create_if_none_exists=False)
+        return (manager is not None and manager.in_warmup
+                and torch.cuda.current_stream(device).cuda_stream == manager.stream.cuda_stream)
+    except (AttributeError, TypeError) as err:
+        if not _unknown_trees:
+            _unknown_trees.append(err)
+            log.warning("fxfuse: cannot tell a cudagraph tree's warm-up in this torch (%s); every call of a region in "
+                        "a CUDA-graphed compiled graph runs off the graphs' pool, on a helper thread", err)
+        return True
 
 
 def off_pool(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:

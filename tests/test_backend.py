@@ -202,6 +202,20 @@ def test_nothing_warms_up_into_a_graph_pool_on_the_cpu():
     assert not warming_up_into_pool(torch.device("cpu"))
 
 
+def test_unknown_cudagraph_trees_count_as_a_warm_up(monkeypatch):
+    # Another torch's trees, whose state cannot be read: the call takes the safe side (off the pool), logged once.
+    import types
+
+    from fxfuse import graph_pool
+
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", types.SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(graph_pool, "_unknown_trees", [])
+    assert graph_pool.warming_up_into_pool(torch.device("cuda", 0))
+    assert graph_pool.warming_up_into_pool(torch.device("cuda", 0))
+    assert len(graph_pool._unknown_trees) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64])
 @pytest.mark.parametrize("kind", ["block", "mlp"])  # (mlp: the region's result is the graph's output)
