@@ -66,6 +66,18 @@ def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype) 
     return model.eval()
 
 
+def model_and_prompt(args, batch: int) -> tuple:
+    """From the scripts' common arguments (``layers``, ``vocab``, ``prompt``, ``tiny``): (on a GPU, tiny, vocab,
+    dtype, the model, a random prompt of ``batch`` rows). Off a GPU: the tiny config in fp32."""
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    tiny = args.tiny or not gpu
+    vocab = 256 if tiny else args.vocab
+    torch.manual_seed(0)
+    model = build(args.layers, vocab, tiny, device, dtype)
+    return gpu, tiny, vocab, dtype, model, torch.randint(3, vocab, (batch, args.prompt), device=device)
+
+
 def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, forced=None,
            keep: int = 0, static=None) -> tuple[list, float, list]:
     """Prefill ``prompt``, then ``steps`` greedy steps: (the ``[B, 1]`` tokens fed, seconds of the steps, logits of
@@ -157,13 +169,7 @@ def main() -> None:
                          "mode='reduce-overhead' (CUDA graphs), the fast path transformers documents")
     ap.add_argument("--tiny", action="store_true", help="a small config (CPU smoke test)")
     args = ap.parse_args()
-    gpu = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    tiny = args.tiny or not gpu
-    vocab = 256 if tiny else args.vocab
-    torch.manual_seed(0)
-    model = build(args.layers, vocab, tiny, device, dtype)
-    prompt = torch.randint(3, vocab, (args.batch, args.prompt), device=device)
+    gpu, tiny, vocab, dtype, model, prompt = model_and_prompt(args, args.batch)
     sync = torch.cuda.synchronize if gpu else None
     keep = min(args.steps, 8) + 1
 

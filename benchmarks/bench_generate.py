@@ -39,7 +39,7 @@ if not torch.cuda.is_available():  # the interpreter must be on before fxfuse de
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxfuse  # noqa: E402
-from benchmarks.bench_decode_model import LLAMA3_8B_LAYER, TINY_LAYER, build  # noqa: E402
+from benchmarks.bench_decode_model import LLAMA3_8B_LAYER, TINY_LAYER, model_and_prompt  # noqa: E402
 
 
 def leading_agreement(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -60,13 +60,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tiny", action="store_true", help="a small config (CPU smoke test)")
     args = ap.parse_args()
-    gpu = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    tiny = args.tiny or not gpu
-    vocab = 256 if tiny else args.vocab
-    torch.manual_seed(0)
-    model = build(args.layers, vocab, tiny, device, dtype)
-    prompt = torch.randint(3, vocab, (1, args.prompt), device=device)
+    gpu, tiny, vocab, dtype, model, prompt = model_and_prompt(args, 1)
     # (min_new_tokens: a random model may emit its EOS token early; every variant makes the same number)
     common = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                   pad_token_id=0)
