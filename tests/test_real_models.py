@@ -399,5 +399,29 @@ def test_moved_to_cuda_after_optimize_and_cpu_input_error():
     assert str(fused_err.value) == str(eager_err.value)
 
 
+@pytest.mark.gpu
+def test_generate_with_the_fxfuse_compile_backend_on_gpu():
+    # transformers compiles the decode step itself (static cache; CompileConfig's mode is reduce-overhead): with
+    # backend="fxfuse" both MLPs are fused and captured in Inductor's CUDA graphs, and the fp32 greedy decode makes
+    # eager's tokens with logits within fp32 tolerance of eager's (TF32 off: both sides are plain fp32 math).
+    torch._dynamo.reset()
+    model, inputs, blocks = tiny("llama", batch=1)
+    model = model.cuda().eval()
+    ids = inputs["input_ids"].cuda()
+    common = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True, cache_implementation="static")
+    before = fxfuse.report().num_fused
+    with torch.no_grad():
+        ref = model.generate(ids, disable_compile=True, **common)
+        fused = None
+        for _ in range(3):  # compile, warm up, record; then replays
+            fused = model.generate(ids, compile_config=transformers.CompileConfig(backend="fxfuse"), **common)
+    assert fxfuse.report().num_fused - before == blocks
+    assert torch.equal(fused.sequences, ref.sequences)
+    for out, r in zip(fused.logits, ref.logits):
+        close(out, r, tol=1e-4)
+    torch._dynamo.reset()
+
+
 def test_vocab_constant_is_small():
     assert VOCAB < 128
