@@ -251,6 +251,12 @@ def main() -> None:
     summary = f"fxfuse vs eager: **{wall['eager'] / wall['fxfuse']:.2f}×** on the wall per step"
     if gpu_ms:
         summary += f", {gpu_ms['eager'] / gpu_ms['fxfuse']:.2f}× on GPU time"
+    compiled = [name for name in variants if name.startswith("torch.compile(")]
+    if len(compiled) == 2:  # (the default backend's, then fxfuse's)
+        summary += (f"; backend='fxfuse' vs torch.compile: **{wall[compiled[0]] / wall[compiled[1]]:.2f}×** on the "
+                    "wall per step")
+        if gpu_ms:
+            summary += f", {gpu_ms[compiled[0]] / gpu_ms[compiled[1]]:.2f}× on GPU time"
     lines += ["", summary + "."]
     text = "\n".join(lines) + "\n"
     print(text)
