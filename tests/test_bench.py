@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -232,3 +233,19 @@ def test_generate_bench_runs_on_cpu(tmp_path):
     assert len(rows) == 2
     backend = next(r for r in rows if "backend='fxfuse'" in r[0])
     assert int(backend[-2]) >= 1 and backend[-1].strip(" |") == "3 / 3"  # (fp32 here: the same tokens)
+
+
+def test_sweep_bench_runs_on_cpu(tmp_path):
+    # The batch-size sweep on tiny stand-ins in the interpreter: every point fused, correct against float64, and
+    # written with its strategy; sweep.json keeps each shape's rows in the order visited.
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_sweep.py"), "--cpu-smoke", "--shapes",
+                          "gpt2m,nerf64", "--ms", "1,3,4", "--rounds", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert list(data["shapes"]) == ["gpt2m", "nerf64"]
+    for shape in data["shapes"].values():
+        assert [r["m"] for r in shape["rows"]] == [1, 3, 4]
+        for r in shape["rows"]:
+            assert r["correct"] and r["rel_err"]["fxfuse"] < 1e-4 and r["running"] != "nothing fused"
+    assert "6 points: fxfuse correct at 6" in (tmp_path / "sweep.md").read_text()

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""fxfuse across batch sizes: one optimized module per MLP shape, called at rising row counts M as a user's
+model is (decode at a few rows, batched decode, prefill), beside eager and torch.compile at every M.
+
+The workload table measures each shape at one M. A user's model sees many: fxfuse plans once per power-of-two
+M bucket, at the first M of the bucket it meets, and reuses that choice (and the stage kernels' tuned configs)
+for every later M of the bucket. This sweep visits the M of each bucket in rising order, the low end first
+(3 before 4, 24 before 32, 384 before 512), so every reuse is measured at the other end of its bucket: the
+"no workload anywhere slower than eager" promise checked across batch sizes, not at nine points.
+
+    python3 benchmarks/bench_sweep.py --out DIR [--shapes llama,gpt2m] [--ms 1,2,4] [--rounds 3]
+
+Per shape: ``fxfuse.optimize(module)`` once (default settings) and ``torch.compile(module)`` once (default
+mode; Dynamo recompiles with a dynamic M as it does for users). Per M: a fresh input, each variant's first
+call (fxfuse's plans and tunes at a new bucket: its seconds are in the table), the float64 reference on another
+fresh input (fxfuse must be within 2e-2), then ``--rounds`` interleaved rounds of ``do_bench`` medians (L2
+flushed) over eager, compile and fxfuse; a cell is the median of its rounds. Floor = max(FLOPs / matmul rate,
+minimum bytes / copy bandwidth) with the ceilings measured at the start. "slower" marks an M where fxfuse's
+median is above eager's by more than 2% (the workload table's slack).
+
+Writes ``DIR/sweep.md`` and ``DIR/sweep.json``, rewritten after every shape. GPU only, except ``--cpu-smoke``
+(development: the interpreter, a tiny shape, a host timer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be on before fxfuse defines its kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fxfuse  # noqa: E402
+from benchmarks.bench_workloads import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    BF16,
+    EAGER_SLACK,
+    WORKLOADS,
+    Workload,
+    build_module,
+    count_work,
+    floor_us,
+    make_input,
+)
+
+TOL = 2e-2  # relative Frobenius error against float64 (bf16/fp16), as the workload table
+# The shapes of the workload table, by the row that names them.
+SHAPES = {"llama": "llama_swiglu_m1", "gpt2m": "gpt2m_mlp_m1", "gpt2": "gpt2_mlp", "seed": "seed_geglu",
+          "nerf64": "nerf64"}
+# Each bucket's low end first: the M after it reuses the choice made there.
+DENSE_MS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192]
+CHAIN_MS = [1, 64, 1000, 4096, 16384, 65536, 262144, 1 << 20]
+VARIANTS = ("eager", "compile", "fxfuse")
+
+
+def shape_ms(w: Workload, ms: list[int] | None) -> list[int]:
+    if ms:
+        return ms
+    return CHAIN_MS if w.kind == "nerf" else DENSE_MS
+
+
+def running_at(opt, m: int) -> str:
+    regions = fxfuse.report(opt).regions
+    return "; ".join(r.running_at(m) for r in regions) if regions else "nothing fused"
+
+
+def sweep_shape(w: Workload, ms: list[int], timer: Timer, ceil: dict, rounds: int, device: str) -> list[dict]:
+    print(f"== {w.name}: {w.kind} {w.dims_str}", flush=True)
+    mod = build_module(w, device=device, seed=7)
+    mod64 = copy.deepcopy(mod).double()
+    opt = fxfuse.optimize(mod)
+    dynamo_reset()
+    cm = torch.compile(mod)
+    es = torch.empty((), dtype=w.dtype).element_size()
+    lins = w.linears
+    rate = ceil["bf16_flops"] if w.dtype == BF16 else ceil["fp16_flops"]
+    rows = []
+    for m in ms:
+        x = make_input(w, device=device, seed=m, m=m)
+        first = {}
+        with torch.no_grad():
+            for name, fn in (("compile", cm), ("fxfuse", opt)):
+                t0 = time.perf_counter()
+                fn(x)
+                timer.sync()
+                first[name] = time.perf_counter() - t0
+            xc = make_input(w, device=device, seed=m + 100_000, m=m)
+            ref = mod64(xc.double())
+            err = {"eager": rel_err(mod(xc), ref), "fxfuse": rel_err(opt(xc), ref)}
+            fns = {"eager": mod, "compile": cm, "fxfuse": opt}
+            per_round = {k: [] for k in fns}
+            for _ in range(rounds):
+                for k, fn in fns.items():
+                    per_round[k].append(timer.gpu_us(lambda fn=fn, x=x: fn(x)))
+        us = {k: statistics.median(v) for k, v in per_round.items()}
+        flops, nbytes = count_work(mod, m, lins[0][0], lins[-1][1], es)
+        fl, bound, _, _ = floor_us(flops, nbytes, rate, ceil["copy_Bps"])
+        row = {"m": m, "floor_us": fl, "bound": bound, "us": us, "rounds": per_round, "rel_err": err,
+               "correct": bool(math.isfinite(err["fxfuse"]) and err["fxfuse"] <= TOL),
+               "slower": us["fxfuse"] > us["eager"] * (1 + EAGER_SLACK), "first_call_s": first,
+               "running": running_at(opt, m)}
+        rows.append(row)
+        print(f"  M={m:<7} floor {fl:8.1f}  eager {us['eager']:8.1f}  compile {us['compile']:8.1f}  "
+              f"fxfuse {us['fxfuse']:8.1f}  ({us['eager'] / us['fxfuse']:.2f}x eager)  err {err['fxfuse']:.1e}  "
+              f"first {first['fxfuse']:.2f}s  {row['running']}{'  SLOWER' if row['slower'] else ''}", flush=True)
+    dynamo_reset()
+    cleanup()
+    return rows
+
+
+def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
+    out = ["# fxfuse across batch sizes", "",
+           f"- {env['gpu']}; torch {env['torch']}, triton {env['triton']}; {env['when']}",
+           f"- Ceilings (this run): copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} "
+           f"TFLOP/s, fp16 {ceil['fp16_flops'] / 1e12:.0f} TFLOP/s",
+           f"- Command: `{env['command']}`",
+           f"- GPU µs: median of {env['rounds']} interleaved rounds of `do_bench` medians (L2 flushed). One "
+           "`fxfuse.optimize(module)` and one `torch.compile(module)` per shape, called at rising M (each power-of-"
+           "two bucket's low end first, so later M reuse the choice made there). first s = fxfuse's first call at "
+           "that M (planning and tuning at a new bucket). slower = fxfuse above eager × "
+           f"{1 + EAGER_SLACK:.2f}.", ""]
+    total = slower = wrong = 0
+    for name, shape in results.items():
+        rows = shape["rows"]
+        out += [f"## {name}: {shape['title']}", "",
+                "| M | floor | eager | torch.compile | fxfuse | vs eager | vs compile | rel err | first s | "
+                "runs | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            us = r["us"]
+            flag = "**slower**" if r["slower"] else ""
+            if not r["correct"]:
+                flag = "**WRONG** " + flag
+            out.append(f"| {r['m']} | {r['floor_us']:.1f} | {us['eager']:.1f} | {us['compile']:.1f} | "
+                       f"{us['fxfuse']:.1f} | {us['eager'] / us['fxfuse']:.2f}× | "
+                       f"{us['compile'] / us['fxfuse']:.2f}× | "
+                       f"{r['rel_err']['fxfuse']:.1e} | {r['first_call_s']['fxfuse']:.2f} | {r['running']} | {flag} |")
+            total += 1
+            slower += r["slower"]
+            wrong += not r["correct"]
+        out.append("")
+    out.insert(6, f"**{total} points: fxfuse correct at {total - wrong}, slower than eager at {slower}.**\n")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write sweep.md and sweep.json here")
+    ap.add_argument("--shapes", default="llama,gpt2m,gpt2,seed,nerf64", help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--ms", default=None, help="comma list of row counts (default: a dense list per shape)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
+    ap.add_argument("--rep", type=int, default=50, help="do_bench rep, ms")
+    ap.add_argument("--cpu-smoke", action="store_true", help="development: the interpreter, tiny shapes")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.cpu_smoke
+    if not gpu and not args.cpu_smoke:
+        print("bench_sweep: no CUDA device (use --cpu-smoke for a code-path check)")
+        return 2
+    device = "cuda" if gpu else "cpu"
+    timer = Timer(args.warmup, args.rep, cpu=not gpu)
+    ceil = measure_ceilings(timer, device, cpu_smoke=not gpu)
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else None
+    import triton
+
+    env = {"gpu": torch.cuda.get_device_name() if gpu else "CPU (interpreter)", "torch": torch.__version__,
+           "triton": triton.__version__, "when": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
+           "command": "python3 benchmarks/bench_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    results: dict[str, dict] = {}
+    for name in args.shapes.split(","):
+        w = next(w for w in WORKLOADS if w.name == SHAPES[name])
+        if not gpu:  # a small stand-in with the row's structure
+            small = (16, 32, 8) if w.kind == "nerf" else (32, 64)
+            w = dataclasses.replace(w, dims=small, dtype=torch.float32, input_shape=(4, small[0]))
+        title = f"{w.kind} {w.dims_str}, {str(w.dtype).replace('torch.', '')}"
+        results[name] = {"title": title, "rows": sweep_shape(w, shape_ms(w, ms), timer, ceil, args.rounds, device)}
+        text = render(env, ceil, results)
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "sweep.md").write_text(text + "\n")
+            (out / "sweep.json").write_text(json.dumps({"env": env, "ceilings": ceil, "shapes": results}, indent=1))
+    print(render(env, ceil, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
