@@ -54,6 +54,7 @@ from benchmarks.workloads import (  # noqa: E402
     floor_us,
     make_input,
 )
+from fxfuse.kernels.template import m_bucket  # noqa: E402
 
 TOL = 2e-2  # relative Frobenius error against float64 (bf16/fp16), as the workload table
 # The shapes of the workload table, by the row that names them.
@@ -74,6 +75,18 @@ def shape_ms(w: Workload, ms: list[int] | None) -> list[int]:
 def running_at(opt, m: int) -> str:
     regions = fxfuse.report(opt).regions
     return "; ".join(r.running_at(m) for r in regions) if regions else "nothing fused"
+
+
+def planner_times(opt, m: int) -> list[dict]:
+    """What the planner measured at ``m``'s bucket (at the M that decided): every candidate's µs."""
+    return [{"at_m": r.m, "times": dict(r.times), "source": r.source}
+            for region in fxfuse.report(opt).regions for r in region.measurements
+            if r.m_bucket == m_bucket(m) and not r.for_cuda_graph]
+
+
+def planner_cell(planned: list[dict]) -> str:
+    return "; ".join(", ".join(f"{k} {v:.1f}" for k, v in p["times"].items()) + f" (M={p['at_m']})"
+                     for p in planned) or "—"
 
 
 def sweep_shape(w: Workload, ms: list[int], timer: Timer, ceil: dict, rounds: int, device: str) -> list[dict]:
@@ -110,7 +123,7 @@ def sweep_shape(w: Workload, ms: list[int], timer: Timer, ceil: dict, rounds: in
         row = {"m": m, "floor_us": fl, "bound": bound, "us": us, "rounds": per_round, "rel_err": err,
                "correct": bool(math.isfinite(err["fxfuse"]) and err["fxfuse"] <= TOL),
                "slower": us["fxfuse"] > us["eager"] * (1 + EAGER_SLACK), "first_call_s": first,
-               "running": running_at(opt, m)}
+               "running": running_at(opt, m), "planner": planner_times(opt, m)}
         rows.append(row)
         print(f"  M={m:<7} floor {fl:8.1f}  eager {us['eager']:8.1f}  compile {us['compile']:8.1f}  "
               f"fxfuse {us['fxfuse']:8.1f}  ({us['eager'] / us['fxfuse']:.2f}x eager)  err {err['fxfuse']:.1e}  "
@@ -129,14 +142,16 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
            f"- GPU µs: median of {env['rounds']} interleaved rounds of `do_bench` medians (L2 flushed). One "
            "`fxfuse.optimize(module)` and one `torch.compile(module)` per shape, called at rising M (each power-of-"
            "two bucket's low end first, so later M reuse the choice made there). first s = fxfuse's first call at "
-           "that M (planning and tuning at a new bucket). slower = fxfuse above eager × "
+           "that M (planning and tuning at a new bucket); planner's µs = what the planner measured for each "
+           "candidate at the M that decided the bucket (the larger of GPU median and host time, see "
+           "`fxfuse.strategy.time_candidates`). slower = fxfuse above eager × "
            f"{1 + EAGER_SLACK:.2f}.", ""]
     total = slower = wrong = 0
     for name, shape in results.items():
         rows = shape["rows"]
         out += [f"## {name}: {shape['title']}", "",
                 "| M | floor | eager | torch.compile | fxfuse | vs eager | vs compile | rel err | first s | "
-                "runs | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "runs | planner's µs | |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             us = r["us"]
             flag = "**slower**" if r["slower"] else ""
@@ -145,7 +160,8 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
             out.append(f"| {r['m']} | {r['floor_us']:.1f} | {us['eager']:.1f} | {us['compile']:.1f} | "
                        f"{us['fxfuse']:.1f} | {us['eager'] / us['fxfuse']:.2f}× | "
                        f"{us['compile'] / us['fxfuse']:.2f}× | "
-                       f"{r['rel_err']['fxfuse']:.1e} | {r['first_call_s']['fxfuse']:.2f} | {r['running']} | {flag} |")
+                       f"{r['rel_err']['fxfuse']:.1e} | {r['first_call_s']['fxfuse']:.2f} | {r['running']} | "
+                       f"{planner_cell(r['planner'])} | {flag} |")
             total += 1
             slower += r["slower"]
             wrong += not r["correct"]

@@ -246,7 +246,7 @@ def test_screening_leaves_the_fastest_configs_to_tritons_benchmark(monkeypatch, 
         return self.do_bench(lambda: ms[config.kwargs["BLOCK"]], quantiles=(0.5, 0.2, 0.8))
 
     monkeypatch.setattr(Autotuner, "_bench", brief_bench)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: reps.append(rep) or [fn()] * 3)
+    monkeypatch.setattr(tuning, "clean_l2_bench", lambda fn, warmup, rep, quantiles: reps.append(rep) or [fn()] * 3)
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(_add_one_six, "_call", ((torch.zeros(40), 40), {}))
     configs = _add_one_six.configs
@@ -265,12 +265,22 @@ def test_screening_leaves_the_fastest_configs_to_tritons_benchmark(monkeypatch, 
     assert _add_one_six.screen(configs) == frozenset()
 
 
-def test_tritons_benchmark_after_screening_is_shortened(monkeypatch):
-    """Triton's own benchmark of the configs left runs ``do_bench`` over FINAL_REP_MS, not its 100 ms; its
-    benchmarker is put back afterwards."""
+@pytest.mark.parametrize("clean", [True, False])
+def test_tritons_benchmark_after_screening_is_shortened(monkeypatch, clean):
+    """Triton's own benchmark of the configs left runs over FINAL_REP_MS, not its 100 ms, after a clean L2
+    (``clean_l2_bench``) or, with ``CLEAN_L2`` off, Triton's ``do_bench``; its benchmarker is put back afterwards."""
     reps = []
-    monkeypatch.setattr(triton.testing, "do_bench",
-                        lambda fn, warmup, rep, quantiles: reps.append((warmup, rep)) or [fn()] * 3)
+
+    def timed(fn, warmup, rep, quantiles):
+        reps.append((warmup, rep))
+        return [fn()] * 3
+
+    def not_this_one(*args, **kwargs):
+        raise AssertionError("the other benchmarker")
+
+    monkeypatch.setattr(tuning, "CLEAN_L2", clean)
+    monkeypatch.setattr(tuning, "clean_l2_bench", timed if clean else not_this_one)
+    monkeypatch.setattr(triton.testing, "do_bench", not_this_one if clean else timed)
     monkeypatch.setattr(Autotuner, "check_disk_cache", lambda self, key, configs, bench_fn: bench_fn() or False)
     monkeypatch.setattr(_add_one_six, "_call", None)  # nothing to compile ahead or screen
 
@@ -279,6 +289,22 @@ def test_tritons_benchmark_after_screening_is_shortened(monkeypatch):
 
     _add_one_six.check_disk_cache(("a key",), _add_one_six.configs, tritons_benchmark)
     assert reps == [(tuning.FINAL_WARMUP_MS, tuning.FINAL_REP_MS)] * 2 and _add_one_six.do_bench is _bench
+
+
+@pytest.mark.gpu
+def test_gpu_clean_l2_bench_times_calls_after_a_read_sweep():
+    """``clean_l2_bench`` times ``fn`` (ms at the asked quantiles, in order) and calls it once per timed
+    iteration plus warm-up; its sweep of L2 reads and writes nothing of the caller's."""
+    calls = []
+    x = torch.ones(1 << 24, device="cuda")
+
+    def fn():
+        calls.append(1)
+        x.mul_(1.0)
+
+    q20, q50, q80 = tuning.clean_l2_bench(fn, warmup=2, rep=10, quantiles=(0.2, 0.5, 0.8))
+    assert 0 < q20 <= q50 <= q80 < 10 and len(calls) >= 7  # (a 64 MB read+write: ~30 µs on an H200)
+    assert x.eq(1).all()
 
 
 @pytest.mark.gpu
