@@ -239,14 +239,25 @@ def _cast_step(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
 
 
 _failed: set[tuple[str, str, str]] = set()
-# Strategies whose launches leave replay steps (fxfuse.replay): one per stage, or one for the whole region.
-_REPLAYED = (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, DECODE_GRID_SYNC, FUSED_CHAIN)
+# Strategies whose launches leave replay steps (fxfuse.replay): one per stage, or one for the whole region (the
+# one-launch kernels, and the original ops: their full call path costs a host-bound region more than the ops).
+_REPLAYED = (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE, DECODE_GRID_SYNC, FUSED_CHAIN, ORIGINAL_OPS)
 
 
 def _replay_steps(spec: str, strategy: str, cast_input: bool = False) -> int:
     """Steps a replay of ``strategy`` records; one more when the input is cast first (``_run_kernels``)."""
+    if strategy == ORIGINAL_OPS:
+        return 1
     steps = 1 if strategy in ONE_LAUNCH else len(_plan(spec)[0])
     return steps + (cast_input and strategy != FUSED_CHAIN)
+
+
+def _run_original(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
+                  spec: str) -> Tensor:
+    """:func:`reference_mlp`, leaving one replay step (its tensors held weakly) when a recording is open."""
+    if fastlaunch.recording_open():
+        fastlaunch.record(replay.weak_step(reference_mlp, weights, biases, operands, spec))
+    return reference_mlp(x, weights, biases, operands, spec)
 
 
 def _try_replay(x, weights, biases, operands, spec) -> tuple[Optional[tuple], Optional[Tensor]]:
@@ -294,12 +305,17 @@ def _dispatch(x, weights, biases, operands, spec):
                     runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s, cast_input))
                 if not torch.cuda.is_current_stream_capturing():  # the path a replayed call pays around them
                     path = replay.path_us(replay_key, functools.partial(_try_replay, *args))
-            strategy = fastest(args, runners, functools.partial(reference_mlp, *args), path_us=path)
+            original = functools.partial(reference_mlp, *args)
+            if replay_key is not None:
+                original = replay.replaying(x, functools.partial(_run_original, *args), 1)
+            strategy = fastest(args, runners, original, path_us=path)
         else:
             strategy = candidates[0]
     if replay_key is not None and settled and strategy not in _REPLAYED:
         replay.will_not_replay(spec, x)  # only these strategies leave steps
     if strategy == ORIGINAL_OPS:
+        if replay_key is not None and settled:
+            return replay.build(replay_key, x, functools.partial(_run_original, *args), 1)
         return reference_mlp(*args)
     try:
         if replay_key is not None and settled and strategy in _REPLAYED:

@@ -10,8 +10,9 @@ stream, and every weight's, bias's and operand's address, shape, strides and dty
 re-typed parameter, a new batch shape or another stream is recorded again.
 
 Only regions whose every launch left a step are replayed (the small-M and TMA kernels and the library stages
-leave one per stage, the one-row grid-sync kernel and the fused chain one for the whole region; the pointer GEMM
-kernel and the split-hidden decode kernel leave none); nothing is replayed while tracing or capturing a CUDA graph.
+leave one per stage, the one-row grid-sync kernel, the fused chain and the original ops one for the whole region;
+the pointer GEMM kernel and the split-hidden decode kernel leave none); nothing is replayed while tracing or
+capturing a CUDA graph.
 
 Example:
     >>> key = replay_key(x, weights, biases, operands, spec)          # doctest: +SKIP
@@ -31,7 +32,8 @@ from torch import Tensor
 
 from .kernels import fastlaunch
 
-__all__ = ["build", "may_replay", "path_us", "replay_key", "replaying", "replays", "weak_tensor", "will_not_replay"]
+__all__ = ["build", "may_replay", "path_us", "replay_key", "replaying", "replays", "weak_step", "weak_tensor",
+           "will_not_replay"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,20 @@ def weak_tensor(t: Optional[Tensor]) -> Callable[[], Optional[Tensor]]:
         return target if view is None else target.as_strided(*view)
 
     return get
+
+
+def weak_step(impl: Callable[..., Tensor], weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+              operands: Sequence[Tensor], what: str) -> Callable[[Tensor], Tensor]:
+    """``impl(h, weights, biases, operands, what)`` as a replay step of input ``h``, holding its tensors weakly
+    (a library stage, or a region's original ops)."""
+    getters = [weak_tensor(t) for t in (*weights, *biases, *operands)]
+    nw, nb = len(weights), len(biases)
+
+    def step(h: Tensor) -> Tensor:
+        ts = [get() for get in getters]
+        return impl(h, ts[:nw], ts[nw:nw + nb], ts[nw + nb:], what)
+
+    return step
 
 
 def may_replay(spec: str, x: Tensor) -> bool:

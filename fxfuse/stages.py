@@ -35,6 +35,7 @@ from . import epilogue as ep
 from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stage_tma
 from .kernels.template import m_bucket
 from .kernels.tma_launch import tma_applicable
+from .replay import weak_step
 from .strategy import for_cuda_graphs
 
 __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
@@ -98,23 +99,8 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
         return run_stage(x, weights, biases, operands, epilogue, check=False), choice
     impl = _cublaslt_stage if choice == "cublaslt" else _torch_stage
     if fastlaunch.recording_open():
-        fastlaunch.record(_library_step(impl, weights, biases, operands, epilogue))
+        fastlaunch.record(weak_step(impl, weights, biases, operands, epilogue))
     return impl(x, weights, biases, operands, epilogue), choice
-
-
-def _library_step(impl: Callable, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
-                  operands: Sequence[Tensor], epilogue: str) -> Callable[[Tensor], Tensor]:
-    """A library stage as a replay step (:mod:`fxfuse.replay`), holding its tensors weakly."""
-    from .replay import weak_tensor
-
-    getters = [weak_tensor(t) for t in (*weights, *biases, *operands)]
-    nw, nb = len(weights), len(biases)
-
-    def step(h: Tensor) -> Tensor:
-        ts = [get() for get in getters]
-        return impl(h, ts[:nw], ts[nw:nw + nb], ts[nw + nb:], epilogue)
-
-    return step
 
 
 def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:

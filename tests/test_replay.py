@@ -153,7 +153,7 @@ def test_library_step_holds_its_tensors_weakly():
 
     packed = torch.nn.Parameter(torch.randn(32, 8))  # a packed weight: the stage sees a view of half of it
     w, b = packed[:16], torch.nn.Parameter(torch.randn(16))
-    step = stages._library_step(stages._torch_stage, [w], [b], [], "gelu_tanh(a0)")
+    step = replay.weak_step(stages._torch_stage, [w], [b], [], "gelu_tanh(a0)")
     h = torch.randn(3, 8)
     torch.testing.assert_close(step(h), F.gelu(h @ packed[:16].T + b, approximate="tanh"))
     del w, packed  # the view's base is gone: the step must not run on freed memory
@@ -162,6 +162,49 @@ def test_library_step_holds_its_tensors_weakly():
     gc.collect()
     with pytest.raises(ReferenceError):
         step(h)
+
+
+def test_original_ops_leave_one_replay_step():
+    """A region whose measured choice is its original ops is replayed too: one step that runs them (the full
+    call path around them costs a host-bound region more than the ops), its tensors held weakly."""
+    import functools
+
+    from fxfuse import ops
+
+    torch.manual_seed(0)
+    w1, b1, w2, b2 = torch.randn(32, 8), torch.randn(32), torch.randn(8, 32), torch.randn(8)
+    spec = "1b:gelu_tanh(a0);1b:a0"
+    x = torch.randn(5, 8)
+    key = ("test original ops", id(x))
+    out = replay.build(key, x, functools.partial(ops._run_original, x, [w1, w2], [b1, b2], [], spec), 1)
+    run = replay.replays.pop(key)
+    eager = lambda x: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)  # noqa: E731
+    assert torch.equal(out, eager(x))
+    x2 = torch.randn(5, 8)
+    assert torch.equal(run(x2), eager(x2))
+
+
+@pytest.mark.gpu
+def test_a_region_kept_on_its_original_ops_replays_them(monkeypatch):
+    """Through the op's dispatch: a region whose choice is the original ops (forced here) records a one-step
+    replay on its second call and runs it from then on, bit for bit eager's ops, following in-place weight
+    changes."""
+    from fxfuse import ops
+    from fxfuse.strategy import ORIGINAL_OPS
+
+    replay.forget_all()
+    monkeypatch.setattr(ops, "_candidates", lambda *args: (ORIGINAL_OPS,))
+    model = GPT2MLP().cuda().to(torch.bfloat16).eval()
+    opt = fxfuse.optimize(model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 8, 256, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(opt(x), model(x))
+        (run,) = replay.replays.values()
+        model.fc2.weight.mul_(-1.0)
+        x = torch.randn(2, 8, 256, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(run(x), model(x)) and torch.equal(opt(x), model(x))
+    replay.forget_all()
 
 
 class SwiGLU(torch.nn.Module):
