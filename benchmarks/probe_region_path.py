@@ -1,10 +1,12 @@
-"""Host and GPU µs of a region whose measured choice is its original ops, against eager's module.
+"""Host and GPU µs of a region's call beside eager's module, and what the call runs.
 
-    python3 benchmarks/probe_original_path.py [shape:M ...]   (default seed:256 gpt2:512 gpt2:32)
+    python3 benchmarks/probe_region_path.py [shape:M ...]   (default seed:256 gpt2:512 gpt2:32)
 
-Where fxfuse's planner keeps a region's original ops, a call should cost what eager's does. For each case: the
-planner's choice, host µs per call (``timing.host_us``), do_bench GPU median, wall µs of 200 back-to-back calls,
-for eager and for the optimized module, and the cProfile top of the optimized module's calls.
+For each case (a shape of ``bench_sweep.SHAPES`` at M rows): what runs (the planner's measured choice and its
+candidates' times, each stage's implementation, whether the call replays), host µs per call
+(``timing.host_us``), do_bench GPU median and wall µs of 200 back-to-back calls for eager and for the optimized
+module, and the cProfile top of the optimized module's calls. Where the planner keeps a region's original ops, a
+call should cost what eager's does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     import fxfuse
+    from fxfuse import replay, stages
 
     torch.set_grad_enabled(False)
     for case in sys.argv[1:] or ["seed:256", "gpt2:512", "gpt2:32"]:
@@ -36,7 +39,11 @@ def main() -> None:
         opt = fxfuse.optimize(mod)
         opt(x)
         torch.cuda.synchronize()
-        print(f"== {case}: runs {[r.running_at(int(m)) for r in fxfuse.report(opt).regions]}", flush=True)
+        opt(x)
+        regions = fxfuse.report(opt).regions
+        print(f"== {case}: runs {[r.running_at(int(m)) for r in regions]}; planner "
+              f"{[dict(p.times) for r in regions for p in r.measurements]}; stages {stages.stage_choices()}; "
+              f"{len(replay.replays)} replay(s)", flush=True)
         for label, module in (("eager", mod), ("fxfuse", opt)):
             fn = functools.partial(module, x)
             gpu = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
