@@ -9,10 +9,10 @@ everything but its input and output (:func:`fxfuse.kernels.fastlaunch.bind`) or 
 stream, and every weight's, bias's and operand's address, shape, strides and dtype, so a moved, replaced or
 re-typed parameter, a new batch shape or another stream is recorded again.
 
-Only regions whose every launch left a step are replayed (the small-M and TMA kernels and the library stages
-leave one per stage, the one-row grid-sync kernel, the fused chain and the original ops one for the whole region;
-the pointer GEMM kernel and the split-hidden decode kernel leave none); nothing is replayed while tracing or
-capturing a CUDA graph.
+Only regions whose every launch left a step are replayed (the small-M, TMA and pointer GEMM kernels and the
+library stages leave one per stage, the one-row grid-sync kernel, the fused chain and the original ops one for the
+whole region; the split-hidden decode kernel leaves none); nothing is replayed while tracing or capturing a CUDA
+graph.
 
 Example:
     >>> key = replay_key(x, weights, biases, operands, spec)          # doctest: +SKIP

@@ -240,6 +240,27 @@ def test_large_m_regions_replay_their_tma_launches():
     replay.forget_all()
 
 
+@pytest.mark.gpu
+def test_a_pointer_kernel_stage_replays_its_bound_launch():
+    """fc1 reads K=100 bf16 columns (200-byte rows: no TMA), so it runs the pointer GEMM kernel; that launch now
+    leaves a replay step too, and the region (pointer fc1, TMA fc2) replays both from its second call."""
+    from fxfuse.kernels.tma_launch import tma_applicable
+
+    replay.forget_all()
+    model = GPT2MLP(d=100, h=1024).cuda().to(torch.bfloat16).eval()
+    opt = fxfuse.optimize(model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 100, 100, device="cuda", dtype=torch.bfloat16)
+            assert rel_err(opt(x), model(x)) < 1e-2
+        assert not tma_applicable(x.reshape(-1, 100), [model.fc1.weight])
+        assert len(replay.replays) == 1
+        model.fc1.weight.mul_(-1.0)
+        x = torch.randn(3, 100, 100, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(opt(x), model(x)) < 1e-2
+    replay.forget_all()
+
+
 def test_a_recording_that_runs_a_timing_loop_keeps_few_steps():
     """The first call at a shape times its stages (hundreds of launches); its recording must not keep them all."""
     with fastlaunch.recording() as steps:

@@ -203,6 +203,9 @@ def run_stage(x: torch.Tensor, weights, biases, operands, epilogue: str, *, chec
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     launch_kernel(kernel, grid, args, x)
+    if fastlaunch.recording_open():  # a replay step (fxfuse.replay): this launch bound to all but x and out
+        bound = fastlaunch.bind(kernel, grid, args, ("x_ptr", "out_ptr")) if fastlaunch.may_bind(x) else None
+        fastlaunch.record(None if bound is None else fastlaunch.output_step(bound, M, N, x.dtype, x.device, x))
     return out
 
 
