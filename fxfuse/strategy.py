@@ -245,7 +245,7 @@ def host_us(run: Callable[[], object], calls: int = 10, bursts: int = 3) -> floa
     fastest of ``bursts`` such bursts.
 
     The fastest, because the host's noise only adds: on a shared host the same call's host time moved 1.5-2x
-    between bursts a second apart (H100, session 24), more than two host-bound candidates differ, and a single
+    between bursts a second apart (an H100 machine), more than two host-bound candidates differ, and a single
     burst let that noise pick between them (seed GeGLU at M=768: fused 72.4 vs original ops 72.1 µs, both
     host-bound, and the original ops ran).
     """
