@@ -31,6 +31,9 @@ What it does, in order:
    * fxfuse correctness: ‖opt(x) − ref‖/‖ref‖ against the float64 reference (tolerance 2e-2 for bf16/fp16),
      plus a determinism check (two calls on one input must agree bit for bit);
    * floor = max(FLOPs / matmul rate, min bytes / copy bandwidth) with the ceilings measured in step 1;
+   * the row's measured limits (``benchmarks/limits.py``), timed in the same rounds after the variants: "read
+     once" (one reduction over the row's minimum bytes) and "GEMMs alone" (its linears as plain cuBLAS
+     ``torch.mm``, no epilogue); ``--skip-limits`` leaves them out;
    * ``fxfuse.report(opt)`` printed to the log (regions, strategies).
    The spread of eager's rounds ((max − min) / min, "eager spread") is the run's noise.
 3. Pass 2 (max-autotune, bounded): ``torch.compile(mod, mode="max-autotune-no-cudagraphs")`` compiles take
@@ -85,6 +88,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.limits import LIMITS, limit_fns  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     EAGER_SLACK,
     REF_CEILINGS,
@@ -110,7 +114,7 @@ MAX_AUTOTUNE_ORDER = [
 ]
 VARIANTS = ["eager", "cudagraph", "compile_default", "compile_max_autotune", "compile_fxfuse", "fxfuse"]
 # The order of every timing round (the variants a row built).
-TIMING_ORDER = ["eager", "cudagraph", "compile_default", "compile_fxfuse", "fxfuse", "fxfuse_cuda_graphs"]
+TIMING_ORDER = ["eager", "cudagraph", "compile_default", "compile_fxfuse", "fxfuse", "fxfuse_cuda_graphs", *LIMITS]
 SKIPPED_BUDGET = "skipped (budget)"  # a max-autotune cell the time bound left out (never silently empty)
 
 T_START = time.perf_counter()
@@ -546,12 +550,17 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
             keep["optg"] = optg
             timed["fxfuse_cuda_graphs"] = lambda: optg(x)
 
+    # the row's measured limits (benchmarks/limits.py), timed in the same rounds as its variants
+    if not args.skip_limits:
+        guarded(row, "check", "limits", lambda: timed.update(limit_fns(mod, m_eff)) or "built")
+
     # the timing: interleaved rounds over every variant that was built (GPU median; decode rows also wall)
     timed = {k: timed[k] for k in TIMING_ORDER if k in timed}
     print(f"  timing {', '.join(timed)} in {args.rounds} interleaved round(s)  [t={elapsed():.0f}s]")
     time_rounds(row, "gpu_us", "gpu_rounds", timed, timer.gpu_us, args.rounds)
-    if w.decode:
-        time_rounds(row, "wall_us", "wall_rounds", timed, lambda fn: timer.wall_us(fn)["median"], args.rounds)
+    if w.decode:  # wall per call: the model's variants only (a limit is a GPU bound)
+        time_rounds(row, "wall_us", "wall_rounds", {k: f for k, f in timed.items() if k not in LIMITS},
+                    lambda fn: timer.wall_us(fn)["median"], args.rounds)
     timed.clear()
     keep.clear()
     dynamo_reset()
@@ -684,6 +693,9 @@ def derive(row: dict):
             d["speedup_vs_compile"] = g["compile_default"] / fx_t
         if is_num(g.get("compile_max_autotune")):
             d["speedup_vs_max_autotune"] = g["compile_max_autotune"] / fx_t
+        for limit in LIMITS:  # how far fxfuse is from the row's measured limits (benchmarks/limits.py)
+            if is_num(g.get(limit)):
+                d[f"fxfuse_over_{limit}"] = fx_t / g[limit]
     er = row.get("gpu_rounds", {}).get("eager") or []
     if len(er) > 1 and all(is_num(v) for v in er):  # this run's noise: the spread of eager's rounds
         d["eager_spread"] = (max(er) - min(er)) / min(er)
@@ -712,6 +724,10 @@ def print_row(row: dict):
     print(f"  fxfuse/floor {fmt_ratio(d.get('fxfuse_over_floor'))}, vs eager {fmt_ratio(d.get('speedup_vs_eager'))}, "
           f"vs compile {fmt_ratio(d.get('speedup_vs_compile'))}, target {target_str(row)} -> {meets_str(row)}; "
           f"not slower than eager: {yes_no(d.get('not_slower_than_eager'))} => {pass_str(row)}")
+    if any(limit in g for limit in LIMITS):
+        print(f"  measured limits, GPU µs: read once {fmt_us(g.get('read_once'))} (fxfuse "
+              f"{fmt_ratio(d.get('fxfuse_over_read_once'))}), cuBLAS GEMMs alone {fmt_us(g.get('gemms_alone'))} "
+              f"(fxfuse {fmt_ratio(d.get('fxfuse_over_gemms_alone'))})")
     if row["decode"]:
         print(f"  wall µs/call ({DECODE_CALLS} calls): {wall_str(row)}; fxfuse cuda_graphs=True: wall "
               f"{graphs_wall_str(row)}, GPU {fmt_us(g.get('fxfuse_cuda_graphs'))}")
@@ -882,7 +898,32 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
         ]
         L.append("| " + " | ".join(cells) + " |")
     L.append("")
+    L.extend(limits_table(rows))
     return "\n".join(L)
+
+
+def limits_table(rows: list[dict]) -> list[str]:
+    """The rows' measured limits (benchmarks/limits.py) beside the floor, fxfuse and the target."""
+    if not any(limit in r["gpu_us"] for r in rows for limit in LIMITS):
+        return []
+    L = ["Measured limits, timed in the same interleaved rounds as the variants (GPU median µs): **read once** = one "
+         "`torch.sum` over a buffer of the row's minimum bytes (no kernel that reads the weights is faster under "
+         "do_bench's flush, whose dirty lines are written back while it reads); **GEMMs alone** = the row's "
+         "linears as plain `torch.mm` (cuBLAS) into preallocated outputs, no bias, no activation (what cuBLAS's "
+         "mainloops take for the row's FLOPs; for a narrow chain it is what fusion saves, not a limit).", ""]
+    hdr = ["name", "bound", "floor", "read once", "GEMMs alone (cuBLAS)", "fxfuse", "fxfuse / read once",
+           "fxfuse / GEMMs alone", "target"]
+    L.append("| " + " | ".join(hdr) + " |")
+    L.append("|" + "---|" * len(hdr))
+    for r in rows:
+        g, d = r["gpu_us"], r.get("derived", {})
+        cells = [r["name"], r["floor"].get("bound", "—"), fmt_us(r["floor"].get("floor_us")),
+                 fmt_us(g.get("read_once")), fmt_us(g.get("gemms_alone")), fmt_us(g.get("fxfuse")),
+                 fmt_ratio(d.get("fxfuse_over_read_once")), fmt_ratio(d.get("fxfuse_over_gemms_alone")),
+                 target_str(r)]
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    return L
 
 
 def verdict_line(rows: list[dict]) -> str:
@@ -966,6 +1007,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder (default $OUT)")
     p.add_argument("--only", default="", help="comma-separated row names (default: all)")
     p.add_argument("--skip-max-autotune", action="store_true", help="no torch.compile max-autotune pass")
+    p.add_argument("--skip-limits", action="store_true",
+                   help="do not time the rows' measured limits (read once, GEMMs alone: benchmarks/limits.py)")
     p.add_argument("--max-autotune-rows", default="",
                    help="comma-separated rows (in this order) for the max-autotune pass; default: all selected rows "
                         "in priority order " + ",".join(MAX_AUTOTUNE_ORDER))

@@ -17,7 +17,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_workloads as bench  # noqa: E402
-from benchmarks.workloads import EAGER_SLACK, WORKLOADS, judge, target_text  # noqa: E402
+from benchmarks.limits import limit_fns  # noqa: E402
+from benchmarks.workloads import EAGER_SLACK, WORKLOADS, build_module, count_work, judge, target_text  # noqa: E402
 
 # The "Targets" table of /work/shared/workloads.md: (GPU median µs, wall µs per call); None: no target.
 TARGETS = {
@@ -123,6 +124,44 @@ def test_results_table_has_verdict_columns():
     assert "skipped (budget)" in geglu and geglu.endswith("| ≤ 180 | yes | yes | PASS |")
     assert "| n/a |" in m8 and "| — | — | no | FAIL: slower than eager" in m8
     assert "**Verdict: 1/2 rows pass** (targets met 1/1, not slower than eager 1/2); every row passes: no." in md
+
+
+@pytest.mark.parametrize("name", ["seed_geglu", "gpt2m_mlp_m8", "nerf64"])
+def test_limits_run_every_linear_with_its_own_weight_and_read_the_minimum_bytes(name):
+    w = next(w for w in WORKLOADS if w.name == name)
+    mod = build_module(w, device="cpu").float()  # float: exact products to compare against
+    linears = [m for m in mod.modules() if isinstance(m, torch.nn.Linear)]
+    m = 3
+    fns = limit_fns(mod, m)
+    outs = fns["gemms_alone"]()
+    assert len(outs) == len(linears)
+    # a plain GEMM per linear, of the module's own weight (not a copy), with no bias and no activation
+    steps = fns["gemms_alone"].steps
+    for (a, weight, out), lin, o in zip(steps, linears, outs):
+        assert weight is lin.weight and o is out and a.shape == (m, lin.in_features)
+        torch.testing.assert_close(o, a @ lin.weight.t())
+    # read once: one buffer of exactly the bytes the floor counts (input + weights + biases + output)
+    buf = fns["read_once"].buf
+    _, nbytes = count_work(mod, m, linears[0].in_features, linears[-1].out_features, 4)
+    assert buf.numel() * buf.element_size() == nbytes and buf.dtype == torch.float32
+    torch.testing.assert_close(fns["read_once"](), buf.sum())
+
+
+def test_limits_table_and_ratios():
+    args = bench.parse_args(["--skip-max-autotune"])
+    row = _row("llama_swiglu_m1", 93.0, eager_us=114.0)
+    row["gpu_us"].update(read_once=90.0, gemms_alone=100.0)
+    bench.derive(row)
+    assert row["derived"]["fxfuse_over_read_once"] == pytest.approx(93 / 90)
+    assert row["derived"]["fxfuse_over_gemms_alone"] == pytest.approx(0.93)
+    env = {"gpu": "test", "torch": "x", "cuda": None, "triton": "y", "python": "3", "date": "today", "argv": "bench"}
+    md = bench.render_md(env, {}, [row], args)
+    line = next(line for line in md.splitlines() if line.startswith("| llama_swiglu_m1 | compute |"))
+    assert line == "| llama_swiglu_m1 | compute | 50.0 | 90.0 | 100 | 93.0 | 1.03× | 0.93× | ≤ 92 |"
+    # a run without limits (--skip-limits) prints no such table
+    del row["gpu_us"]["read_once"], row["gpu_us"]["gemms_alone"]
+    assert "Measured limits" not in bench.render_md(env, {}, [row], args)
+    assert bench.parse_args(["--skip-limits"]).skip_limits
 
 
 def test_time_rounds_interleaves_and_keeps_the_median():
