@@ -552,7 +552,16 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
 
     # the row's measured limits (benchmarks/limits.py), timed in the same rounds as its variants
     if not args.skip_limits:
-        guarded(row, "check", "limits", lambda: timed.update(limit_fns(mod, m_eff)) or "built")
+        def build_limits():
+            fns = limit_fns(mod, m_eff)
+            timed.update(fns)
+            read = fns["read_once"]
+            row["check"]["read_once_kernel"] = read.choice
+            tried = ", ".join(f"{name} {us:.1f}" for name, us in read.tried.items())
+            print(f"  limits: read once by {read.choice}" + (f" (µs: {tried})" if tried else ""))
+            return "built"
+
+        guarded(row, "check", "limits", build_limits)
 
     # the timing: interleaved rounds over every variant that was built (GPU median; decode rows also wall)
     timed = {k: timed[k] for k in TIMING_ORDER if k in timed}

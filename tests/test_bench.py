@@ -147,6 +147,19 @@ def test_limits_run_every_linear_with_its_own_weight_and_read_the_minimum_bytes(
     torch.testing.assert_close(fns["read_once"](), buf.sum())
 
 
+def test_read_kernel_reads_every_element_once():
+    # the streaming read behind "read once" on the GPU (here in the interpreter): a ragged last program included
+    from benchmarks.limits import _read_sum_kernel
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter or a GPU")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3 * 2048 * 4 + 77, device=dev).to(torch.float16)
+    partial = torch.empty(4, device=dev)
+    _read_sum_kernel[(4,)](x, partial, x.numel(), BLOCK=2048, STEPS=4, num_warps=4)
+    torch.testing.assert_close(partial.sum(), x.float().sum(), rtol=1e-4, atol=1e-2)
+
+
 def test_limits_table_and_ratios():
     args = bench.parse_args(["--skip-max-autotune"])
     row = _row("llama_swiglu_m1", 93.0, eager_us=114.0)
