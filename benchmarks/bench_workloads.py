@@ -915,11 +915,13 @@ def limits_table(rows: list[dict]) -> list[str]:
     """The rows' measured limits (benchmarks/limits.py) beside the floor, fxfuse and the target."""
     if not any(limit in r["gpu_us"] for r in rows for limit in LIMITS):
         return []
-    L = ["Measured limits, timed in the same interleaved rounds as the variants (GPU median µs): **read once** = one "
-         "`torch.sum` over a buffer of the row's minimum bytes (no kernel that reads the weights is faster under "
-         "do_bench's flush, whose dirty lines are written back while it reads); **GEMMs alone** = the row's "
-         "linears as plain `torch.mm` (cuBLAS) into preallocated outputs, no bias, no activation (what cuBLAS's "
-         "mainloops take for the row's FLOPs; for a narrow chain it is what fusion saves, not a limit).", ""]
+    L = ["Measured limits, timed in the same interleaved rounds as the variants (GPU median µs; "
+         "`benchmarks/limits.py`): **read once** = the fastest plain streaming read of a buffer of the row's minimum "
+         "bytes (`torch.sum` or a Triton read kernel at six block shapes, picked by do_bench): what reading the "
+         "weights once costs under do_bench's flush, whose dirty lines are written back while it reads (a kernel that "
+         "prefetches deeper can be a few % faster); **GEMMs alone** = the row's linears as plain `torch.mm` (cuBLAS) "
+         "into preallocated outputs, no bias, no activation: what cuBLAS's mainloops take for the row's FLOPs (for a "
+         "narrow chain it is what fusion saves, not a limit).", ""]
     hdr = ["name", "bound", "floor", "read once", "GEMMs alone (cuBLAS)", "fxfuse", "fxfuse / read once",
            "fxfuse / GEMMs alone", "target"]
     L.append("| " + " | ".join(hdr) + " |")

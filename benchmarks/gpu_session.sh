@@ -171,10 +171,10 @@ case "$mode" in
     tail -9 "$OUT/generate_console.log"
     ;;
   probe)
-    PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probe_decode.py --quick
-    PROBE_TIMEOUT=${PROBE_TMA_TIMEOUT:-150} probe probe_tma benchmarks/probe_tma.py --quick
+    PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probes/probe_decode.py --quick
+    PROBE_TIMEOUT=${PROBE_TMA_TIMEOUT:-150} probe probe_tma benchmarks/probes/probe_tma.py --quick
     mkdir -p /tmp/fxfuse-probe
-    PROBE_TIMEOUT=${PROBE_MAIN_TIMEOUT:-150} probe probe benchmarks/probe.py --out /tmp/fxfuse-probe
+    PROBE_TIMEOUT=${PROBE_MAIN_TIMEOUT:-150} probe probe benchmarks/probes/probe.py --out /tmp/fxfuse-probe
     cp /tmp/fxfuse-probe/probe.txt "$OUT/" 2>/dev/null  # (also a partial one, after a timeout)
     ;;
   *)

@@ -111,7 +111,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {'GPU ' + torch.cuda.get_device_name() if GPU else 'no GPU: structure only'}")
 
     # The host-bound Llama first: a torch.profiler session leaves every later launch in the process ~11% slower on
-    # the host (benchmarks/probe_tma_host.py --llama --after-profiler), which a host-bound model's end-to-end
+    # the host (benchmarks/probes/probe_tma_host.py --llama --after-profiler), which a host-bound model's end-to-end
     # times would show; the GPU-bound seed MLP does not notice.
     if not args.skip_llama:
         profile_llama(args)

@@ -5,7 +5,7 @@ compiles.
 AOTInductor can carry the kernels. But Inductor traces *into* it too, with fake tensors, where fxfuse's runtime
 cannot work: the planner cannot time candidates (it takes the cost model's first guess), replays and bound
 launches do not exist, and the kernels' self-resetting workspaces become fresh ``zeros`` kernels on every call.
-On the H200 (``benchmarks/probe_backend.py``), ``torch.compile(model, backend="fxfuse")`` through that path read
+On the H200 (``benchmarks/probes/probe_backend.py``), ``torch.compile(model, backend="fxfuse")`` through that path read
 GPT-2-medium's MLP at one row at 89.5 µs on the GPU (``fxfuse.optimize``: 14.6; eager 26.0) and 116 µs per call
 on the wall (eager 59.5), Llama's at 108 µs (91.9), seed_geglu at 244 µs (198).
 

@@ -53,7 +53,7 @@ __all__ = ["GatedMLPFunction", "gated_mlp", "gated_region"]
 _PLAIN = (Tensor, torch.nn.Parameter)  # a Parameter disables __torch_function__: it is a plain tensor here
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
-# Internal: False leaves every trained gated region to GatedProduct (benchmarks/probe_gated_host.py measures that
+# Internal: False leaves every trained gated region to GatedProduct (benchmarks/probes/probe_gated_host.py measures that
 # path so).
 use_function = True
 

@@ -4,7 +4,7 @@ A gated region that is being trained (:data:`fxfuse.ops._trained`) runs its orig
 gradients. With ``FXFUSE_GATED_TRAINING=1`` its middle ``act(gate(x)) * up(x)`` runs instead as
 :class:`GatedProduct`: one kernel forward, one backward (:mod:`fxfuse.kernels.gated_template`), saving ``g`` and
 ``u`` only; the GEMMs stay cuBLAS's. On the H200 the two kernels take half the time of eager's five
-(`benchmarks/probe_gated.py`), and a step does less GPU work and keeps less memory (seed_geglu: 15% and 17%).
+(`benchmarks/probes/probe_gated.py`), and a step does less GPU work and keeps less memory (seed_geglu: 15% and 17%).
 But the Python autograd node and launches add host time per call, and a host-bound step pays it: a 4-layer
 transformers Llama trained in bf16 read 0.90-0.96x eager's step in three runs (`bench_llama_training.py`). So it
 is off by default: turn it on for GPU-bound or memory-bound training.
@@ -12,7 +12,7 @@ is off by default: turn it on for GPU-bound or memory-bound training.
 A region that is exactly a gated MLP (``down(act(gate(x)) * up(x))``, the usual case) does not come here: it
 runs as one autograd node for the whole MLP, :class:`fxfuse.gated_mlp_training.GatedMLPFunction`, which costs
 less host time than GatedProduct and eager's graph on the CPU machine with the launches stubbed
-(`benchmarks/probe_gated_host.py`) and keeps less memory (on the H200: a 4-layer Llama's peak 31-32% lower).
+(`benchmarks/probes/probe_gated_host.py`) and keeps less memory (on the H200: a 4-layer Llama's peak 31-32% lower).
 GatedProduct serves the other gated stages and the tensors that node refuses.
 
 Tensors the kernels do not take (another device, a dtype, non-contiguous, traced, under functorch transforms)

@@ -100,7 +100,7 @@ def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = N
         out.append(FUSED_CHAIN)
     # One GEMM+epilogue per stage comes before the one-launch decode kernel: at M <= 16 its stages run the
     # small-M split-K kernel, which streamed the weights faster than the decode kernel at every decode row
-    # measured on the H200 (benchmarks/probe_gemv_sweep.py; the decode kernel's fp32 atomics grow with M).
+    # measured on the H200 (benchmarks/probes/probe_gemv_sweep.py; the decode kernel's fp32 atomics grow with M).
     out.append(GATED_GEMM_EPILOGUE if spec.is_gated else GEMM_EPILOGUE)
     # One row: the grid-synchronized kernel (both stages in one persistent launch, the second stage's weights
     # prefetched during the first) instead of the split-hidden kernel, whose atomics only pay off for more rows.

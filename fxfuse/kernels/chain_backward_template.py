@@ -340,7 +340,7 @@ def chain_backward_configs() -> list[triton.Config]:
     """Rows per block, warps, programs per SM, weights held or reloaded (one small config in the interpreter,
     with reloaded weights: the tests run that variant; the GPU tests run every config).
 
-    H200, nerf64 fp16 at M = 2^20 (``benchmarks/probe_chain_backward.py``, W^T as a view of W's tile), µs against
+    H200, nerf64 fp16 at M = 2^20 (``benchmarks/probes/probe_chain_backward.py``, W^T as a view of W's tile), µs against
     eager's backward (1211-1216): 128 rows w8 held 515-540, 128 w8 reloaded 566-595, 64 w4 2/SM reloaded
     567-604, 64 w4 held 892-924. Every variant spills: the fp32 dW accumulators and the weight tiles are live at
     once. (nerf128's gradients in this kernel, written to memory for dW GEMMs, took 2172-2411 µs with the

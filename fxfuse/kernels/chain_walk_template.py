@@ -195,7 +195,7 @@ def chain_walk_configs() -> list[triton.Config]:
     """Rows per block, warps, programs per SM, weights held or reloaded, row blocks in flight (one small config
     in the interpreter, with reloaded weights; the GPU tests run every config).
 
-    H200, nerf128 fp16 at M = 2^20 (``benchmarks/probe_walk.py``; 1.88 GB to move, 444 µs at the copy rate):
+    H200, nerf128 fp16 at M = 2^20 (``benchmarks/probes/probe_walk.py``; 1.88 GB to move, 444 µs at the copy rate):
     64 rows w4 2/SM held 904-918 µs, 128 w8 1/SM held 1064-1085, 64 w4 2/SM reloaded 1176. Every variant sits
     at 255 registers, so two programs share an SM; without the db sums (212-228 registers) the walk took
     638-751 µs, but a db by ``tl.dot`` or stored per block was slower still. Pipelining the loop

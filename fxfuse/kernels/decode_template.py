@@ -235,7 +235,7 @@ def gpu_decode_configs() -> list[triton.Config]:
         >>> all(c.kwargs["BLOCK_H"] in (16, 32, 64, 128) for c in gpu_decode_configs())
         True
     """
-    # 8 warps won at every decode row of the H200 sweep (benchmarks/probe_decode_sweep.py): llama M=1 105.0 us
+    # 8 warps won at every decode row of the H200 sweep (benchmarks/probes/probe_decode_sweep.py): llama M=1 105.0 us
     # (H64 K64 N256 s3), M=16 238 (H128 K64 N256 s3), gpt2m M=1 16.3 (H32 K256 N128 s4), M=8 30.4 (H32 K128 N128 s4).
     return [
         _cfg(64, 64, 256, 8, 3),

@@ -20,7 +20,7 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
 * ``N`` and ``K`` are compile-time constants (each stage shape compiles its own kernel): with them the
   loop's trip count and K mask are constants, which the one-row stream needs to keep up with a reduction
   written the same way (llama gate+up at M=1: 62.6 µs runtime-sized against 59.2 for constant sizes,
-  ``benchmarks/probe_stream.py``).
+  ``benchmarks/probes/probe_stream.py``).
 * The epilogue runs on the fp32 accumulators (bias, operands, pointwise math) and casts once.
 * On Hopper the launch is a programmatic dependent launch (``USE_PDL``): it is scheduled while the previous
   kernel (the region's first stage) finishes and waits for it on the GPU, which hides one launch latency of
@@ -55,8 +55,8 @@ GEMV_TEMPLATE_VERSION = 6
 GEMV_BLOCK_M = 16
 # Rows the register stream (ONE_ROW) takes at most. Each program reads all of x's rows for its few weight rows, so x
 # traffic from L2 is ONE_ROW / BLOCK_N times the weights'. H200, one stage in a CUDA graph after do_bench's flush
-# (benchmarks/probe_few_rows.py, best stream vs best tl.dot config, µs): gpt2m fc2 (K=4096, N=1024) 11.8 vs 15.1 at
-# M=2, 13.2 vs 15.2 at M=4, 15.3 vs 15.1 at M=8; gpt2m fc1 (K=1024) 12.4 vs 12.5 at M=2, 14.7 vs 12.5 at M=4; llama
+# (benchmarks/probes/probe_few_rows.py, best stream vs best tl.dot config, µs): gpt2m fc2 (K=4096, N=1024) 11.8 vs 15.1
+# at M=2, 13.2 vs 15.2 at M=4, 15.3 vs 15.1 at M=8; gpt2m fc1 (K=1024) 12.4 vs 12.5 at M=2, 14.7 vs 12.5 at M=4; llama
 # down 43.3 vs 44.2 at M=2; llama at M=8: 98 vs 44 (down), 235 vs 71 (gate+up). So up to 4 rows.
 MAX_STREAM_ROWS = 4
 
@@ -294,8 +294,8 @@ def gpu_gemv_configs() -> list[triton.Config]:
         >>> all(c.kwargs["BLOCK_N"] in (16, 32, 64, 128) for c in gpu_gemv_configs() if not c.kwargs["ONE_ROW"])
         True
     """
-    # H200 sweep (benchmarks/probe_gemv_sweep.py, device µs after an L2 flush): llama gate+up 63.9 (M=1, N128 K64 w8
-    # s4) / 63.8 (M=16, N64 K128 w4 s3); llama down 40.0 (M=1, N64 K128 split4 w8 s3) / 37.4 (M=16, N32 K512 w4 s4);
+    # H200 sweep (benchmarks/probes/probe_gemv_sweep.py, device µs after an L2 flush): llama gate+up 63.9 (M=1, N128 K64
+    # w8 s4) / 63.8 (M=16, N64 K128 w4 s3); llama down 40.0 (M=1, N64 K128 split4 w8 s3) / 37.4 (M=16, N32 K512 w4 s4);
     # gpt2m fc1 6.4 / 5.9 (N64 K128 w4 s6); gpt2m fc2 8.9 (M=1, N64 K128 split8 w4 s6) / 8.3 (M=8, N16 K512 w4 s4).
     return [
         _cfg(64, 128, 1, 4, 3),

@@ -229,7 +229,7 @@ def gpu_grid_sync_configs() -> list[triton.Config]:
         >>> any(c.kwargs["PREFETCH"] for c in gpu_grid_sync_configs())
         True
     """
-    # H200 (benchmarks/probe_grid_sync.py, device µs after do_bench's flush): gpt2m_mlp_m1 12.2 (H32 K512 N8 w16
+    # H200 (benchmarks/probes/probe_grid_sync.py, device µs after do_bench's flush): gpt2m_mlp_m1 12.2 (H32 K512 N8 w16
     # prefetch), 12.4 (H32 K256 N8 w8 prefetch), 13.2-18.6 for wider K steps; two small-M launches 14.2.
     # llama_swiglu_m1 (W2 too large to prefetch) 101.9 (H64 K256 N32 HH512 w16); two small-M launches 97.8.
     return [

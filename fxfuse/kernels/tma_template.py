@@ -285,7 +285,7 @@ def gpu_configs(quick: bool = False) -> list[triton.Config]:
 
 def sweep_configs() -> list[triton.Config]:
     """:func:`gpu_configs` plus candidates still on trial (warp-specialized, 256-row tiles): for probes that time
-    every config one by one (``benchmarks/probe_tma_sweep.py``), not for the autotuner.
+    every config one by one (``benchmarks/probes/probe_tma_sweep.py``), not for the autotuner.
 
     Example:
         >>> len(sweep_configs()) > len(gpu_configs())

@@ -30,7 +30,7 @@ The generated kernels use ``@autotune(configs=..., key=..., prune_configs_by=...
   kernel must write back as it loads. A stage of an MLP runs after the stage before it, which leaves L2 clean;
   the dirty flush instead charged every ``tl.dot`` config ~8 µs that the software pipeline's ``cp.async``
   loads (which drop the ``evict_first`` policy) pay and the register stream does not, and so picked the stream at
-  two rows where the tiles are faster in a model (``CLEAN_L2``; ``benchmarks/probe_clean_tuning.py``).
+  two rows where the tiles are faster in a model (``CLEAN_L2``; ``benchmarks/probes/probe_clean_tuning.py``).
 
 The object returned is the ``Autotuner`` Triton built, with its class switched to a subclass that wraps
 ``run``, ``prune_configs`` and ``check_disk_cache`` (methods of every Triton 3.x ``Autotuner``): the
@@ -68,8 +68,9 @@ log = logging.getLogger(__name__)
 CACHES_RESULTS = "cache_results" in inspect.signature(triton.autotune).parameters
 _ASYNC_COMPILE = getattr(triton, "AsyncCompileMode", None)
 _MAX_COMPILE_THREADS = 16
-# The screening before Triton's benchmark (see the module doc). H200, fresh caches (benchmarks/probe_first_call.py):
-# the benchmark of 22-25 small-M configs took ~2.8 s of each decode stage's ~4.4 s of tuning.
+# The screening before Triton's benchmark (see the module doc). H200, fresh caches
+# (benchmarks/probes/probe_first_call.py): the benchmark of 22-25 small-M configs took ~2.8 s of each decode stage's
+# ~4.4 s of tuning.
 SCREEN_KEEP = 3
 SCREEN_TOLERANCE = 0.10
 SCREEN_WARMUP_MS, SCREEN_REP_MS = 5, 20
