@@ -199,8 +199,14 @@ class FusionReport:
                     for r in self.regions]
             lines += _table(("module", "pattern", "strategy", "predicted µs (fused / original)",
                              "measured µs (fused / original)", "spec"), rows)
-            devices = sorted({r.predicted_on for r in self.regions if r.predicted_on})
-            lines.append(f"  predicted: cost model on {', '.join(devices) or 'H200'} ceilings (fxfuse.cost); "
+            # The GPUs whose ceilings the predictions used: at optimize time (example inputs) and at each first call.
+            from .cost import ceilings_for
+
+            devices = sorted({r.predicted_on for r in self.regions if r.predicted_on}
+                             | {ceilings_for(m.device).name for r in self.regions for m in r.measurements
+                                if m.predicted_us is not None})
+            on = f"on {', '.join(devices)} ceilings" if devices else "none yet (no example inputs, no GPU call)"
+            lines.append(f"  predicted: cost model {on} (fxfuse.cost); "
                          "measured: on the first GPU call at each M bucket")
             for r in self.regions:
                 lines += [f"  note ({r.module_path}): {n}" for n in r.notes]

@@ -61,13 +61,17 @@ class Ceilings:
         return f"{self.name}: copy {self.copy_bytes_per_s / 1e12:.2f} TB/s, {rates} ({self.source})"
 
 
-# Named devices, for predictions without a GPU. H200: measured (/work/shared/workloads.md); the others
-# and every float32 entry (no TF32): datasheet figures, which measured ceilings usually fall short of.
+# Named devices, for predictions without a GPU. H200 and H100: measured (/work/shared/workloads.md, the
+# benchmark's runs); A100 and every float32 entry (no TF32): datasheet figures, which measured ceilings usually
+# fall short of.
 DEVICES: dict[str, Ceilings] = {
     "H200": Ceilings("H200", 4.23e12, {"bfloat16": 701e12, "float16": 707e12, "float32": 67e12},
                      "copy, bf16, fp16 measured on an H200 (1 GiB copy, 8192³ matmul); fp32 datasheet"),
-    "H100": Ceilings("H100 SXM", 3.35e12, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-                     "datasheet"),
+    # Measured like the H200's (benchmarks/results_h100.md, three runs: copy 2.99-3.00 TB/s, bf16 717-780, fp16
+    # 664-686 TFLOP/s). The datasheet's 3.35 TB/s and 989 TFLOP/s are not reached: the matmul runs power-capped.
+    "H100": Ceilings("H100", 3.0e12, {"bfloat16": 731e12, "float16": 670e12, "float32": 67e12},
+                     "copy, bf16, fp16 measured on an H100 SXM (1 GiB copy, 8192³ matmul; median of three runs); "
+                     "fp32 datasheet"),
     "A100": Ceilings("A100", 2.0e12, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
                      "datasheet"),
 }

@@ -10,6 +10,7 @@ Workload figures by hand (H200: copy 4.23 TB/s, bf16 701 / fp16 707 TFLOP/s):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -159,6 +160,7 @@ def test_report_says_when_m_is_unknown(monkeypatch):
     assert "M unknown" in str(fxfuse.report(fast))
     # Once the region has run (M known then), the prediction at that M stands beside the measured times.
     expected = predict(region.spec, region.widths, 32, "float32", "fused_chain")
+    assert "predicted: cost model none yet" in str(fxfuse.report(fast))  # no prediction made yet
     strategy._measured["k"] = strategy.Measurement(region.spec, 32, 32, (64, 256, 64), "float32", "cpu",
                                                    "fused_chain", 7.5, 12.25, "timed", expected.predicted_us, 20.0,
                                                    expected.regime)
@@ -166,3 +168,13 @@ def test_report_says_when_m_is_unknown(monkeypatch):
     assert "M unknown" not in text
     assert f"{expected.predicted_us:.1f} / 20.0 at M=32, {expected.regime}-bound" in text
     assert "7.5 / 12.2 at M~32" in text
+    assert "predicted: cost model on H200 ceilings" in text  # a CPU run's prediction falls back to the H200's
+    # The ceilings named are those of the GPU the first call ran on (an H100 here), not a default.
+    strategy._measured["k"] = dataclasses.replace(strategy._measured["k"], device="NVIDIA H100 80GB HBM3")
+    assert "predicted: cost model on H100 ceilings" in str(fxfuse.report(fast))
+
+
+def test_h100_ceilings_are_the_measured_ones_not_the_datasheet():
+    h100 = cost.ceilings_for("NVIDIA H100 80GB HBM3")
+    assert h100.name == "H100" and "measured" in h100.source
+    assert 2.9e12 <= h100.copy_bytes_per_s <= 3.1e12 and h100.matmul("bfloat16") < 800e12
