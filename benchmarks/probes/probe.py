@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxfuse  # noqa: E402
 from benchmarks.timing import capture_graph, profile_top, wall_us  # noqa: E402

@@ -11,7 +11,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxfuse  # noqa: E402
 from benchmarks.timing import profile_top  # noqa: E402

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fxfuse  # noqa: E402
 import fxfuse.ops  # noqa: E402

@@ -19,7 +19,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.probes.probe_host import optimized_row  # noqa: E402
 from benchmarks.timing import host_us, profile_top, wall_us  # noqa: E402

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fxfuse.kernels import chain_walk_template as walk  # noqa: E402
 from fxfuse.kernels.chain_backward_launch import run_chain_backward  # noqa: E402

@@ -16,7 +16,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxfuse  # noqa: E402
 from benchmarks.workloads import WORKLOADS, build_module, make_input  # noqa: E402

@@ -36,7 +36,6 @@ if not torch.cuda.is_available():  # the kernels' CPU path needs the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fxfuse  # noqa: E402
 import fxfuse.gated_mlp_training as gmt  # noqa: E402

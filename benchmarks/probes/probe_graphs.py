@@ -18,7 +18,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxfuse  # noqa: E402
 from benchmarks.timing import capture_graph, host_us, profile_top, wall_us  # noqa: E402

@@ -20,7 +20,6 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.probes.probe_launch import gpt2m_m1_tensors  # noqa: E402
 from fxfuse import codegen  # noqa: E402

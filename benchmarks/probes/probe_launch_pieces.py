@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.probes.probe_launch import gpt2m_m1_tensors  # noqa: E402
 from benchmarks.timing import host_us, wall_us  # noqa: E402

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 M = 16
 STAGES = (  # label, K, N, gated

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.probes.probe_flush import device_us  # noqa: E402
 from benchmarks.probes.probe_m16 import STAGES, launcher, tensors  # noqa: E402

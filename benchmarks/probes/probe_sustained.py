@@ -23,7 +23,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.timing import kernels_after_flush  # noqa: E402
 from benchmarks.workloads import optimized_row  # noqa: E402
