@@ -1,6 +1,6 @@
 """Every TMA stage config, one by one, on the large-M stages: which tile, pipeline depth and warp specialization win.
 
-    python3 benchmarks/probes/probe_tma_sweep.py [--budget SECONDS] [case names...]
+    python3 benchmarks/probes/probe_tma_sweep.py [--budget SECONDS] [--skip-ws] [case names...]
 
 For each stage of ``probe_tma.CASES`` (bf16), each config of ``tma_template.sweep_configs()`` that the pruning keeps
 is compiled and run directly (no autotuner), checked against the fp32 reference (relative error) and timed
@@ -37,7 +37,7 @@ def describe(c) -> str:
             f"{' sub' if k['EPILOGUE_SUBTILE'] else ''}{' WS' if k['WARP_SPECIALIZE'] else ''}")
 
 
-def sweep(case, deadline: float) -> None:
+def sweep(case, deadline: float, skip_ws: bool = False) -> None:
     workload, stage, m, k, n, gated, epi, bias = case
     torch.manual_seed(0)
     d = dict(device="cuda", dtype=torch.bfloat16)
@@ -64,6 +64,8 @@ def sweep(case, deadline: float) -> None:
                   "w_desc": TensorDescriptor(weights[0], [2, n, k] if gated else [n, k],
                                              [n * k, k, 1] if gated else [k, 1], [2, 16, 16] if gated else [16, 16])}
     configs = tma_template._prune(tma_template.sweep_configs(), probe_args)
+    if skip_ws:  # Triton 3.6 can abort the process (not raise) compiling some warp-specialized configs
+        configs = [c for c in configs if not c.kwargs["WARP_SPECIALIZE"]]
     rows = []
     for c in configs:
         if time.time() > deadline:
@@ -86,13 +88,14 @@ def sweep(case, deadline: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole sweep")
+    ap.add_argument("--skip-ws", action="store_true", help="leave out the warp-specialized configs")
     ap.add_argument("names", nargs="*", help="cases as 'workload:stage' (default: all)")
     args = ap.parse_args()
     deadline = time.time() + args.budget
     for case in CASES:
         if args.names and f"{case[0]}:{case[1]}" not in args.names:
             continue
-        sweep(case, deadline)
+        sweep(case, deadline, args.skip_ws)
 
 
 if __name__ == "__main__":
