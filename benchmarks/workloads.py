@@ -31,6 +31,9 @@ __all__ = [
     "table_work",
     "floor_us",
     "EAGER_SLACK",
+    "TOL",
+    "DECODE_CALLS",
+    "DECODE_LOOPS",
     "Verdict",
     "judge",
     "target_text",
@@ -227,6 +230,12 @@ def floor_us(flops: int, nbytes: int, flops_per_s: float, bytes_per_s: float) ->
     t_m = nbytes / bytes_per_s * 1e6
     return max(t_c, t_m), ("compute" if t_c >= t_m else "memory"), t_c, t_m
 
+
+# The measurement protocol: relative Frobenius error tolerance of bf16/fp16 results against float64, and the wall
+# time of a decode row as µs per call of DECODE_CALLS back-to-back calls, the median of DECODE_LOOPS such loops.
+TOL = 2e-2
+DECODE_CALLS = 200
+DECODE_LOOPS = 5
 
 # "No workload gets slower than eager": fxfuse may be at most this fraction slower than eager before the row
 # fails. 2% is about the spread of two eager medians of one run (the bench prints that spread per row).
