@@ -21,7 +21,9 @@ What it does, in order:
      correctness against the same reference;
    * decode rows also: ``fxfuse.optimize(mod, cuda_graphs=True)`` (opt-in CUDA graphs), built and checked
      for correctness the same way; "n/a" when this fxfuse has no such option;
-   * then the timing, in ``--rounds`` (default 3) interleaved rounds: each round times every variant once, in
+   * then the timing: eager once, dropped (building the variants left the GPU idle and cool, and a first timing
+     would run at clocks the others never see), then ``--rounds`` (default 3) interleaved rounds: each round times
+     every variant once, in
      a fixed order (eager, CUDA graph, compile default, compile backend=fxfuse, fxfuse, fxfuse CUDA graphs), and a
      cell is the median
      over the rounds (``gpu_rounds`` / ``wall_rounds`` in results.json keep each round). GPU µs: do_bench
@@ -560,6 +562,10 @@ def run_row_main(w: Workload, idx: int, args, timer: Timer, ceil: dict, fx, fx_i
     # the timing: interleaved rounds over every variant that was built (GPU median; decode rows also wall)
     timed = {k: timed[k] for k in TIMING_ORDER if k in timed}
     print(f"  timing {', '.join(timed)} in {args.rounds} interleaved round(s)  [t={elapsed():.0f}s]")
+    # Building the variants (compiles, tuning) left the GPU idle for seconds: a first timing runs at clocks the
+    # later ones never see, and it would always be eager's. One discarded timing of eager brings the GPU back to
+    # its sustained state (bench_sweep.py, llama M=1024 on an H100: eager's rounds read 504.6 / 542.9 / 561.1 µs).
+    guarded(row, "check", "gpu_warmup", lambda: timer.gpu_us(timed["eager"]))
     time_rounds(row, "gpu_us", "gpu_rounds", timed, timer.gpu_us, args.rounds)
     if w.decode:  # wall per call: the model's variants only (a limit is a GPU bound)
         time_rounds(row, "wall_us", "wall_rounds", {k: f for k, f in timed.items() if k not in LIMITS},

@@ -106,7 +106,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
                  f"({ceil['mm_n']}³)")
     L.append(f"- GPU times, µs: median over {args.rounds} interleaved rounds of `triton.testing.do_bench` "
              f"medians (warmup {args.warmup} ms, rep {args.rep} ms, L2 flushed). Every variant of a row is built "
-             f"first, then each round times all of them once in a fixed order (eager, CUDA graph, compile default, "
+             f"first, eager is timed once and the result dropped (the GPU idled while they were built), then each "
+             f"round times all of them once in a fixed order (eager, CUDA graph, compile default, "
              f"compile backend=fxfuse, fxfuse, fxfuse CUDA graphs), so drift within the run favours none; compile "
              f"max-autotune is timed in a later pass, after one discarded measurement (the GPU idles, cooler, "
              f"while it compiles), in {args.rounds} rounds beside eager. Floor = max(FLOPs / matmul rate, min bytes / "
