@@ -145,7 +145,8 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
            f"- Ceilings (this run): copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} "
            f"TFLOP/s, fp16 {ceil['fp16_flops'] / 1e12:.0f} TFLOP/s",
            f"- Command: `{env['command']}`",
-           f"- GPU µs: median of {env['rounds']} interleaved rounds of `do_bench` medians (L2 flushed). One "
+           f"- GPU µs: median of {env['rounds']} interleaved rounds of `do_bench` medians (L2 flushed), after one "
+           "discarded timing of eager (the first calls leave the GPU idle and cool). One "
            "`fxfuse.optimize(module)` and one `torch.compile(module)` per shape, called at rising M (each power-of-"
            "two bucket's low end first, so later M reuse the choice made there). first s = fxfuse's first call at "
            "that M (planning and tuning at a new bucket); planner's µs = what the planner measured for each "
