@@ -241,6 +241,24 @@ def test_cli_runs_on_cpu(flag):
     assert ("--max-autotune-budget" in res.stdout) if flag == "--help" else ("dry run OK" in res.stdout)
 
 
+def test_workload_bench_runs_a_row_on_cpu(tmp_path):
+    # The whole row pipeline in the interpreter (--cpu-smoke: tiny M, host timer): every variant built and timed,
+    # the limits timed in the same rounds, max-autotune after a dropped timing and in rounds beside eager.
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_workloads.py"), "--cpu-smoke", "--only",
+                          "gpt2m_mlp_m8", "--max-autotune-rows", "gpt2m_mlp_m8", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    g, rounds = row["gpu_us"], row["gpu_rounds"]
+    for key in ("eager", "fxfuse", "read_once", "gemms_alone", "compile_max_autotune", "eager_beside_max_autotune"):
+        assert isinstance(g[key], float), (key, g[key])
+    assert len(rounds["read_once"]) == len(rounds["fxfuse"]) == len(rounds["compile_max_autotune"]) == 3
+    assert isinstance(row["check"]["gpu_warmup"], float) and isinstance(row["check"]["max_autotune_warmup"], float)
+    assert "read_once" not in row["wall_us"]  # a limit is a GPU bound: no wall time
+    md = (tmp_path / "results.md").read_text()
+    assert "| gpt2m_mlp_m8 | memory |" in md and "Measured limits" in md and row["check"]["pass"]
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_decode_model_bench_runs_on_cpu(tmp_path, cache):
     # The whole-model decode benchmark on a tiny config in the interpreter: both variants decode (into a
