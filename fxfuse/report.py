@@ -205,9 +205,9 @@ class FusionReport:
             devices = sorted({r.predicted_on for r in self.regions if r.predicted_on}
                              | {ceilings_for(m.device).name for r in self.regions for m in r.measurements
                                 if m.predicted_us is not None})
-            on = f"on {', '.join(devices)} ceilings" if devices else "none yet (no example inputs, no GPU call)"
-            lines.append(f"  predicted: cost model {on} (fxfuse.cost); "
-                         "measured: on the first GPU call at each M bucket")
+            predicted = (f"cost model on {', '.join(devices)} ceilings (fxfuse.cost)" if devices
+                         else "none yet (no example inputs, no GPU call)")
+            lines.append(f"  predicted: {predicted}; measured: on the first GPU call at each M bucket")
             for r in self.regions:
                 lines += [f"  note ({r.module_path}): {n}" for n in r.notes]
             kernels = sorted({k for r in self.regions for k in r.kernels})

@@ -160,7 +160,7 @@ def test_report_says_when_m_is_unknown(monkeypatch):
     assert "M unknown" in str(fxfuse.report(fast))
     # Once the region has run (M known then), the prediction at that M stands beside the measured times.
     expected = predict(region.spec, region.widths, 32, "float32", "fused_chain")
-    assert "predicted: cost model none yet" in str(fxfuse.report(fast))  # no prediction made yet
+    assert "predicted: none yet" in str(fxfuse.report(fast))  # no prediction made yet
     strategy._measured["k"] = strategy.Measurement(region.spec, 32, 32, (64, 256, 64), "float32", "cpu",
                                                    "fused_chain", 7.5, 12.25, "timed", expected.predicted_us, 20.0,
                                                    expected.regime)
