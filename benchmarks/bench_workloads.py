@@ -23,10 +23,9 @@ What it does, in order:
      for correctness the same way; "n/a" when this fxfuse has no such option;
    * then the timing: eager once, dropped (building the variants left the GPU idle and cool, and a first timing
      would run at clocks the others never see), then ``--rounds`` (default 3) interleaved rounds: each round times
-     every variant once, in
-     a fixed order (eager, CUDA graph, compile default, compile backend=fxfuse, fxfuse, fxfuse CUDA graphs), and a
-     cell is the median
-     over the rounds (``gpu_rounds`` / ``wall_rounds`` in results.json keep each round). GPU µs: do_bench
+     every variant once, in a fixed order (eager, CUDA graph, compile default, compile backend=fxfuse, fxfuse,
+     fxfuse CUDA graphs, then the limits below), and a cell is the median over the rounds (``gpu_rounds`` /
+     ``wall_rounds`` in results.json keep each round). GPU µs: do_bench
      median (L2 flushed); decode rows also wall µs/call of 200 back-to-back calls (median of 5 such loops).
      H200 timings drift by 3-6 % within a run (clocks, power): variants timed one after the other would get
      a bias from when they ran, interleaved rounds spread that drift over all of them;
@@ -34,8 +33,8 @@ What it does, in order:
      plus a determinism check (two calls on one input must agree bit for bit);
    * floor = max(FLOPs / matmul rate, min bytes / copy bandwidth) with the ceilings measured in step 1;
    * the row's measured limits (``benchmarks/limits.py``), timed in the same rounds after the variants: "read
-     once" (one reduction over the row's minimum bytes) and "GEMMs alone" (its linears as plain cuBLAS
-     ``torch.mm``, no epilogue); ``--skip-limits`` leaves them out;
+     once" (the fastest plain streaming read of the row's minimum bytes) and "GEMMs alone" (its linears as plain
+     cuBLAS ``torch.mm``, no epilogue); ``--skip-limits`` leaves them out;
    * ``fxfuse.report(opt)`` printed to the log (regions, strategies).
    The spread of eager's rounds ((max − min) / min, "eager spread") is the run's noise.
 3. Pass 2 (max-autotune, bounded): ``torch.compile(mod, mode="max-autotune-no-cudagraphs")`` compiles take
@@ -46,8 +45,8 @@ What it does, in order:
    longest compile measured, or the longest one of this run if larger) ≤ deadline. A row not reached prints
    "skipped (budget)" in its cell (the reason is in results.json). A compiled row is first timed once and the
    result dropped (the GPU idled, cooler, while Inductor compiled: a first timing would run at clocks the main
-   rounds never saw), then in ``--rounds`` interleaved rounds beside eager. ``--skip-max-autotune`` turns the pass off;
-   ``--max-autotune-rows a,b`` picks (and orders) the rows explicitly.
+   rounds never saw), then in ``--rounds`` interleaved rounds beside eager. ``--skip-max-autotune`` turns the
+   pass off; ``--max-autotune-rows a,b`` picks (and orders) the rows explicitly.
 4. Verdict per row (``workloads.judge``, a pure function): correct, GPU median ≤ target (gpt2m_mlp_m1: also
    wall ≤ 15 µs), and not slower than eager (GPU median, and wall on the decode rows, within
    ``--eager-slack``, default 2%). The table's "pass" column and the summary line under it say it.
