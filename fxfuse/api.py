@@ -13,7 +13,8 @@ from torch import nn
 
 from .capture import CaptureFailure, discover, record_inputs
 from .cudagraphs import cuda_graphed
-from .hosts import assemble, fused_graphs, place
+from .hosts import place
+from .install import assemble, fused_graphs
 from .report import FusionReport
 
 __all__ = ["fused_graphs", "optimize", "report"]

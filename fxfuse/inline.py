@@ -319,7 +319,7 @@ def _role_forward(orig: Any, role: str):
 
 
 def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict, dict]]:
-    """``{module path: (methods, instance attributes)}`` to install for ``chain`` (see hosts.assemble)."""
+    """``{module path: (methods, instance attributes)}`` to install for ``chain`` (see install.assemble)."""
     parent = model.get_submodule(chain.module_path)
     state = _State(chain)
     attr = "_fxfuse_inline_state"

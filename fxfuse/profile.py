@@ -21,8 +21,6 @@ structure (regions, FLOPs, bytes, kernel counts) and the regime predicted for a 
 
 from __future__ import annotations
 
-import base64
-import html
 import re
 import statistics
 import time
@@ -37,8 +35,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .ops import reference_mlp
+from .profile_render import fmt_us, html_page, roofline_points, text_lines
 from .report import FusionReport
-from .roofline import CallWork, Ceilings, Point, Verdict, classify, count_call, measure_ceilings, named_ceilings
+from .roofline import CallWork, Ceilings, Verdict, classify, count_call, measure_ceilings, named_ceilings
 from .spec import MLPSpec
 
 __all__ = ["ProfileReport", "RegionProfile", "Side", "profile"]
@@ -123,6 +122,7 @@ class ProfileReport:
     after_wall_us: Optional[float] = None
     before_kernel_us: Optional[float] = None  # kernel time per forward under the profiler, whole model
     after_kernel_us: Optional[float] = None
+    rounds: int = ROUNDS  # the interleaved rounds behind before_us / after_us
     notes: list[str] = field(default_factory=list)
     fusion: Optional[FusionReport] = field(default=None, repr=False)
     traces: dict[str, Any] = field(default_factory=dict, repr=False)  # "before"/"after" -> torch.profiler.profile
@@ -132,7 +132,7 @@ class ProfileReport:
         return self.before_us / self.after_us if self.before_us and self.after_us else None
 
     def __str__(self) -> str:
-        return "\n".join(_text(self))
+        return "\n".join(text_lines(self))
 
     def _repr_pretty_(self, p, cycle):  # IPython
         p.text(str(self))
@@ -142,11 +142,11 @@ class ProfileReport:
         from .roofline import plot_roofline
 
         kind = "measured" if self.timed else f"predicted for {self.ceilings.name}"
-        plot_roofline(_points(self), self.ceilings, path, predicted=not self.timed,
+        plot_roofline(roofline_points(self), self.ceilings, path, predicted=not self.timed,
                       title=f"{self.model}: {len(self.regions)} fused region(s), {kind} ({self.device})")
 
     def to_html(self, png: Optional[bytes] = None) -> str:
-        return _html(self, png)
+        return html_page(self, png)
 
     def save(self, out_dir) -> dict[str, Path]:
         """Write ``roofline.png``, ``report.html`` and (timed) ``trace_before.json``/``trace_after.json``."""
@@ -374,8 +374,8 @@ def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: tor
     for side in ("before", "after"):  # do_bench times the GPU from launch to end: idle gaps are host time
         busy, span = getattr(rep, f"{side}_kernel_us"), getattr(rep, f"{side}_us")
         if busy and span > 1.3 * busy:
-            rep.notes.append(f"{side}: the GPU is busy {busy / span:.0%} of the time ({_f(busy)} µs of kernels in "
-                             f"{_f(span)} µs): launch and host overhead dominate end to end")
+            rep.notes.append(f"{side}: the GPU is busy {busy / span:.0%} of the time ({fmt_us(busy)} µs of kernels in "
+                             f"{fmt_us(span)} µs): launch and host overhead dominate end to end")
     return out
 
 
@@ -534,151 +534,3 @@ def _region(site: _Site, calls: list[CallWork], ceil: Ceilings, before: Optional
     return RegionProfile(site.path, site.pattern, site.spec, site.strategy, len(calls), first.m, first.dims,
                          dtype, flops, min_bytes, flops / ceil.matmul(dtype) * 1e6,
                          min_bytes / ceil.copy_bytes_per_s * 1e6, sides["before"], sides["after"])
-
-
-def _points(rep: ProfileReport) -> list[Point]:
-    """One point per group of identical regions (``layers.*.mlp ×22``), at the median of the group."""
-    groups: dict[tuple, list[RegionProfile]] = defaultdict(list)
-    for r in rep.regions:
-        groups[(r.pattern, r.spec, r.m, r.dims, r.dtype, r.calls)].append(r)
-    points = []
-    for members in groups.values():
-        ys = {}
-        for side in ("before", "after"):
-            vals = []
-            for r in members:
-                s = getattr(r, side)
-                t = s.gpu_us if s.gpu_us else s.verdict.predicted_us
-                vals.append(r.flops / t / 1e6 if t else 0.0)
-            ys[side] = statistics.median(vals)
-        label = _group_label([rep.model if r.module_path == "<root>" else r.module_path for r in members])
-        points.append(Point(label, members[0].intensity, ys["before"], ys["after"], members[0].dtype))
-    return points
-
-
-def _group_label(paths: list[str]) -> str:
-    if len(paths) == 1:
-        return paths[0]
-    parts = [p.split(".") for p in paths]
-    if len({len(p) for p in parts}) == 1:
-        label = ".".join(col[0] if len(set(col)) == 1 else "*" for col in zip(*parts))
-    else:
-        label = paths[0] + ", …"
-    return f"{label} ×{len(paths)}"
-
-
-# ------------------------------------------------------------------------------------------ text / HTML
-
-def _f(v) -> str:
-    """µs, TFLOP/s, counts: whole numbers from 100 up, one decimal from 1, two digits below; "—" for none."""
-    if v is None:
-        return "—"
-    v = float(v)
-    if v.is_integer() and abs(v) < 1e5:
-        return str(int(v))
-    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.2g}"
-
-
-def _x(ratio: Optional[float]) -> str:
-    return f"{ratio:.2f}×" if ratio else "—"
-
-
-def _summary(rep: ProfileReport) -> list[str]:
-    head = (f"fxfuse profile: {rep.model} on {rep.device}, {len(rep.regions)} fused region(s)"
-            + ("" if rep.timed else f"; structure only, regimes predicted for {rep.ceilings.name}"))
-    dtypes = sorted({r.dtype for r in rep.regions})
-    lines = [head, "ceilings: " + rep.ceilings.describe(dtypes)]
-    if rep.timed:
-        lines.append(f"end to end (GPU median, do_bench, {ROUNDS} interleaved rounds): before {_f(rep.before_us)} µs → "
-                     f"after {_f(rep.after_us)} µs = {_x(rep.speedup)}; wall {_f(rep.before_wall_us)} → "
-                     f"{_f(rep.after_wall_us)} µs/call")
-        if rep.before_kernel_us and rep.after_kernel_us:
-            rb = sum(r.before.gpu_us or 0 for r in rep.regions)
-            ra = sum(r.after.gpu_us or 0 for r in rep.regions)
-            lines.append(f"kernel time per forward (profiled): regions {_f(rb)} → {_f(ra)} µs, rest of the model "
-                         f"{_f(rep.before_kernel_us - rb)} → {_f(rep.after_kernel_us - ra)} µs")
-    return lines
-
-
-def _rows(rep: ProfileReport) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    t = "GPU µs" if rep.timed else "pred. µs"
-    header = ("region", "pattern", "M", "dims", "dtype", "GFLOP", "min MB", "floor µs", "side", "kernels", t,
-              "TFLOP/s", "GB/s", "speedup", "regime")
-    rows = []
-    for r in rep.regions:
-        name = r.module_path + (f" ×{r.calls}" if r.calls > 1 else "")
-        for side in ("before", "after"):
-            s = getattr(r, side)
-            first = side == "before"
-            time_us = s.gpu_us if s.gpu_us is not None else (None if rep.timed else s.verdict.predicted_us)
-            rows.append((
-                name if first else "", r.pattern if first else "", str(r.m) if first else "",
-                r.dims if first else "", r.dtype if first else "",
-                f"{r.flops / 1e9:.3g}" if first else "", f"{r.min_bytes / 1e6:.3g}" if first else "",
-                f"{_f(r.floor_us)} {r.bound[0]}" if first else "",
-                side, _f(s.launches), _f(time_us),
-                _f(s.tflops), _f(s.gbps),
-                _x(r.speedup) if not first else "", str(s.verdict)))
-    return header, rows
-
-
-def _kernel_lines(rep: ProfileReport) -> list[tuple[str, str, str]]:
-    out = []
-    for r in rep.regions:
-        for side in ("before", "after"):
-            s = getattr(r, side)
-            out.append((r.module_path, side, ", ".join(f"{k} ×{_f(v)}" for k, v in s.kernels.items())))
-    return out
-
-
-def _table(header, rows) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header).rstrip()] + [fmt.format(*row).rstrip() for row in rows]
-
-
-def _legend(rep: ProfileReport) -> str:
-    timing = ("GPU µs: the region's kernel time per forward, median of the profiled runs (L2 flushed before "
-              "each); GB/s: minimum bytes / GPU µs. " if rep.timed else
-              "pred. µs: the largest of the regime terms. ")
-    return (f"{timing}floor: max(FLOPs / matmul ceiling, minimum bytes / copy bandwidth), c/m: compute/memory. "
-            "Regime: the largest of the matmul time, the estimated bytes moved at copy bandwidth, and the launch "
-            f"overhead (launches × {rep.ceilings.launch_us:.0f} µs, or the host time when the GPU waits for it).")
-
-
-def _text(rep: ProfileReport) -> list[str]:
-    lines = _summary(rep)
-    if rep.regions:
-        lines += _table(*_rows(rep))
-        lines.append("kernels per forward" + ("" if rep.timed else " (predicted: eager ops, fxfuse launches)") + ":")
-        lines += [f"  {p} {side}: {k}" for p, side, k in _kernel_lines(rep)]
-        lines.append(_legend(rep))
-    lines += [f"note: {n}" for n in rep.notes]
-    return lines
-
-
-_CSS = ("body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;"
-        "font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}"
-        "th{background:#f3f3f3}img{max-width:100%}pre{background:#f7f7f7;padding:1em;font-size:12px}")
-
-
-def _html_table(header, rows) -> str:
-    h = "".join(f"<th>{html.escape(str(c))}</th>" for c in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{h}</tr>{body}</table>"
-
-
-def _html(rep: ProfileReport, png: Optional[bytes]) -> str:
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>fxfuse profile: {html.escape(rep.model)}"
-             f"</title><style>{_CSS}</style></head><body><h1>fxfuse profile: {html.escape(rep.model)}</h1>"]
-    parts += [f"<p>{html.escape(line)}</p>" for line in _summary(rep)]
-    parts += [f"<p><b>{html.escape(n)}</b></p>" for n in rep.notes]
-    if png:
-        parts.append(f"<img alt='roofline' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
-    parts.append("<h2>Regions</h2>" + _html_table(*_rows(rep)))
-    parts.append(f"<p>{html.escape(_legend(rep))}</p>")
-    parts.append("<h2>Kernels per forward</h2>" + _html_table(("region", "side", "kernels"), _kernel_lines(rep)))
-    if rep.fusion is not None:
-        parts.append(f"<h2>Fusion report</h2><pre>{html.escape(str(rep.fusion))}</pre>")
-    parts.append("</body></html>")
-    return "\n".join(parts)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxfuse
-from fxfuse import hosts
+from fxfuse import install
 from fxfuse.lift import lift_params
 
 
@@ -64,7 +64,7 @@ def test_a_signature_with_defaults_is_left_alone():
 def test_optimized_module_reads_replaced_parameters_through_the_lifted_path():
     model = MLP().eval()
     opt = fxfuse.optimize(model)
-    graphs = hosts.fused_graphs(opt)
+    graphs = install.fused_graphs(opt)
     assert graphs, fxfuse.report(opt)
     x = torch.randn(4, 16)
     with torch.no_grad():

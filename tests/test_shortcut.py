@@ -42,7 +42,7 @@ class Residual(GPT2MLP):
 
 
 def lifted_graph(model: nn.Module):
-    (_, gm), = fxfuse.hosts.fused_graphs(fxfuse.optimize(model))
+    (_, gm), = fxfuse.install.fused_graphs(fxfuse.optimize(model))
     return lift_params(gm)
 
 
@@ -69,7 +69,7 @@ def test_a_graph_with_more_than_the_region_has_no_shortcut():
 def _learned(model: GPT2MLP, x: torch.Tensor, calls: list, autocast_free: bool = False, run=None):
     """A Shortcut with an entry learned by hand for x (a CPU stand-in for a recorded replay) and the extra
     arguments the host method would pass."""
-    gm, paths = lift_params(fxfuse.hosts.fused_graphs(fxfuse.optimize(model))[0][1])
+    gm, paths = lift_params(fxfuse.install.fused_graphs(fxfuse.optimize(model))[0][1])
     call = shortcut.region_call(gm)
     extra = [model.get_parameter(p) for p in paths]
 

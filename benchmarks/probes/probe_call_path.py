@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.probes.probe_host import optimized_row  # noqa: E402
 from benchmarks.timing import host_us, profile_top, wall_us  # noqa: E402
-from fxfuse import hosts, ops, replay, strategy  # noqa: E402
+from fxfuse import install, ops, replay, strategy  # noqa: E402
 from fxfuse.kernels import fastlaunch  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def pieces(x: torch.Tensor) -> dict:
         "torch.empty_like": host_us(lambda: torch.empty_like(x)),
         "is_current_stream_capturing": host_us(torch.cuda.is_current_stream_capturing),
         "_raw_stream": host_us(lambda: fastlaunch._raw_stream(0)),
-        "autocast check": host_us(hosts._any_autocast),
+        "autocast check": host_us(install._any_autocast),
         "traced_or_watched": host_us(lambda: ops._traced_or_watched(x)),
         "x.data_ptr": host_us(x.data_ptr),
     }

@@ -1,0 +1,303 @@
+"""Install: the optimized model, a copy of the user's in which each host method runs its fused graph.
+
+The result is a shallow copy of the user's model in which only the modules on the way to a host are
+copied; each host copy gets a subclass of its own class that overrides the host method with a
+*guarded* call of the fused graph. The guards check, on each call, what the strict trace assumed:
+
+* the arguments: required ones are not ``None``; those traced with their default still have it
+  (``None``, a flag); ``*args`` / ``**kwargs`` are empty;
+* the module's training mode is the one it was traced in (dropout was removed in eval mode);
+* the fused weights share one dtype (code like T5's ``if hidden.dtype != self.wo.weight.dtype: cast`` is
+  traced for the uniform case); under autocast, only a graph whose trace touched no autocast state runs (a
+  method that reads or sets it is not a host at all, :class:`fxfuse.capture.AutocastStateError`; one traced
+  while another profiler hid that runs only without autocast), and each fused region in it follows autocast
+  itself (:mod:`fxfuse.autocast`).
+
+A call that fails a guard runs the original method, so the result is always the original function.
+Everything else (class, methods such as ``generate``, ``config``, parameters, buffers, hooks) is the
+user's model: ``state_dict()`` has the same keys and tensors, ``.to()`` / ``.eval()`` act on the same
+modules, and the fused graph reads the parameters through ``self`` on every call.
+
+Example:
+    >>> import fxfuse, torch
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    >>> opt = fxfuse.optimize(mlp)
+    >>> [path for path, _ in fused_graphs(opt)]
+    ['forward']
+    >>> opt.state_dict().keys() == mlp.state_dict().keys()
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import types
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.fx as fx
+from torch import nn
+
+from .autocast import any_autocast as _any_autocast
+from .capture import ArgSpec, Scope
+from .inline import InlineChain, install_parts
+from .lift import lift_params
+from .meta import param_getter
+from .shortcut import Shortcut, region_call
+
+if TYPE_CHECKING:
+    from .hosts import Host
+
+__all__ = ["Install", "assemble", "bind_call", "fused_graphs"]
+
+_GRAPHS_ATTR = "_fxfuse_graphs"
+
+
+# ------------------------------------------------------------------------------------------ guarded call
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and type(a) in (int, float, str) and a == b)
+
+
+def bind_call(scope_or_specs: Any, args: tuple, kwargs: dict, sig: Optional[inspect.Signature] = None) \
+        -> Optional[list]:
+    """The placeholder values for a call, or ``None`` when the call is not one the graph stands for."""
+    specs: list[ArgSpec] = scope_or_specs.args if isinstance(scope_or_specs, Scope) else scope_or_specs
+    if sig is None:
+        sig = _signature_of(specs)
+    try:
+        bound = sig.bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    values = []
+    for s in specs:
+        if s.mode == "empty":
+            if bound.get(s.name):
+                return None
+        elif s.mode == "const":
+            if s.name in bound and not _same(bound[s.name], s.value):
+                return None
+        else:
+            v = bound.get(s.name)
+            if v is None:
+                return None
+            values.append(v)
+    return values
+
+
+def _signature_of(specs: list[ArgSpec]) -> inspect.Signature:
+    params = [inspect.Parameter(s.name, s.kind, default=s.value if s.has_default else inspect.Parameter.empty)
+              for s in specs]
+    return inspect.Signature(params)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
+                 lifted_paths: Sequence[str] = (), autocast_free: bool = False, shortcut_attr: Optional[str] = None):
+    """The host method: the fused graph when the guards hold, else the original method.
+
+    ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
+    ``autocast_free``: the graph may run under autocast (its trace touched no autocast state; each fused region
+    then follows autocast itself, :mod:`fxfuse.autocast`).
+    ``lifted_paths``: the parameters the fused graph takes as trailing arguments (:mod:`fxfuse.lift`), read
+    here through the modules' dicts on every call.
+    ``shortcut_attr``: the instance attribute holding the module's :class:`fxfuse.shortcut.Shortcut` (a graph
+    that is one region on one input): a call of that input alone tries it first, and teaches it afterwards."""
+    sig = _signature_of(specs)
+    # A positional call of exactly the leading required parameters needs no binding.
+    n_fast = 0
+    for s in specs:
+        if s.mode == "proxy" and s.kind in _POSITIONAL and not s.has_default:
+            n_fast += 1
+        else:
+            break
+    if any(s.mode == "proxy" for s in specs[n_fast:]):
+        n_fast = -1
+    get_lifted = param_getter(list(lifted_paths)) if lifted_paths else None
+    get_weights = param_getter(weight_paths) if len(weight_paths) > 1 else None
+    # The dtype guard's weights among the lifted tensors (read once per call), when all of them are.
+    in_lifted = [lifted_paths.index(p) for p in weight_paths] if get_weights is not None and \
+        all(p in lifted_paths for p in weight_paths) else None
+    weight_at = in_lifted if in_lifted is not None else range(len(weight_paths))  # the weights' places in ws
+
+    def method(self, *args, **kwargs):
+        if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
+            extra = get_lifted(self) if get_lifted is not None else ()
+            shortcut = None
+            if shortcut_attr is not None and not kwargs and len(args) == 1:
+                shortcut = self.__dict__.get(shortcut_attr)
+                if shortcut is not None:  # (its entries check the dtype of every region tensor, among the rest)
+                    out = shortcut(args[0], extra)
+                    if out is not None:
+                        return out
+            if get_weights is not None:
+                ws = extra if in_lifted is not None else get_weights(self)
+                dtype = ws[weight_at[0]].dtype
+                for i in weight_at:
+                    if ws[i].dtype is not dtype:
+                        return orig(self, *args, **kwargs)
+            if not kwargs and len(args) == n_fast:
+                for a in args:
+                    if a is None:
+                        return orig(self, *args, **kwargs)
+                if shortcut is not None:
+                    out = fused(self, *args, *extra)
+                    shortcut.learn(args[0], extra)
+                    return out
+                return fused(self, *args, *extra)
+            values = bind_call(specs, args, kwargs, sig)
+            if values is not None:
+                return fused(self, *values, *extra)
+        return orig(self, *args, **kwargs)
+
+    functools.update_wrapper(method, orig)
+    return method
+
+
+_class_cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _host_class(orig_cls: type, methods: dict[str, tuple], graphs: dict[str, fx.GraphModule]) -> type:
+    """A subclass of ``orig_cls`` overriding ``methods`` (``name -> (key, function)``); cached per key."""
+    key = (orig_cls, tuple(sorted((name, k) for name, (k, _) in methods.items())))
+    try:
+        cached = _class_cache.get(key)
+    except TypeError:  # an unhashable default value in a key: no caching
+        key, cached = None, None
+    if cached is not None:
+        return cached
+
+    def body(ns: dict) -> None:
+        for name, (_, fn) in methods.items():
+            ns[name] = fn
+        ns[_GRAPHS_ATTR] = graphs
+        ns["__module__"] = orig_cls.__module__
+        ns["__qualname__"] = orig_cls.__qualname__
+        ns["__reduce_ex__"] = _reduce_as_original
+        ns["__copy__"] = _copy_same_class
+        ns["__deepcopy__"] = _deepcopy_same_class
+        ns["_fxfuse_original_class"] = orig_cls
+
+    cls = types.new_class(orig_cls.__name__, (orig_cls,), exec_body=body)
+    if key is not None:
+        _class_cache[key] = cls
+    return cls
+
+
+def _reduce_as_original(self, protocol):
+    """Pickle (``torch.save(model)``) an optimized module as the original one: optimize again after loading."""
+    state = {k: v for k, v in self.__dict__.items() if not k.startswith("_fxfuse")}
+    return _rebuild, (self._fxfuse_original_class, state)
+
+
+def _rebuild(cls: type, state: dict) -> nn.Module:
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
+def _copy_same_class(self):
+    new = object.__new__(type(self))
+    new.__dict__.update(self.__dict__)
+    return new
+
+
+def _deepcopy_same_class(self, memo):
+    new = object.__new__(type(self))
+    memo[id(self)] = new
+    for k, v in self.__dict__.items():
+        new.__dict__[k] = copy.deepcopy(v, memo)
+    return new
+
+
+def _code_key(gm: fx.GraphModule) -> tuple:
+    fn = type(gm).forward
+    glob = tuple(sorted((k, id(v)) for k, v in fn.__globals__.items() if not k.startswith("__")))
+    return gm.code, glob
+
+
+# --------------------------------------------------------------------------------------------- assembly
+
+@dataclass
+class Install:
+    """What one module of the result gets: overridden methods (``name -> (cache key, function)``),
+    fused graphs (for inspection) and instance attributes."""
+
+    methods: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    graphs: dict[str, fx.GraphModule] = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] = ()) -> nn.Module:
+    """A shallow copy of ``model`` with each host's method replaced (see the module doc)."""
+    by_path: dict[str, list[Install]] = {}
+    for h in hosts:
+        by_path.setdefault(h.module_path, []).append(_host_install(model.get_submodule(h.module_path), h))
+    for chain in inline:
+        for path, (methods, attrs) in install_parts(model, chain).items():
+            by_path.setdefault(path, []).append(Install(methods, {}, attrs))
+    copies: dict[str, nn.Module] = {"": _copy_module(model, by_path.get("", []))}
+
+    def ensure(path: str) -> nn.Module:
+        if path in copies:
+            return copies[path]
+        parent_path, _, name = path.rpartition(".")
+        parent = ensure(parent_path)
+        child = _copy_module(parent._modules[name], by_path.get(path, []))
+        parent._modules[name] = child
+        copies[path] = child
+        return child
+
+    for path in sorted(by_path, key=lambda p: (p.count(".") if p else -1, p)):
+        ensure(path)
+    return copies[""]
+
+
+def _host_install(module: nn.Module, h: Host) -> Install:
+    getattr(h.scope.gm, "real_recompile", lambda: None)()  # a lazy GraphModule: generate its code now
+    orig = getattr(type(module), h.method)
+    training = module.training if h.scope.mode_dependent else None
+    # Parameters as arguments (fxfuse.lift): the module's own __getattr__ per read costs more than the dicts.
+    gm, lifted = lift_params(h.scope.gm)
+    autocast_free = h.scope.autocast_free
+    attrs = dict(h.scope.constants)
+    call = region_call(gm) if len(h.scope.args) == 1 else None
+    shortcut_attr = None
+    if call is not None:  # one region on the method's one input (fxfuse.shortcut): each instance keeps its own
+        shortcut_attr = f"_fxfuse_shortcut_{h.method}"
+        attrs[shortcut_attr] = Shortcut(call, autocast_free)
+    key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted),
+           shortcut_attr)
+    fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
+                      shortcut_attr)
+    return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs)
+
+
+def _copy_module(module: nn.Module, installs: list[Install]) -> nn.Module:
+    new = copy.copy(module) if not hasattr(type(module), _GRAPHS_ATTR) else _copy_same_class(module)
+    new._modules = type(module._modules)(module._modules)
+    if not installs:
+        return new
+    methods, graphs = {}, {}
+    for inst in installs:
+        methods.update(inst.methods)
+        graphs.update(inst.graphs)
+        new.__dict__.update(inst.attrs)
+    new.__class__ = _host_class(type(module), methods, graphs)
+    return new
+
+
+def fused_graphs(module: nn.Module) -> list[tuple[str, fx.GraphModule]]:
+    """``(module path, graph)`` of every fused method in ``module`` (for inspection and tests)."""
+    out = []
+    for path, m in module.named_modules():
+        graphs = getattr(type(m), _GRAPHS_ATTR, None)
+        if graphs:
+            out += [(f"{path}.{name}" if path else name, gm) for name, gm in graphs.items()]
+    return out
