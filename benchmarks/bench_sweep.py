@@ -80,11 +80,24 @@ def running_at(opt, m: int) -> str:
     return "; ".join(r.running_at(m) for r in regions) if regions else "nothing fused"
 
 
+def stage_impls(m: int) -> list[str]:
+    """What each per-stage strategy's stages run at ``m``'s bucket (``fxfuse.stages``: cublaslt, torch, triton, tma,
+    gemv), as ``epilogue: implementation``."""
+    from fxfuse import stages
+
+    return [f"{key[1]}: {impl}" for key, impl in stages.stage_choices().items() if key[2] == m_bucket(m)]
+
+
 def planner_times(opt, m: int) -> list[dict]:
     """What the planner measured at ``m``'s bucket (at the M that decided): every candidate's µs."""
     return [{"at_m": r.m, "times": dict(r.times), "source": r.source}
             for region in fxfuse.report(opt).regions for r in region.measurements
             if r.m_bucket == m_bucket(m) and not r.for_cuda_graph]
+
+
+def running_cell(row: dict) -> str:
+    stages = row.get("stages")
+    return row["running"] + (f" ({'; '.join(stages)})" if stages else "")
 
 
 def planner_cell(planned: list[dict]) -> str:
@@ -164,7 +177,7 @@ def sweep_shape(w: Workload, ms: list[int], timer: Timer, ceil: dict, rounds: in
         row = {"m": m, "floor_us": fl, "bound": bound, "us": us, "rounds": per_round, "rel_err": err,
                "correct": bool(math.isfinite(err["fxfuse"]) and err["fxfuse"] <= TOL),
                "slower": slower(us), "first_call_s": first,
-               "running": running_at(opt, m), "planner": planner_times(opt, m)}
+               "running": running_at(opt, m), "stages": stage_impls(m), "planner": planner_times(opt, m)}
         rows.append(row)
         print(f"  M={m:<7} floor {fl:8.1f}  eager {us['eager']:8.1f}  compile {us['compile']:8.1f}  "
               f"fxfuse {us['fxfuse']:8.1f}  ({us['eager'] / us['fxfuse']:.2f}x eager)  err {err['fxfuse']:.1e}  "
@@ -213,7 +226,7 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
             out.append(f"| {r['m']} | {r['floor_us']:.1f} | {us['eager']:.1f} | {us['compile']:.1f} | "
                        f"{us['fxfuse']:.1f} | {us['eager'] / us['fxfuse']:.2f}× | "
                        f"{us['compile'] / us['fxfuse']:.2f}× | "
-                       f"{r['rel_err']['fxfuse']:.1e} | {r['first_call_s']['fxfuse']:.2f} | {r['running']} | "
+                       f"{r['rel_err']['fxfuse']:.1e} | {r['first_call_s']['fxfuse']:.2f} | {running_cell(r)} | "
                        f"{planner_cell(r['planner'])} | {flag} |")
             total += 1
             n_slower += r["slower"]

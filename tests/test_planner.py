@@ -27,6 +27,9 @@ def _fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(strategy, "_choices", {})
     monkeypatch.setattr(strategy, "_measured", {})
     monkeypatch.setattr(stages, "_choices", {})
+    # The host's pace, against which host times are scaled: steady here unless a test sets it.
+    monkeypatch.setattr(strategy, "host_pace", lambda: 1.0)
+    monkeypatch.setattr(strategy, "_fastest_pace", float("inf"))
     tuning_cache.clear_loaded()
     yield
     tuning_cache.clear_loaded()
@@ -38,7 +41,7 @@ def fixed_times(monkeypatch, times_ms: list[float], host_us: Optional[list[float
     it = itertools.cycle(times_ms)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), next(it))[1])
     hosts = itertools.cycle(host_us or [0.0] * len(times_ms))
-    monkeypatch.setattr(strategy, "host_us", lambda fn: next(hosts))
+    monkeypatch.setattr(strategy, "host_us", lambda fn, **kw: next(hosts))
 
 
 def test_candidates_are_timed_in_interleaved_rounds_keeping_each_best(monkeypatch):
@@ -47,11 +50,43 @@ def test_candidates_are_timed_in_interleaved_rounds_keeping_each_best(monkeypatc
     medians = iter([0.030, 0.012, 0.020,   # round 1: A slow (just autotuned), B, original ops
                     0.010, 0.013, 0.021])  # round 2: A at its real speed
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), next(medians))[1])
-    monkeypatch.setattr(strategy, "host_us", lambda fn: 0.0)
+    monkeypatch.setattr(strategy, "host_us", lambda fn, **kw: 0.0)
     runners = {"A": lambda: order.append("A"), "B": lambda: order.append("B"), ORIGINAL_OPS: lambda: None}
     times = strategy.time_candidates("test", 8, runners)
     assert times == {"A": pytest.approx(10.0), "B": pytest.approx(12.0), ORIGINAL_OPS: pytest.approx(20.0)}
     assert order == ["A", "B", "A", "B", "A", "B"]  # compile calls first, then the rounds interleave
+
+
+def test_a_slow_host_stretch_charges_every_candidate_alike(monkeypatch):
+    """A slow stretch of the host that begins partway through the host timings: B's every burst is in it, A's
+    first is not. Each round's times are scaled by the host's pace measured at its start, so B is judged at the
+    usual pace from the second round on."""
+    fixed_times(monkeypatch, [0.020, 0.012])  # GPU medians: A 20 µs, B 12 µs
+    calls = itertools.count()
+    # 10 µs of host per call until the stretch begins, after A's first burst: 40 µs.
+    monkeypatch.setattr(strategy, "host_us", lambda fn, **kw: 10.0 if next(calls) < 1 else 40.0)
+    monkeypatch.setattr(strategy, "host_pace", lambda: 1.0)  # (a stretch the pace does not see)
+    times = strategy.time_candidates("test", 8, {"A": lambda: None, "B": lambda: None})
+    assert times == {"A": pytest.approx(20.0), "B": pytest.approx(40.0)}  # unseen, it still decides...
+    paces = iter([5.0, 20.0, 20.0])  # ...seen by the pace (4x slower from the second round), it does not
+    calls = itertools.count()
+    monkeypatch.setattr(strategy, "host_us", lambda fn, **kw: 10.0 if next(calls) < 1 else 40.0)
+    monkeypatch.setattr(strategy, "host_pace", lambda: next(paces))
+    times = strategy.time_candidates("test", 8, {"A": lambda: None, "B": lambda: None})
+    assert times == {"A": pytest.approx(20.0), "B": pytest.approx(12.0)}
+
+
+def test_host_times_taken_in_a_slow_stretch_are_scaled_to_the_usual_pace(monkeypatch):
+    """A stretch over every host measurement: the candidates' host times at the host's fastest pace of the process
+    decide, not the stretch's (where the leaner launch would win by host time alone)."""
+    fixed_times(monkeypatch, [0.030, 0.008])  # GPU: a Triton kernel 30 µs, cuBLASLt 8 µs
+    monkeypatch.setattr(strategy, "_fastest_pace", 5.0)  # measured earlier in the process
+    monkeypatch.setattr(strategy, "host_pace", lambda: 12.5)  # now 2.5x slower
+    hosts = itertools.cycle([25.0, 37.5])  # Triton's lean launch 10 µs, cuBLASLt's call 15 µs, both x2.5
+    monkeypatch.setattr(strategy, "host_us", lambda fn, **kw: next(hosts))
+    times = strategy.time_candidates("test", 8, {"triton": lambda: None, "cublaslt": lambda: None})
+    assert times == {"triton": pytest.approx(30.0), "cublaslt": pytest.approx(15.0)}
+    assert strategy._fastest_pace == 5.0
 
 
 def test_a_host_bound_candidate_is_timed_by_its_host_path(monkeypatch):
