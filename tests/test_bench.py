@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from argparse import Namespace
@@ -319,7 +320,8 @@ def test_sweep_bench_runs_on_cpu(tmp_path):
         for r in shape["rows"]:
             assert r["correct"] and r["rel_err"]["fxfuse"] < 1e-4 and r["running"] != "nothing fused"
             # A point read slower (here: the interpreter's kernels) is timed again, and the second reading decides.
-            read_slower = r["us"]["fxfuse"] > r["us"]["eager"] * 1.02
+            read_slower = all(pick(r["rounds"]["fxfuse"]) > pick(r["rounds"]["eager"]) * 1.02
+                              for pick in (statistics.median, min))
             assert ("recheck" in r) == read_slower
             if read_slower:
                 assert len(r["recheck"]["rounds"]["fxfuse"]) == 1 and r["slower"] == r["recheck"]["slower"]
