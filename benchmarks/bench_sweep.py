@@ -81,12 +81,14 @@ def running_at(opt, m: int) -> str:
     return "; ".join(r.running_at(m) for r in regions) if regions else "nothing fused"
 
 
-def stage_impls(m: int) -> list[str]:
-    """What each per-stage strategy's stages run at ``m``'s bucket (``fxfuse.stages``: cublaslt, torch, triton, tma,
-    gemv), as ``epilogue: implementation``."""
+def stage_impls(w: Workload, m: int) -> list[str]:
+    """What the stages of ``w``'s per-stage strategies run at ``m``'s bucket (``fxfuse.stages``: cublaslt, torch,
+    triton, tma, gemv), as ``epilogue: implementation``."""
     from fxfuse import stages
 
-    return [f"{key[1]}: {impl}" for key, impl in stages.stage_choices().items() if key[2] == m_bucket(m)]
+    shapes = {(k, n) for k, n, _ in w.linears}  # (a stage's key: weights, epilogue, M bucket, K, N, ...)
+    return [f"{key[1]}: {impl}" for key, impl in stages.stage_choices().items()
+            if key[2] == m_bucket(m) and (key[3], key[4]) in shapes]
 
 
 def planner_times(opt, m: int) -> list[dict]:
@@ -188,7 +190,7 @@ def sweep_shape(w: Workload, ms: list[int], timer: Timer, ceil: dict, rounds: in
         row = {"m": m, "floor_us": fl, "bound": bound, "us": us, "rounds": per_round, "rel_err": err,
                "correct": bool(math.isfinite(err["fxfuse"]) and err["fxfuse"] <= TOL),
                "slower": slower(per_round), "first_call_s": first,
-               "running": running_at(opt, m), "stages": stage_impls(m), "planner": planner_times(opt, m)}
+               "running": running_at(opt, m), "stages": stage_impls(w, m), "planner": planner_times(opt, m)}
         rows.append(row)
         print(f"  M={m:<7} floor {fl:8.1f}  eager {us['eager']:8.1f}  compile {us['compile']:8.1f}  "
               f"fxfuse {us['fxfuse']:8.1f}  ({us['eager'] / us['fxfuse']:.2f}x eager)  err {err['fxfuse']:.1e}  "
@@ -227,6 +229,10 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
         for r in rows:
             us = r["us"]
             flag = "**slower**" if r["slower"] else ""
+            rounds = r.get("rounds", {})
+            if not r["slower"] and "recheck" not in r and rounds and us["fxfuse"] > us["eager"] * (1 + EAGER_SLACK):
+                flag = (f"median above eager, fastest round not ({min(rounds['eager']):.1f} / "
+                        f"{min(rounds['fxfuse']):.1f}): the host's slow stretch")
             again = r.get("recheck")
             if again is not None:
                 flag += (" " if flag else "") + (
