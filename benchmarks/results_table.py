@@ -121,7 +121,8 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
     L.append(f"- Wall (decode rows) = µs per call of {DECODE_CALLS} back-to-back calls, synchronized before and after "
              f"(median of {DECODE_LOOPS} loops; median over {args.rounds} interleaved rounds as the GPU times), as "
              f"eager / CUDA-graph replay / compile default / compile backend=fxfuse / fxfuse; "
-             f"'fxfuse CUDA graphs' = the same for `fxfuse.optimize(model, cuda_graphs=True)` (n/a: no such option).")
+             f"'fxfuse CUDA graphs' = the same for `fxfuse.optimize(model, cuda_graphs=True)` "
+             f"('n/a' where this fxfuse has no such option).")
     L.append(f"- pass = correct, fxfuse GPU median ≤ target (gpt2m_mlp_m1: also fxfuse wall ≤ its wall target), and "
              f"not slower than eager: fxfuse ≤ eager × {1 + args.eager_slack:g} on the GPU median and, on decode rows, "
              f"on the wall time. compile max-autotune: {SKIPPED_BUDGET!r} = left out by the time bound "
