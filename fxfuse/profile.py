@@ -60,7 +60,10 @@ class Side:
     verdict: Verdict
     kernels: dict[str, float] = field(default_factory=dict)  # kernel (or, predicted, op) name -> per forward
     gpu_us: Optional[float] = None  # median per forward of the region's kernel time
-    host_us: Optional[float] = None  # median per forward of the host time inside the region (profiled)
+    # Host µs per forward of the region's own call path, timed outside the profiler (:func:`_call_host_us`): under
+    # it every launch is slower and the fused op takes its full path, no replay (a seed GeGLU's fused region read
+    # 313 µs of host there for 181 µs of kernels, where its real calls cost a fraction of that).
+    host_us: Optional[float] = None
     tflops: Optional[float] = None
     gbps: Optional[float] = None  # minimum bytes / GPU time
 
@@ -195,9 +198,11 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
         fusion = report(opt)
         regions = _Regions(opt, fusion)
         work: dict[str, list[CallWork]] = defaultdict(list)
+        first_args: dict[str, tuple] = {}  # each region's first call's arguments (its host path is timed on them)
 
         def record(site, x, weights, biases, operands, spec):
             work[site.label].append(count_call(spec, x, weights, biases, operands, launches=site.launches))
+            first_args.setdefault(site.label, (x, weights, biases, operands, spec))
             return reference_mlp(x, weights, biases, operands, spec)
 
         with _Intercept(regions, record):
@@ -215,6 +220,10 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
     if timed:
         with torch.no_grad():
             measured = _time(rep, model, opt, regions, inputs, device, iters, warmup)
+            for side, measures in measured.items():
+                for label, meas in measures.items():
+                    if label in first_args:
+                        meas.host_us = _call_host_us(side, first_args[label], device) * len(work[label])
     else:
         rep.notes.append(NEED_GPU)
     for label, site in regions.sites.items():
@@ -337,7 +346,7 @@ def _device_name(device: torch.device) -> str:
 @dataclass
 class _Measured:
     gpu_us: float
-    host_us: float
+    host_us: float  # from the profiler (attribute); profile() then sets the region's own, timed without it
     kernels: dict[str, float]
     launches: float
 
@@ -377,6 +386,19 @@ def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: tor
             rep.notes.append(f"{side}: the GPU is busy {busy / span:.0%} of the time ({fmt_us(busy)} µs of kernels in "
                              f"{fmt_us(span)} µs): launch and host overhead dominate end to end")
     return out
+
+
+def _call_host_us(side: str, args: tuple, device: torch.device) -> float:
+    """Host µs per call of one region's call on ``args`` outside the profiler: the original ops (``before``) or
+    the fused op (``after``, which replays its launches as a model's later calls do), 10 calls back to back,
+    the fastest of 5 bursts."""
+    from .strategy import host_us
+
+    fn = (lambda: reference_mlp(*args)) if side == "before" else (lambda: torch.ops.fxfuse.mlp.default(*args))
+    fn()
+    fn()  # (the fused op's second call records its replay)
+    _sync(device)
+    return host_us(fn, calls=10, bursts=5)
 
 
 def _sync(device: torch.device) -> None:

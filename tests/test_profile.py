@@ -270,6 +270,24 @@ def test_host_timed_path_on_cpu(monkeypatch, tmp_path):
     assert any(str(e.get("name", "")).startswith("fxfuse region") for e in trace["traceEvents"])
 
 
+def test_region_host_time_is_its_own_call_timed_outside_the_profiler(monkeypatch):
+    """Under torch.profiler every launch is slower and the fused op takes its full path: the regime's host time is
+    the region's own call on its first arguments, timed without the profiler (per call × calls per forward)."""
+    monkeypatch.setattr(fxprofile, "_HOST_TIMED", True)
+    seen = []
+
+    def call_host_us(side, args, device):
+        seen.append((side, tuple(args[0].shape), args[-1]))
+        return {"before": 3.0, "after": 1e6}[side]  # the fused call's host far above its work: overhead-bound
+
+    monkeypatch.setattr(fxprofile, "_call_host_us", call_host_us)
+    rep = profile(GatedMLP(16, 32).eval(), (torch.randn(4, 16),), iters=2, warmup=1)
+    (r,) = rep.regions
+    assert sorted(side for side, _, _ in seen) == ["after", "before"] and all(s[1] == (4, 16) for s in seen)
+    assert r.before.host_us == 3.0 and r.after.host_us == 1e6
+    assert r.after.regime == "overhead" and "host 1000000 µs" in str(r.after.verdict)
+
+
 def test_end_to_end_times_are_interleaved_rounds():
     """before/after are measured in turn, ROUNDS times, and each side keeps its median over the rounds."""
     order = []
