@@ -31,6 +31,15 @@ def _closure(fn) -> dict:
     return inspect.getclosurevars(fn).nonlocals
 
 
+def _steps(run) -> list:
+    """A replay's steps (``fxfuse.replay._chained``: one step alone, two or three chained, or a loop over them)."""
+    names = _closure(run)
+    if "steps" in names:
+        return list(names["steps"])
+    chained = [names[k] for k in ("first", "second", "third") if k in names]
+    return chained or [run]
+
+
 def write_source(path: str) -> None:
     import triton
     from triton.backends.nvidia import driver as nvdriver
@@ -78,7 +87,7 @@ def main() -> None:
         if runs:
             run = runs[-1]
             row["replay"] = host_us(lambda: run(x))
-            steps = _closure(run)["frozen"]
+            steps = _steps(run)
             h = x
             for i, step in enumerate(steps):
                 row[f"step{i}"] = host_us(lambda step=step, h=h: step(h))
