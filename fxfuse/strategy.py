@@ -342,7 +342,7 @@ def interleaved_host_us(runners: dict[str, Callable[[], object]], bursts: int = 
     process the host ran just then (:func:`host_pace`).
 
     The GPU machine's host has slow stretches of seconds in which every call takes 2-3x its usual host time. A
-    stretch that covered some runners' measurements and not others', or all of them, decided between a library
+    stretch that covers some runners' measurements and not others', or all of them, can decide between a library
     stage (cuBLASLt: little GPU time, more host time) and a kernel with a leaner launch but 4x the GPU time by
     the stretch's host times: the likely cause of gpt2m M=96 (an H100 sweep) running 35 µs against eager's 26, in
     every round and when timed again, where a fresh process ran it in 22 with cuBLASLt's GELU epilogue.
