@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
-	$(PY) -m pytest -q --doctest-modules fxfuse benchmarks/workloads.py benchmarks/limits.py benchmarks/results_table.py benchmarks/bench_sweep.py  # the docstrings' examples (GPU-only ones are skipped)
+	$(PY) -m pytest -q --doctest-modules fxfuse benchmarks/workloads.py benchmarks/limits.py benchmarks/results_table.py benchmarks/bench_sweep.py benchmarks/measure.py  # the docstrings' examples (GPU-only ones are skipped)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_workloads.py

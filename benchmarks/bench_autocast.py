@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_training import _peak_mib, _rel  # noqa: E402
-from bench_workloads import Timer, cleanup, fmt_us, measure_ceilings, rel_err, row_floor  # noqa: E402
+from bench_workloads import fmt_us, row_floor  # noqa: E402
 from workloads import WORKLOADS, build_module, make_input  # noqa: E402
 
 import fxfuse  # noqa: E402
+from benchmarks.measure import Timer, cleanup, measure_ceilings, rel_err  # noqa: E402
 from fxfuse import autocast as fx_autocast  # noqa: E402
 
 

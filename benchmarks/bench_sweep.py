@@ -47,7 +47,7 @@ if not torch.cuda.is_available():  # the interpreter must be on before fxfuse de
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxfuse  # noqa: E402
-from benchmarks.bench_workloads import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err  # noqa: E402
+from benchmarks.measure import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     BF16,
     EAGER_SLACK,

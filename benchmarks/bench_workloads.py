@@ -92,6 +92,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.limits import LIMITS, limit_fns  # noqa: E402
+from benchmarks.measure import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err  # noqa: E402
 from benchmarks.results_table import (  # noqa: E402
     SKIPPED_BUDGET,
     fmt_err,
@@ -212,59 +213,6 @@ def short_err(e: BaseException, n: int = 70) -> str:
 # --------------------------------------------------------------------------------------------- timing
 
 
-class Timer:
-    def __init__(self, warmup: int, rep: int, cpu: bool):
-        self.warmup, self.rep, self.cpu = warmup, rep, cpu
-
-    def sync(self):
-        if not self.cpu:
-            torch.cuda.synchronize()
-
-    def gpu_us(self, fn) -> float:
-        """Median µs of ``fn`` by triton's do_bench (events, L2 flushed before each run)."""
-        if self.cpu:  # --cpu-smoke: host timer
-            fn()
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(ts)
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median")) * 1e3
-
-    def wall_us(self, fn, calls: int = DECODE_CALLS, loops: int = DECODE_LOOPS) -> dict:
-        """Wall µs per call of ``calls`` back-to-back calls (synchronized before and after); median of loops."""
-        if self.cpu:  # --cpu-smoke exercises the code path only (a CPU llama GEMV takes ~20 ms a call)
-            calls = min(calls, 20)
-        for _ in range(10):
-            fn()
-        self.sync()
-        vals = []
-        for _ in range(loops):
-            self.sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            self.sync()
-            vals.append((time.perf_counter() - t0) / calls * 1e6)
-        return {"median": statistics.median(vals), "all": vals}
-
-
-def cleanup():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def dynamo_reset():
-    try:
-        torch._dynamo.reset()
-    except Exception as e:  # pragma: no cover
-        print(f"  (torch._dynamo.reset failed: {short_err(e)})")
-
-
 def guarded(row: dict, section: str, key: str, fn):
     """Run ``fn``; store its value (or ``ERR: ...``) in ``row[section][key]`` and return it."""
     t0 = time.perf_counter()
@@ -310,39 +258,6 @@ def time_rounds(row: dict, section: str, rounds_key: str, fns: dict, measure, ro
         row["step_s"][f"{section}.{name}"] = round(t, 3)
 
 
-# --------------------------------------------------------------------------------------------- ceilings
-
-
-def measure_ceilings(timer: Timer, device: str, cpu_smoke: bool) -> dict:
-    print("== ceilings")
-    out = {}
-    nbytes = (1 << 24) if cpu_smoke else (1 << 30)
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    t = timer.gpu_us(lambda: dst.copy_(src))
-    out["copy_us"] = t
-    out["copy_bytes"] = 2 * nbytes
-    out["copy_Bps"] = 2 * nbytes / (t * 1e-6)
-    src = dst = None
-    cleanup()
-    n = 512 if cpu_smoke else 8192
-    for tag, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        a = torch.randn(n, n, device=device, dtype=dt)
-        b = torch.randn(n, n, device=device, dtype=dt)
-        c = torch.empty(n, n, device=device, dtype=dt)
-        t = timer.gpu_us(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))
-        out[f"{tag}_mm_us"] = t
-        out[f"{tag}_flops"] = 2 * n**3 / (t * 1e-6)
-        del a, b, c
-        cleanup()
-    out["mm_n"] = n
-    print(f"  copy {out['copy_Bps'] / 1e12:.2f} TB/s (1 GiB d2d, read+write)   "
-          f"bf16 {out['bf16_flops'] / 1e12:.0f} TFLOP/s   fp16 {out['fp16_flops'] / 1e12:.0f} TFLOP/s  ({n}³)")
-    print(f"  reference: copy {REF_CEILINGS['copy_Bps'] / 1e12:.2f} TB/s, "
-          f"bf16 {REF_CEILINGS['bf16_flops'] / 1e12:.0f}, fp16 {REF_CEILINGS['fp16_flops'] / 1e12:.0f} TFLOP/s")
-    return out
-
-
 # --------------------------------------------------------------------------------------------- rows
 
 
@@ -367,13 +282,6 @@ def new_row(w: Workload) -> dict:
         "gpu_us": {}, "first_call_s": {}, "wall_us": {}, "rel_err": {}, "check": {}, "report": {}, "floor": {},
         "gpu_rounds": {}, "wall_rounds": {},  # per-round values behind the medians in gpu_us / wall_us
     }
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if tuple(out.shape) != tuple(ref.shape):
-        raise ValueError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
-    d = out.double() - ref
-    return float(d.norm() / ref.norm())
 
 
 def cuda_graph(mod, x):

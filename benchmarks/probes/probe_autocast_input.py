@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fxfuse  # noqa: E402
 import fxfuse.ops  # noqa: E402
 from benchmarks.bench_autocast import per_call  # noqa: E402
-from benchmarks.bench_workloads import Timer  # noqa: E402
+from benchmarks.measure import Timer  # noqa: E402
 from benchmarks.workloads import WORKLOADS, build_module, make_input  # noqa: E402
 from fxfuse import autocast as fx_autocast  # noqa: E402
 
