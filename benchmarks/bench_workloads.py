@@ -564,6 +564,8 @@ def build_fxfuse_cuda_graphs(w: Workload, fx, mod, x, ref_state: dict, timer: Ti
         timer.sync()
         e = rel_err(out, ref_state["ref"])
         row["check"]["cuda_graphs_pass"] = bool(math.isfinite(e) and e <= TOL)
+        # Whether the keep timing kept a graph (its replay beat the plain call) or the module runs plainly.
+        row["check"]["cuda_graphs_kept"] = getattr(getattr(optg, "forward", None), "num_graphs", None)
         return e
 
     e = guarded(row, "rel_err", key, check)

@@ -68,6 +68,9 @@ def graphs_wall_str(row: dict) -> str:
     s = fmt_us(v)
     if is_num(v) and row["check"].get("cuda_graphs_pass") is False:
         s += " (wrong results)"
+    kept = row["check"].get("cuda_graphs_kept")  # graphs the module kept (0: its replay did not beat the plain call)
+    if is_num(v) and kept is not None:
+        s += " (graph kept)" if kept else " (no graph: plain calls)"
     return s
 
 

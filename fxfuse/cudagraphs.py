@@ -79,9 +79,9 @@ keep_only_faster = True
 # Ten calls back to back: the first call's host latency is spread over them, as over a decode loop's calls (with
 # three, a replay 6 µs slower per call on the GPU than the plain call tied with it: H200, Llama MLP at one row).
 # Kept only when the replay is at least 3% faster: within that, the two timings of a few µs each are host noise.
-# Five interleaved rounds, each side's fastest: with two, an H100 host's slow stretches kept a graph whose replay
-# path (input copy, replay, output clone) was slower than the plain call in every round of the benchmark that
-# followed (gpt2m_mlp_m1: 24-47 µs per call against 14-43). Five rounds of ten calls cost ~3 ms per capture.
+# Five interleaved rounds, each side's fastest: with two, a host's slow stretch can keep a graph whose replay path
+# (input copy, replay, output clone) is slower than the plain call (most likely gpt2m_mlp_m1 in an H100 benchmark:
+# 24-47 µs per call against 14-43). Five rounds of ten calls cost ~3 ms per capture.
 _TIMED_CALLS, _TIMED_ROUNDS, _KEEP_MARGIN = 10, 5, 0.97
 
 
