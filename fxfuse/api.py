@@ -94,12 +94,14 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
 
 
 def _summarize(failures: list[CaptureFailure]) -> list[CaptureFailure]:
-    """One line per kind of failure: ``layers.*.self_attn (x12)`` instead of twelve lines."""
-    groups: dict[tuple[str, str], int] = {}
+    """One line per kind of failure: ``layers.*.self_attn (x12)`` instead of twelve lines (a kind seen once keeps
+    its path)."""
+    groups: dict[tuple[str, str], list[str]] = {}
     for f in failures:
         key = (re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", f.module_path), f.error)
-        groups[key] = groups.get(key, 0) + 1
-    return [CaptureFailure(path if n == 1 else f"{path} (x{n})", err) for (path, err), n in groups.items()]
+        groups.setdefault(key, []).append(f.module_path)
+    return [CaptureFailure(paths[0] if len(paths) == 1 else f"{path} (x{len(paths)})", err)
+            for (path, err), paths in groups.items()]
 
 
 def report(model: Optional[nn.Module] = None) -> FusionReport:

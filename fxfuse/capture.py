@@ -367,7 +367,12 @@ def _join(*parts: str) -> str:
 
 
 def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: set[int]) -> None:
-    if id(module) in seen or weight_count(module) < 2:
+    if id(module) in seen:
+        return
+    if weight_count(module) < 2:
+        if _holds_stacked_experts(module):  # say why a mixture of experts stays as it is
+            seen.add(id(module))
+            out.failures.append(CaptureFailure(path, MOE_NOTE))
         return
     seen.add(id(module))
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:
@@ -401,6 +406,20 @@ def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: se
             sub = module.get_submodule(node.target)
             if not is_known_activation(sub):
                 _visit(sub, _join(path, node.target), out, failing, seen)
+
+
+MOE_NOTE = ("mixture of experts (stacked 3-D expert weights): its per-expert MLPs run behind data-dependent "
+            "routing, which fxfuse does not fuse")
+
+
+def _holds_stacked_experts(module: nn.Module) -> bool:
+    """Whether ``module`` keeps at least two 3-D weights outside convolutions: experts stacked along dim 0, as
+    transformers' ``MixtralExperts`` / ``Qwen3MoeExperts`` keep ``gate_up_proj`` and ``down_proj``."""
+    stacked = 0
+    for mod in module.modules():
+        if not isinstance(mod, nn.modules.conv._ConvNd):
+            stacked += sum(1 for p in mod.parameters(recurse=False) if p.dim() == 3)
+    return stacked >= 2
 
 
 def _candidate_methods(module: nn.Module) -> list[str]:

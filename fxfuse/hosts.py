@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .capture import ArgSpec, CaptureFailure, Discovery, Scope, trace_scope
 from .inline import InlineChain, chain_modules, prove
@@ -72,6 +73,7 @@ class _Found:
     path: str
     names: list[str]
     weights: frozenset[int]
+    computed: list[str]  # weights that are not a parameter read (e.g. a weight_norm parametrization's output)
     candidates: list[tuple[str, str]]
     inline: Any  # () -> (an InlineChain and its report, or the reason it cannot be one and None)
 
@@ -105,9 +107,15 @@ def place(model: nn.Module, discovery: Discovery, module_inputs: Optional[dict] 
             path = ".".join(p for p in (scope.module_path, region.module_path) if p)
             candidates = _host_candidates(model, scope, region.nodes)
             inline = functools.partial(_safely, _inline_chain, model, scope, region, candidates)  # when needed
+            computed = [c for c in (_computed_weight(scope.gm, w) for w in region.weights) if c]
             found.append(_Found(region.pattern, path, [n.name for n in region.nodes],
-                                _param_ids(scope.gm, region.weights), candidates, inline))
+                                _param_ids(scope.gm, region.weights), computed, candidates, inline))
     for f in found:
+        if f.computed:  # no host can fuse it: a fused graph reads its weights as parameters
+            _add_rejection(out, seen_rejections, Rejection(
+                f.pattern, f.path, f"weight computed on every call: {', '.join(f.computed)}; "
+                "fxfuse fuses chains whose weights are parameters", f.names), "")
+            continue
         # Innermost method first. A graph host whose guards every call passes wins; one that specializes
         # arguments (defaults, *args) only runs for some calls, so a proven inline hand-off is preferred to
         # it; such a host is the last resort.
@@ -404,6 +412,22 @@ def _resolve_param(gm: fx.GraphModule, node: Any) -> Optional[tuple[str, torch.T
             value = getattr(value, part, None)
         if isinstance(value, torch.Tensor):
             return str(node.target), value
+    return None
+
+
+def _computed_weight(gm: fx.GraphModule, node: Any) -> Optional[str]:
+    """What a weight argument is, if it is computed on every call rather than read from a parameter: an op's
+    output, or the attribute of a parametrized module (``weight_norm``, ``spectral_norm``: a fresh tensor on
+    every access, so no fused graph can bind it)."""
+    found = _resolve_param(gm, node)
+    if found is None:
+        return f"{node} (an op's output)"
+    owner, _, attr = found[0].rpartition(".")
+    try:
+        if parametrize.is_parametrized(gm.get_submodule(owner), attr):
+            return f"{found[0]} (a parametrization such as weight_norm)"
+    except AttributeError:
+        pass
     return None
 
 

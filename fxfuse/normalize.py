@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import operator
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -135,7 +136,10 @@ def _rewrite_module(gm: fx.GraphModule, node: fx.Node) -> None:
     elif isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward and len(node.args) == 1 \
             and not node.kwargs:
         graph = node.graph
-        with graph.inserting_before(node):
+        with graph.inserting_before(node), warnings.catch_warnings():
+            # A parametrized weight (weight_norm) is a property, which fx warns about; reading it computes it,
+            # as the module does (such a chain is then reported as not fused: fxfuse.hosts).
+            warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node with no underlying reference")
             w = graph.get_attr(f"{node.target}.weight")
             b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
             new = graph.call_function(LINEAR, (node.args[0], w, b))

@@ -240,7 +240,9 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
             w, b = lin.args[1], lin.args[2]
             w_info = tensor_info(gm, w) if isinstance(w, fx.Node) else None
             if w_info is None:
-                return f"weight {getattr(w, 'name', w)} of {lin.name}: shape unknown"
+                computed = isinstance(w, fx.Node) and w.op.startswith("call_")
+                return f"weight {getattr(w, 'name', w)} of {lin.name}: shape unknown" + \
+                    (" (computed on every call, not a parameter)" if computed else "")
             if w_info.ndim != 2 or None in w_info.shape:
                 return f"weight {w.name} of {lin.name} is not 2-D with a static shape ({list(w_info.shape)})"
             if k is not None and w_info.shape[1] != k:

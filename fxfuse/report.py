@@ -219,8 +219,8 @@ class FusionReport:
                             [(r.module_path or "<root>", r.pattern, r.reason) for r in self.rejections])
         if self.capture_failures:
             lines.append("not captured (left as they are):")
-            lines += _table(("module", "error"), [(f.module_path or "<whole model>", f.error)
-                                                  for f in self.capture_failures])
+            lines += _table(("module", "why"), [(f.module_path or "<whole model>", f.error)
+                                                for f in self.capture_failures])
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):  # IPython

@@ -103,6 +103,74 @@ def tiny(name: str, batch: int = 2, seq: int = 7):
             vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                                image_size=16, patch_size=8))
         m, inputs, blocks = T.CLIPModel(cfg), dict(input_ids=ids, pixel_values=torch.randn(batch, 3, 16, 16)), 2
+    elif name in _DECODERS:
+        cls, blocks, extra = _DECODERS[name]
+        m, inputs = getattr(T, cls)(_decoder_config(getattr(T, cls.replace("Model", "Config")), **extra)), \
+            dict(input_ids=ids)
     else:
-        raise KeyError(name)
+        m, inputs, blocks = _more(T, name, batch, ids)
     return m.eval(), inputs, blocks
+
+
+# Families built from ``_decoder_config`` (two layers): class name, fused calls per forward, extra config.
+_DECODERS = {
+    "roberta": ("RobertaModel", 2, {}),
+    "electra": ("ElectraModel", 2, dict(embedding_size=32)),
+    "deberta_v2": ("DebertaV2Model", 2, {}),
+    "albert": ("AlbertModel", 2, dict(embedding_size=16)),  # one layer shared by both: called twice
+    "modernbert": ("ModernBertModel", 2, dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                              sep_token_id=2, global_attn_every_n_layers=1)),  # packed Wi + chunk
+    "gpt_neox": ("GPTNeoXModel", 2, {}),
+    "qwen3": ("Qwen3Model", 2, dict(num_key_value_heads=2, head_dim=8)),
+    "gemma2": ("Gemma2Model", 2, dict(num_key_value_heads=2, head_dim=8)),
+    "gemma3": ("Gemma3TextModel", 2, dict(num_key_value_heads=2, head_dim=8)),
+    "phi": ("PhiModel", 2, {}),
+    "stablelm": ("StableLmModel", 2, dict(num_key_value_heads=2)),
+    "olmo2": ("Olmo2Model", 2, dict(num_key_value_heads=2)),
+    "granite": ("GraniteModel", 2, dict(num_key_value_heads=2)),
+    "cohere": ("CohereModel", 2, dict(num_key_value_heads=2)),
+    "nemotron": ("NemotronModel", 2, dict(num_key_value_heads=2, head_dim=8)),  # relu² between two linears
+    "starcoder2": ("Starcoder2Model", 2, dict(num_key_value_heads=2)),
+    # Mixture of experts: its first layer dense (fused), the second's experts left as they are.
+    "qwen3_moe": ("Qwen3MoeModel", 1, dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0])),
+    "mixtral": ("MixtralModel", 0, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def _more(T, name: str, batch: int, ids: torch.Tensor):
+    """The families whose configs name their sizes their own way: (model, inputs, MLP blocks)."""
+    pixels = dict(pixel_values=torch.randn(batch, 3, 16, 16))
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8)
+    gpt = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    seq2seq = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
+    if name == "gptj":
+        return T.GPTJModel(T.GPTJConfig(**gpt, rotary_dim=4)), dict(input_ids=ids), 2
+    if name == "gpt_bigcode":
+        return T.GPTBigCodeModel(T.GPTBigCodeConfig(**gpt)), dict(input_ids=ids), 2
+    if name == "bloom":
+        return T.BloomModel(T.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)), \
+            dict(input_ids=ids), 2
+    if name == "falcon":
+        return T.FalconModel(T.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4)), dict(input_ids=ids), 2
+    if name == "mbart":
+        return T.MBartModel(T.MBartConfig(**seq2seq, max_position_embeddings=64)), dict(input_ids=ids), 2
+    if name == "whisper":
+        cfg = T.WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        return T.WhisperModel(cfg), dict(input_features=torch.randn(batch, 8, 32), decoder_input_ids=ids[:, :3]), 2
+    if name == "dinov2":
+        return T.Dinov2Model(T.Dinov2Config(**vision, mlp_ratio=2)), pixels, 2
+    if name == "siglip":  # two layers and the pooling head's MLP
+        return T.SiglipVisionModel(T.SiglipVisionConfig(**vision, intermediate_size=64)), pixels, 3
+    if name == "swin":
+        cfg = T.SwinConfig(image_size=16, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2)
+        return T.SwinModel(cfg), pixels, 2
+    if name == "wav2vec2":
+        cfg = T.Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                               conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+                               num_conv_pos_embedding_groups=2)
+        return T.Wav2Vec2Model(cfg), dict(input_values=torch.randn(batch, 400)), 1
+    raise KeyError(name)

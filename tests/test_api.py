@@ -144,6 +144,26 @@ def test_negative_cases_stay_unfused_and_correct(caplog):
     torch.testing.assert_close(fast64(x), model64(x))
 
 
+def test_weights_computed_in_the_forward_stay_unfused_and_say_why():
+    class Scaled(nn.Module):  # equalized learning rate: the weight is an op's output
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(32, 16)), nn.Parameter(torch.randn(16, 32))
+
+        def forward(self, x):
+            return F.linear(torch.relu(F.linear(x, self.w1 * 0.25)), self.w2 * 0.25)
+
+    normed = GPT2MLP().eval()
+    torch.nn.utils.parametrizations.weight_norm(normed.c_fc)
+    for model, x, what in [(Scaled(), torch.randn(4, 16), "weight mul "),
+                           (normed, torch.randn(4, 32), "c_fc.weight (a parametrization")]:
+        fast = fxfuse.optimize(model)
+        report = fxfuse.report(fast)
+        assert count_fused(fast) == 0 and not report.regions
+        assert any("computed on every call" in r.reason and what in r.reason for r in report.rejections), report
+        check_same_function(model, fast, x)
+
+
 def test_user_pattern_with_generated_epilogue_and_with_replacement():
     class ScaledMLP(nn.Module):
         def __init__(self):
