@@ -2,11 +2,12 @@
 """fxfuse across batch sizes: one optimized module per MLP shape, called at rising row counts M as a user's
 model is (decode at a few rows, batched decode, prefill), beside eager and torch.compile at every M.
 
-The workload table measures each shape at one M. A user's model sees many: fxfuse plans once per power-of-two
-M bucket, at the first M of the bucket it meets, and reuses that choice (and the stage kernels' tuned configs)
-for every later M of the bucket. This sweep visits the M of each bucket in rising order, the low end first
-(3 before 4, 24 before 32, 384 before 512), so every reuse is measured at the other end of its bucket: the
-"no workload anywhere slower than eager" promise checked across batch sizes, not at nine points.
+The workload table measures each shape at one M. A user's model sees many: fxfuse plans once per M bucket
+(powers of two, and above 64 rows also 1.5x a power of two: ``fxfuse.kernels.template.choice_bucket``), at the
+first M of the bucket it meets, and reuses that choice for every later M of the bucket (the stage kernels' tuned
+configs per power of two). This sweep visits the M of each bucket in rising order, the low end first (3 before 4,
+24 before 32, 264 before 384), so every reuse is measured at the other end of its bucket: the "no workload
+anywhere slower than eager" promise checked across batch sizes, not at nine points.
 
     python3 benchmarks/bench_sweep.py --out DIR [--shapes llama,gpt2m] [--ms 1,2,4] [--rounds 3]
 
@@ -58,14 +59,15 @@ from benchmarks.workloads import (  # noqa: E402
     floor_us,
     make_input,
 )
-from fxfuse.kernels.template import m_bucket  # noqa: E402
+from fxfuse.kernels.template import choice_bucket  # noqa: E402
 
 TOL = 2e-2  # relative Frobenius error against float64 (bf16/fp16), as the workload table
 # The shapes of the workload table, by the row that names them.
 SHAPES = {"llama": "llama_swiglu_m1", "gpt2m": "gpt2m_mlp_m1", "gpt2": "gpt2_mlp", "seed": "seed_geglu",
           "nerf64": "nerf64"}
 # Each bucket's low end first: the M after it reuses the choice made there.
-DENSE_MS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192]
+DENSE_MS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 72, 96, 104, 128, 136, 192, 200, 256, 264, 384, 392, 512, 520,
+            768, 776, 1024, 1536, 2048, 4096, 8192]
 CHAIN_MS = [1, 64, 1000, 4096, 16384, 65536, 262144, 1 << 20]
 VARIANTS = ("eager", "compile", "fxfuse")
 
@@ -88,14 +90,14 @@ def stage_impls(w: Workload, m: int) -> list[str]:
 
     shapes = {(k, n) for k, n, _ in w.linears}  # (a stage's key: weights, epilogue, M bucket, K, N, ...)
     return [f"{key[1]}: {impl}" for key, impl in stages.stage_choices().items()
-            if key[2] == m_bucket(m) and (key[3], key[4]) in shapes]
+            if key[2] == choice_bucket(m) and (key[3], key[4]) in shapes]
 
 
 def planner_times(opt, m: int) -> list[dict]:
     """What the planner measured at ``m``'s bucket (at the M that decided): every candidate's µs."""
     return [{"at_m": r.m, "times": dict(r.times), "source": r.source}
             for region in fxfuse.report(opt).regions for r in region.measurements
-            if r.m_bucket == m_bucket(m) and not r.for_cuda_graph]
+            if r.m_bucket == choice_bucket(m) and not r.for_cuda_graph]
 
 
 def running_cell(row: dict) -> str:
@@ -211,8 +213,9 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
            f"- Command: `{env['command']}`",
            f"- GPU µs: median of {env['rounds']} interleaved rounds of `do_bench` medians (L2 flushed), after one "
            "discarded timing of eager (the first calls leave the GPU idle and cool). One "
-           "`fxfuse.optimize(module)` and one `torch.compile(module)` per shape, called at rising M (each power-of-"
-           "two bucket's low end first, so later M reuse the choice made there). first s = fxfuse's first call at "
+           "`fxfuse.optimize(module)` and one `torch.compile(module)` per shape, called at rising M (each planner "
+           "bucket's low end first, so later M reuse the choice made there: `fxfuse.kernels.template.choice_bucket`). "
+           "first s = fxfuse's first call at "
            "that M (planning and tuning at a new bucket); planner's µs = what the planner measured for each "
            "candidate at the M that decided the bucket (the larger of GPU median and host time, see "
            "`fxfuse.strategy.time_candidates`). slower = fxfuse above eager × "

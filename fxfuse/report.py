@@ -18,7 +18,7 @@ from typing import Optional
 import torch.fx as fx
 
 from .capture import CaptureFailure
-from .kernels.template import m_bucket
+from .kernels.template import choice_bucket
 from .meta import tensor_info
 from .records import FusionRegion, Rejection
 from .strategy import ONE_LAUNCH, ORIGINAL_OPS, Measurement, choose_strategy, launches, measurements
@@ -97,7 +97,7 @@ class RegionReport:
         """:attr:`running` for calls of ``m`` rows (None: every bucket this region's shape has run at)."""
         found = [r for r in self.measurements if not r.for_cuda_graph]
         if m is not None:
-            found = [r for r in found if r.m_bucket == m_bucket(m)]
+            found = [r for r in found if r.m_bucket == choice_bucket(m)]
         if not found or not self.stages:
             return self.strategy
         cells = [_with_launches(r.strategy, 1 if r.strategy in ONE_LAUNCH else self.stages) if r.fused
@@ -111,7 +111,7 @@ class RegionReport:
         """The measured times at the bucket of ``m`` (M unknown: the latest), or None before any GPU call."""
         found = self.measurements
         if self.m is not None:
-            found = [r for r in found if r.m_bucket == m_bucket(self.m)]
+            found = [r for r in found if r.m_bucket == choice_bucket(self.m)]
         return FusedVsOriginal(found[-1].fused_us, found[-1].original_us) if found else None
 
     def _predict(self, region: FusionRegion) -> None:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import epilogue as ep
 from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stage_tma
-from .kernels.template import m_bucket
+from .kernels.template import bucket_range, choice_bucket
 from .kernels.tma_launch import tma_applicable
 from .replay import weak_step
 from .strategy import for_cuda_graphs
@@ -82,7 +82,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     lets a small-M launch start loading its weights early (:func:`fxfuse.kernels.run_stage_gemv`).
     """
     (M, K), N = x.shape, weights[0].shape[0]
-    key = (len(weights), epilogue, m_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
+    key = (len(weights), epilogue, choice_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
            tuple(b is not None for b in biases), for_cuda_graphs())
     choice = _choices.get(key) if timed else None
     if choice is None:
@@ -129,7 +129,8 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]]) -> str:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return next(iter(runners))  # nothing can be timed inside a capture; a later eager call decides
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    disk_key = f"stage {key[0]}:{key[1]} | M~{key[2]} | K={key[3]} N={key[4]} | {str(x_dtype).replace('torch.', '')}" \
+    dtype = str(x_dtype).replace("torch.", "")
+    disk_key = f"stage {key[0]}:{key[1]} | M {bucket_range(key[2])} | K={key[3]} N={key[4]} | {dtype}" \
         + (" | CUDA graph" if key[-1] else "")
     stored = tuning_cache.lookup(disk_key, device_name)
     if stored is not None and all(s in runners for s, _ in stored.times):

@@ -43,7 +43,7 @@ import torch
 
 from .kernels.chain_template import chain_fits
 from .kernels.decode_template import DECODE_BLOCK_M as DECODE_MAX_M
-from .kernels.template import autotune_enabled
+from .kernels.template import autotune_enabled, bucket_range, choice_bucket
 from .spec import MLPSpec
 
 __all__ = ["DECODE", "DECODE_GRID_SYNC", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ONE_LAUNCH",
@@ -134,7 +134,7 @@ class Measurement:
     """The fused kernels vs the original ops of one region shape, timed (or read from the tuning cache)."""
 
     spec: str
-    m_bucket: int  # the key: M rounded up to a power of two
+    m_bucket: int  # the key: M's planner bucket (its largest M: kernels.template.choice_bucket)
     m: int  # the rows of the call that decided
     widths: tuple[int, ...]  # input width, then each linear's N
     dtype: str
@@ -173,7 +173,7 @@ def measured_choice_enabled() -> bool:
 def choice_key(args: tuple) -> tuple:
     x, weights, _, _, spec = args
     m = x.numel() // x.shape[-1]
-    return (spec, 1 << max(m - 1, 0).bit_length(), tuple(w.shape for w in weights), x.dtype, x.device,
+    return (spec, choice_bucket(m), tuple(w.shape for w in weights), x.dtype, x.device,
             for_cuda_graphs())
 
 
@@ -208,7 +208,8 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     dtype = str(x.dtype).replace("torch.", "")
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
     skipped: dict[str, float] = {}
-    disk_key = f"{spec} | M~{key[1]} | {','.join('x'.join(map(str, w.shape)) for w in weights)} | {dtype}" + \
+    shapes = ",".join("x".join(map(str, w.shape)) for w in weights)
+    disk_key = f"{spec} | M {bucket_range(key[1])} | {shapes} | {dtype}" + \
         (" | CUDA graph" if for_cuda_graphs() else "")
     stored = tuning_cache.lookup(disk_key, device)
     if stored is not None and (stored.strategy in runners or stored.strategy == ORIGINAL_OPS):

@@ -15,7 +15,7 @@ file is logged at WARNING and rebuilt; an unwritable folder is logged and the re
 Nothing here raises.
 
 Example:
-    >>> key = "1b:relu(a0);1b:a0 | M~16 | 8x4,4x8 | float16"
+    >>> key = "1b:relu(a0);1b:a0 | M 9-16 | 8x4,4x8 | float16"
     >>> store(key, "NVIDIA H200", TunedChoice.of({"fused_chain": 9.5, "original_ops": 21.0}))  # doctest: +SKIP
     >>> lookup(key, "NVIDIA H200").strategy                                              # doctest: +SKIP
     'fused_chain'

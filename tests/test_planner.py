@@ -184,6 +184,22 @@ def test_fastest_of_several_is_kept_and_read_back_from_disk(monkeypatch):
     assert strategy.fastest(args4, runners, lambda: None) == GEMM_EPILOGUE
 
 
+def test_above_64_rows_the_planner_decides_again_at_1_5x_each_power_of_two(monkeypatch):
+    """Llama's gate+up on an H100: at 192 rows the 128-row tiles run half empty and cuBLAS wins, at 256 the fused
+    kernel does (112.9 against 123.9 µs; probe_tma_sweep.py). One choice for 129-256 would be wrong at one end."""
+    def decide(m: int, times_ms: Optional[list[float]] = None) -> str:
+        if times_ms is not None:
+            fixed_times(monkeypatch, times_ms)  # ms: fused, then original ops
+        args = make_args("1b:relu(a0);1b:a0", [24, 50, 24], lead=(m,))
+        return strategy.fastest(args, {GEMM_EPILOGUE: lambda: None}, lambda: None)
+
+    assert decide(192, [0.030, 0.020]) == ORIGINAL_OPS
+    assert decide(256, [0.020, 0.030]) == GEMM_EPILOGUE  # timed again: its own bucket
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    assert decide(129) == ORIGINAL_OPS and decide(193) == GEMM_EPILOGUE  # each bucket's choice, reused
+    assert [r.m_bucket for r in strategy.measurements()] == [192, 256]
+
+
 @pytest.mark.parametrize("chain_ms, built", [(0.054, False), (0.200, True)])
 def test_a_candidate_predicted_far_slower_than_a_measured_one_is_never_built(monkeypatch, caplog, chain_ms, built):
     """nerf64 at 2^20 rows: the cost model puts the per-stage kernels at ~258 µs. Once the fused chain has measured

@@ -18,7 +18,7 @@ from fxfuse import strategy, tuning_cache
 from fxfuse.kernels import tuning
 from fxfuse.tuning_cache import TunedChoice, cache_path, lookup, store
 
-KEY = "1b:relu(a0);1b:a0 | M~16 | 8x4,4x8 | float16"
+KEY = "1b:relu(a0);1b:a0 | M 9-16 | 8x4,4x8 | float16"
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +65,7 @@ def test_unwritable_folder_only_logs(tmp_path, monkeypatch, caplog):
 def test_keys_separate_devices_and_versions(monkeypatch):
     store(KEY, "NVIDIA H200", TunedChoice.of({"fused_chain": 1.0, "original_ops": 2.0}))
     assert lookup(KEY, "NVIDIA H100 80GB HBM3") is None
-    assert lookup(KEY.replace("M~16", "M~32"), "NVIDIA H200") is None
+    assert lookup(KEY.replace("M 9-16", "M 17-32"), "NVIDIA H200") is None
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert lookup(KEY, "NVIDIA H200") is None
     monkeypatch.undo()
@@ -105,7 +105,7 @@ def test_slower_kernels_keep_the_original_ops(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: next(timings))
     x = torch.randn(3, 8)
     assert not strategy.kernels_are_faster((x, [torch.randn(8, 8)], [], [], "1-:a0"), lambda: x, lambda: x)
-    assert lookup("1-:a0 | M~4 | 8x8 | float32", "cpu").strategy == strategy.ORIGINAL_OPS
+    assert lookup("1-:a0 | M 3-4 | 8x8 | float32", "cpu").strategy == strategy.ORIGINAL_OPS
 
 
 # ------------------------------------------------------------------------------------------ Triton's autotuner

@@ -1,11 +1,13 @@
 """Every TMA stage config, one by one, on the large-M stages: which tile, pipeline depth and warp specialization win.
 
-    python3 benchmarks/probes/probe_tma_sweep.py [--budget SECONDS] [--skip-ws] [case names...]
+    python3 benchmarks/probes/probe_tma_sweep.py [--budget SECONDS] [--skip-ws] [--m M,...] [--n N,...] [case names...]
 
 For each stage of ``probe_tma.CASES`` (bf16), each config of ``tma_template.sweep_configs()`` that the pruning keeps
 is compiled and run directly (no autotuner), checked against the fp32 reference (relative error) and timed
 (``do_bench`` median, L2 flushed); a config that fails to compile or run is listed with its error. The cuBLAS stage
-(``F.linear`` + the eager epilogue) is timed beside it. Prints a table per stage, fastest first.
+(``F.linear`` + the eager epilogue) is timed beside it. Prints a table per stage, fastest first. ``--m`` / ``--n``
+run each named case at other rows / output columns (every combination), e.g. Llama's gate/up at mid-size M, or
+at an N whose tile count fills whole waves of the GPU.
 """
 
 from __future__ import annotations
@@ -89,13 +91,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole sweep")
     ap.add_argument("--skip-ws", action="store_true", help="leave out the warp-specialized configs")
+    ap.add_argument("--m", default="", help="comma-separated rows to run each case at instead of its own")
+    ap.add_argument("--n", default="", help="comma-separated output columns to run each case at instead")
     ap.add_argument("names", nargs="*", help="cases as 'workload:stage' (default: all)")
     args = ap.parse_args()
     deadline = time.time() + args.budget
     for case in CASES:
         if args.names and f"{case[0]}:{case[1]}" not in args.names:
             continue
-        sweep(case, deadline, args.skip_ws)
+        workload, stage, m, k, n, *rest = case
+        for m_ in [int(v) for v in args.m.split(",") if v] or [m]:
+            for n_ in [int(v) for v in args.n.split(",") if v] or [n]:
+                sweep((workload, stage, m_, k, n_, *rest), deadline, args.skip_ws)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import triton
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KERNEL_TEMPLATE", "TEMPLATE_VERSION", "autotune_configs", "gpu_configs", "m_bucket", "prune_configs"]
+__all__ = ["KERNEL_TEMPLATE", "TEMPLATE_VERSION", "autotune_configs", "bucket_range", "choice_bucket", "gpu_configs",
+           "m_bucket", "prune_configs"]
 
 # Bump when the template or the launch contract changes: it is part of the cache file's hash.
 TEMPLATE_VERSION = 1
@@ -251,6 +252,38 @@ def m_bucket(m) -> int:
         [1, 16, 32, 64, 4096]
     """
     return next_pow2(m if type(m) is int else _hint(m))
+
+
+def choice_bucket(m: int) -> int:
+    """The planner's bucket of M (its largest M): powers of two up to 64 rows, then also 1.5x a power of two
+    (96, 192, 384, ...). Which implementation wins can change within a power-of-two bucket above 64 rows, where
+    128-row tiles and the GPU's waves of them fill differently: Llama's gate+up at 192 rows runs the tiles of 256
+    (the second row tile half empty) while cuBLAS runs a 192-row GEMM, so the original ops win at 192 and the fused
+    kernel at 256. Each bucket is planned once, at the first M the region meets in it; the kernels' autotuning keeps
+    :func:`m_bucket`, so a new planner bucket times the candidates again but compiles nothing new.
+
+    Example:
+        >>> [choice_bucket(m) for m in (1, 3, 64, 65, 96, 97, 129, 192, 193, 256, 4096, 4097)]
+        [1, 4, 64, 96, 96, 128, 192, 192, 256, 256, 4096, 6144]
+    """
+    p = next_pow2(m)
+    if p <= 64:
+        return p
+    mid = p // 4 * 3
+    return mid if m <= mid else p
+
+
+def bucket_range(bucket: int) -> str:
+    """The rows a :func:`choice_bucket` covers, as text (the on-disk tuning keys' form).
+
+    Example:
+        >>> [bucket_range(b) for b in (1, 2, 64, 96, 128, 192, 256)]
+        ['1', '2', '33-64', '65-96', '97-128', '129-192', '193-256']
+    """
+    if bucket <= 2:
+        return str(bucket)
+    below = bucket // 2 if bucket <= 64 else (bucket // 4 * 3 if bucket == next_pow2(bucket) else bucket // 3 * 2)
+    return f"{below + 1}-{bucket}"
 
 
 def fit_stages(c: triton.Config, bytes_per_stage: int) -> triton.Config | None:
