@@ -1,12 +1,14 @@
 """Host µs of each piece of a replayed TMA stage (the LlamaModel MLP's shape by default), and Triton's launcher code.
 
     python3 benchmarks/probes/probe_tma_host.py [--m 2048] [--d 2048] [--h 5632] [--source FILE] [--llama]
+        [--tokens 2048] [--rounds 3]
 
 Prints host µs per call (``timing.host_us``) of: the optimized module, eager, the region's replay, each replay
 step, a cuBLAS ``F.linear`` of the same shape, ``torch.empty``, one ``TensorDescriptor`` and one TMA launch through
 the compiled launcher with ready descriptors; then the cProfile top of the module call. ``--source FILE`` writes
 the Triton functions a TMA launch goes through (for work on the launch path). ``--llama`` also times the profile
-demo's transformers LlamaModel end to end (host µs, wall µs per forward, eager beside fxfuse) and profiles it.
+demo's transformers LlamaModel end to end (host µs, wall µs per forward, eager beside fxfuse, ``--rounds``
+interleaved rounds at ``--tokens`` tokens: a few tokens make the forward host-bound, so wall = host) and profiles it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def main() -> None:
     p.add_argument("--h", type=int, default=5632)
     p.add_argument("--source")
     p.add_argument("--llama", action="store_true")
+    p.add_argument("--tokens", type=int, default=2048, help="with --llama: the input's tokens")
+    p.add_argument("--rounds", type=int, default=3, help="with --llama: interleaved rounds")
     p.add_argument("--after-profiler", action="store_true",
                    help="with --llama: time again after a torch.profiler session (does one slow launches down?)")
     a = p.parse_args()
@@ -112,23 +116,23 @@ def main() -> None:
     with torch.no_grad():
         print(profile_top(lambda: opt(x), lines=30))
     if a.llama:
-        llama_end_to_end(a.after_profiler)
+        llama_end_to_end(a.after_profiler, a.tokens, a.rounds)
 
 
-def llama_end_to_end(after_profiler: bool = False) -> None:
+def llama_end_to_end(after_profiler: bool = False, tokens: int = 2048, rounds: int = 3) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     from profile_demo import llama
 
     from benchmarks.timing import wall_us
 
-    model, (ids,) = llama()
+    model, (ids,) = llama(shape=(1, tokens))
     with torch.no_grad():
         variants = {"eager": model, "fxfuse": fxfuse.optimize(model),
                     "fxfuse (example_inputs)": fxfuse.optimize(model, (ids,))}  # as fxfuse.profile builds it
         for m in variants.values():
             for _ in range(3):
                 m(ids)
-        _llama_rounds(variants, ids, wall_us)
+        _llama_rounds(variants, ids, wall_us, rounds)
         if after_profiler:
             from fxfuse.kernels import fastlaunch
 
@@ -138,19 +142,21 @@ def llama_end_to_end(after_profiler: bool = False) -> None:
                     variants["fxfuse"](ids)
                 torch.cuda.synchronize()
             print(f"after a torch.profiler session: lean launches enabled = {fastlaunch.lean_launch_enabled()}")
-            _llama_rounds(variants, ids, wall_us)
+            _llama_rounds(variants, ids, wall_us, rounds)
+        print(profile_top(lambda: model(ids), calls=50, lines=25, sort="tottime"))  # eager's, to compare
         print(profile_top(lambda: variants["fxfuse (example_inputs)"](ids), calls=50, lines=25, sort="tottime"))
 
 
-def _llama_rounds(variants: dict, ids, wall_us) -> None:
+def _llama_rounds(variants: dict, ids, wall_us, n: int = 3) -> None:
     rounds: dict[str, list] = {name: [] for name in variants}
-    for _ in range(3):  # interleaved: the host's speed drifts
+    for _ in range(n):  # interleaved: the host's speed drifts
         for name, m in variants.items():
             rounds[name].append((host_us(lambda m=m: m(ids), calls=20, loops=10),
                                  wall_us(lambda m=m: m(ids), calls=50, loops=5)))
     for name, vals in rounds.items():
         print(f"LlamaModel {name}: host " + " ".join(f"{h:.0f}" for h, _ in vals) + " us, wall "
-              + " ".join(f"{w:.0f}" for _, w in vals) + " us per forward (3 rounds)")
+              + " ".join(f"{w:.0f}" for _, w in vals) + f" us per forward ({n} rounds; fastest host "
+              f"{min(h for h, _ in vals):.0f}, median {sorted(h for h, _ in vals)[len(vals) // 2]:.0f})")
 
 
 if __name__ == "__main__":
