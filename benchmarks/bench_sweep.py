@@ -48,7 +48,7 @@ if not torch.cuda.is_available():  # the interpreter must be on before fxfuse de
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxfuse  # noqa: E402
-from benchmarks.measure import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err  # noqa: E402
+from benchmarks.measure import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err, round_order  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     BF16,
     EAGER_SLACK,
@@ -117,9 +117,9 @@ def time_rounds(fns: dict, x: torch.Tensor, timer: Timer, rounds: int) -> dict[s
     # (llama M=1024 on an H100: eager's rounds 504.6 / 542.9 / 561.1 µs without it).
     timer.gpu_us(functools.partial(fns["eager"], x))
     per_round: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            per_round[k].append(timer.gpu_us(functools.partial(fn, x)))
+    for r in range(rounds):
+        for k in round_order(list(fns), r, rounds):
+            per_round[k].append(timer.gpu_us(functools.partial(fns[k], x)))
     return per_round
 
 

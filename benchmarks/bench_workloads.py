@@ -23,8 +23,9 @@ What it does, in order:
      for correctness the same way; "n/a" when this fxfuse has no such option;
    * then the timing: eager once, dropped (building the variants left the GPU idle and cool, and a first timing
      would run at clocks the others never see), then ``--rounds`` (default 3) interleaved rounds: each round times
-     every variant once, in a fixed order (eager, CUDA graph, compile default, compile backend=fxfuse, fxfuse,
-     fxfuse CUDA graphs, then the limits below), and a cell is the median over the rounds (``gpu_rounds`` /
+     every variant once (eager, CUDA graph, compile default, compile backend=fxfuse, fxfuse, fxfuse CUDA graphs,
+     then the limits below; each round starts further along that list: ``measure.round_order``, so no variant is
+     always timed late), and a cell is the median over the rounds (``gpu_rounds`` /
      ``wall_rounds`` in results.json keep each round). GPU µs: do_bench
      median (L2 flushed); decode rows also wall µs/call of 200 back-to-back calls (median of 5 such loops).
      H200 timings drift by 3-6 % within a run (clocks, power): variants timed one after the other would get
@@ -92,7 +93,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.limits import LIMITS, limit_fns  # noqa: E402
-from benchmarks.measure import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err  # noqa: E402
+from benchmarks.measure import Timer, cleanup, dynamo_reset, measure_ceilings, rel_err, round_order  # noqa: E402
 from benchmarks.results_table import (  # noqa: E402
     SKIPPED_BUDGET,
     fmt_err,
@@ -233,16 +234,17 @@ def guarded(row: dict, section: str, key: str, fn):
 def time_rounds(row: dict, section: str, rounds_key: str, fns: dict, measure, rounds: int):
     """Time every variant of ``fns`` (name -> callable) in ``rounds`` interleaved rounds; cell = median.
 
-    Each round calls ``measure(fn)`` once per variant, in the order of ``fns``. GPU timings drift by 3-6 %
-    within a run (clocks, power state), so variants measured one after the other get a bias from *when* they
-    ran; interleaving spreads the drift over all of them. ``row[section][name]`` gets the median over the
-    rounds, ``row[rounds_key][name]`` the per-round values. A variant whose measurement fails leaves the
-    rounds and its cell shows the error (as ``guarded``).
+    Each round calls ``measure(fn)`` once per variant, in the order of ``fns`` rotated by the round
+    (:func:`measure.round_order`). GPU timings drift by 3-6 % within a run (clocks, power state), so variants
+    measured one after the other get a bias from *when* they ran; interleaving spreads the drift over all of them.
+    ``row[section][name]`` gets the median over the rounds, ``row[rounds_key][name]`` the per-round values. A
+    variant whose measurement fails leaves the rounds and its cell shows the error (as ``guarded``).
     """
     vals = {name: [] for name in fns}
     spent = dict.fromkeys(fns, 0.0)
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in round_order(list(fns), r, rounds):
+            fn = fns[name]
             if name not in vals:  # failed in an earlier round
                 continue
             v = guarded(row, section, name, lambda fn=fn: measure(fn))

@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.workloads import DECODE_CALLS, DECODE_LOOPS, REF_CEILINGS
 
-__all__ = ["Timer", "cleanup", "dynamo_reset", "measure_ceilings", "rel_err"]
+__all__ = ["Timer", "cleanup", "dynamo_reset", "measure_ceilings", "rel_err", "round_order"]
 
 
 class Timer:
@@ -63,6 +63,20 @@ class Timer:
             self.sync()
             vals.append((time.perf_counter() - t0) / calls * 1e6)
         return {"median": statistics.median(vals), "all": vals}
+
+
+def round_order(names: list, r: int, rounds: int) -> list:
+    """The order in which round ``r`` of ``rounds`` interleaved rounds times the variants ``names``: the list
+    rotated by ``r * len(names) // rounds``, so that over the rounds every variant is timed early, in the middle
+    and late in a round. In a fixed order the variant timed after several compute-bound ones always met the GPU
+    hotter (an H100 run of llama_swiglu_4096: fxfuse, timed right after ``backend="fxfuse"`` on the same
+    kernels, read 2386 / 2285 / 2257 µs against its 2152 / 2165 / 2174).
+
+    >>> [round_order(["a", "b", "c", "d", "e", "f"], r, 3) for r in range(3)]
+    [['a', 'b', 'c', 'd', 'e', 'f'], ['c', 'd', 'e', 'f', 'a', 'b'], ['e', 'f', 'a', 'b', 'c', 'd']]
+    """
+    shift = r * len(names) // max(rounds, 1) % max(len(names), 1)
+    return list(names[shift:]) + list(names[:shift])
 
 
 def cleanup():

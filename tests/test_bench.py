@@ -198,8 +198,9 @@ def test_time_rounds_interleaves_and_keeps_the_median():
     fns = {"eager": variant("eager", [100.0, 103.0, 101.0]), "fxfuse": variant("fxfuse", [90.0, 80.0, 95.0]),
            "broken": variant("broken", [50.0, RuntimeError("boom")])}
     bench.time_rounds(row, "gpu_us", "gpu_rounds", fns, lambda fn: fn(), 3)
-    # one call per variant per round, in a fixed order; a variant that failed leaves the rounds
-    assert order == ["eager", "fxfuse", "broken"] * 2 + ["eager", "fxfuse"]
+    # one call per variant per round, each round starting one further along the list (3 variants, 3 rounds);
+    # a variant that failed (broken, in round 2) leaves the rounds
+    assert order == ["eager", "fxfuse", "broken", "fxfuse", "broken", "eager", "eager", "fxfuse"]
     assert row["gpu_rounds"] == {"eager": [100.0, 103.0, 101.0], "fxfuse": [90.0, 80.0, 95.0], "broken": [50.0]}
     assert row["gpu_us"]["eager"] == 101.0 and row["gpu_us"]["fxfuse"] == 90.0  # the medians of the rounds
     assert row["gpu_us"]["broken"].startswith("ERR: RuntimeError: boom") and "gpu_us.broken" in row["errors"]
