@@ -69,8 +69,14 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
     """
     expr, text = _canonical(num_linears, epilogue)
     n_ops = ep.num_operands(expr)
-    body, result = ep.to_triton(expr, acc_names=["acc0", "acc1"][:num_linears],
-                                operand_names=[f"v{i}" for i in range(n_ops)], indent="    ")
+    names = dict(acc_names=["acc0", "acc1"][:num_linears], operand_names=[f"v{i}" for i in range(n_ops)])
+    results = {}
+
+    def body(line: str, fast: bool) -> list[str]:  # at the marker line's indentation
+        indent = line[: len(line) - len(line.lstrip())]
+        lines, results[fast] = ep.to_triton(expr, **names, indent=indent, prefix="_f" if fast else "_e", fast=fast)
+        return lines
+
     lines: list[str] = []
     for line in template.splitlines():
         if line.endswith("# [gated]"):
@@ -82,12 +88,15 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
         elif line.endswith("# [each operand]"):
             lines.extend(line[: -len("# [each operand]")].rstrip().replace("v@", f"v{i}") for i in range(n_ops))
         elif line.strip() == "# [epilogue]":
-            lines.extend(body)
+            lines.extend(body(line, fast=False))
+        elif line.strip() == "# [epilogue fast]":  # the hardware forms (epilogue.FAST_FORMS), for 16-bit outputs
+            lines.extend(body(line, fast=True))
         else:
             lines.append(line)
     src = "\n".join(lines) + "\n"
     for key, value in (("$TEMPLATE_VERSION", str(version)), ("$NUM_LINEARS", str(num_linears)),
-                       ("$EPILOGUE", text), ("$RESULT", result)):
+                       ("$EPILOGUE", text), ("$HAS_FAST_FORMS", str(ep.has_fast_forms(expr))),
+                       ("$RESULT_FAST", results.get(True, "")), ("$RESULT", results.get(False, ""))):
         src = src.replace(key, value)
     return src
 

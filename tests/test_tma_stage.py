@@ -151,16 +151,33 @@ def test_rendered_source():
     # One tile loop: flattened with the K loop, or not (warp-specialized configs) as the config says.
     assert "flatten=not WARP_SPECIALIZE" in plain and "warp_specialize=WARP_SPECIALIZE" in plain
     assert codegen.generated_tma_kernel(1, "relu(a0)") is codegen.generated_tma_kernel(1, "relu(a0)")
+    # The epilogue twice: as written, and with the hardware tanh for bf16 outputs (FAST_MATH).
+    assert "if FAST_MATH:" in gated and "_tanh_approx(0.5 * acc0)" in gated and "tl.sigmoid(acc0)" in gated
+    assert codegen.generated_tma_kernel(2, "mul(silu(a0),a1)").HAS_FAST_FORMS
+    assert not codegen.generated_tma_kernel(1, "relu(a0)").HAS_FAST_FORMS
 
 
-def _prune_args(m, dtype, gated):
+def test_fast_math_only_for_bf16_on_the_gpu_and_never_with_warp_specialization(monkeypatch):
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
+    ws = [c for c in tt.gpu_configs() if c.kwargs["WARP_SPECIALIZE"]]
+    assert ws and tt._prune(ws, _prune_args(8192, torch.bfloat16, gated=False)) != []
+    kept = tt._prune(tt.gpu_configs(), _prune_args(8192, torch.bfloat16, gated=False, fast=True))
+    assert kept and not any(c.kwargs["WARP_SPECIALIZE"] for c in kept)
+    seen = {}
+    kernel = codegen.generated_tma_kernel(1, "gelu_tanh(a0)").fused_stage_tma_kernel
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: seen.update(kw))  # what the launch passes
+    run_stage_tma(*stage_args(37, 24, 40, torch.float16, False, False), "gelu_tanh(a0)")
+    assert seen["FAST_MATH"] is False  # the interpreter (and fp16, fp32: the hardware tanh is for bf16)
+
+
+def _prune_args(m, dtype, gated, fast=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def desc(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [16] * t.dim())
 
     w = torch.empty(2, 64, 64, dtype=dtype) if gated else torch.empty(64, 64, dtype=dtype)
-    return {"M": m, "x_desc": desc(torch.empty(64, 64, dtype=dtype)), "w_desc": desc(w)}
+    return {"M": m, "x_desc": desc(torch.empty(64, 64, dtype=dtype)), "w_desc": desc(w), "FAST_MATH": fast}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -220,6 +237,26 @@ def test_gpu_matches_reference(monkeypatch, dtype, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["mul(gelu_tanh(a0),a1)", "mul(silu(a0),a1)", "gelu_tanh(a0)", "sigmoid(a0)",
+                                      "tanh(a0)"])
+def test_gpu_fast_math_errors_stay_below_bf16_rounding(epilogue):
+    """bf16 runs the hardware tanh (FAST_MATH): its 2^-11 relative error, times |x|/2 in GELU's and SiLU's tails,
+    stays under the output's own rounding. Pre-activations span about ±12 here, deep into the tails."""
+    if not tma_supported("cuda"):
+        pytest.skip("needs Hopper (sm_90+) and a Triton with TensorDescriptor")
+    gated = "a1" in epilogue
+    x, weights, biases, operands = stage_args(2048, 256, 512, torch.bfloat16, gated, False)
+    x = x * 4
+    out = run_stage_tma(x, weights, biases, operands, epilogue).double()
+    ref = reference(x, weights, biases, operands, epilogue)
+    rounded = ref.to(torch.bfloat16).double()  # eager's best: the exact value rounded once
+    max_err, max_rounding = (out - ref).abs().max().item(), (rounded - ref).abs().max().item()
+    rel, rel_rounding = ((out - ref).norm() / ref.norm()).item(), ((rounded - ref).norm() / ref.norm()).item()
+    print(f"{epilogue}: max err {max_err:.2e} (rounding {max_rounding:.2e}), rel {rel:.2e} ({rel_rounding:.2e})")
+    assert rel <= 2 * rel_rounding and max_err <= 2 * max_rounding
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gated", [False, True])
 def test_gpu_every_config(gated):
     """Each GPU config alone (as FXFUSE_AUTOTUNE=0 would pick it): compiles, fits shared memory, is correct."""
@@ -231,7 +268,7 @@ def test_gpu_every_config(gated):
     try:
         for config in tt.gpu_configs():
             # One config skips the autotuner's pruning: apply it here, as a launch would.
-            kernel.configs = tt._prune([config], _prune_args(1000, torch.bfloat16, gated))
+            kernel.configs = tt._prune([config], _prune_args(1000, torch.bfloat16, gated, fast=True))
             kernel.cache.clear()
             check(*stage_args(1000, 520, 392, torch.bfloat16, gated, True), epilogue)
     finally:

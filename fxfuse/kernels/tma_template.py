@@ -14,11 +14,17 @@ Same contract as :data:`fxfuse.kernels.template.KERNEL_TEMPLATE` (``out = epilog
   K step is one TMA load of both W tiles and one ``[BLOCK_M, 2 * BLOCK_N]`` MMA, split into gate and up in the
   epilogue; on the H200 that is ~1.45x faster than two ``[BLOCK_M, BLOCK_N]`` dots (Llama gate/up, M=4096);
 * the epilogue runs on the fp32 accumulators and casts once; ``EPILOGUE_SUBTILE`` stores the result as two
-  ``[BLOCK_M, BLOCK_N / 2]`` halves, halving the shared-memory staging buffer of the TMA store.
+  ``[BLOCK_M, BLOCK_N / 2]`` halves, halving the shared-memory staging buffer of the TMA store;
+* ``FAST_MATH`` (bf16 outputs on the GPU) computes tanh-GELU, SiLU, sigmoid and tanh with the hardware's
+  ``tanh.approx.f32`` (:data:`fxfuse.epilogue.FAST_FORMS`): one MUFU op instead of an exp and a reciprocal, with
+  an error below bf16's rounding. At short K those ops are a tenth of the tile's time, since one CTA's epilogue
+  does not overlap its MMAs. Warp-specialized configs are pruned then (inline assembly aborts Triton 3.6's
+  warp specialization).
 
 The text is rendered by :func:`fxfuse.codegen.render` with the line rules of the pointer template
 (``# [gated]``, ``# [each operand]``, ``# [epilogue]``, ``$RESULT``) plus ``# [not gated]`` (a line kept only for
-one linear); the epilogue lives in its own ``@triton.jit`` helper so it renders at function-body indentation.
+one linear) and ``# [epilogue fast]`` / ``$RESULT_FAST`` (the epilogue in its hardware forms); the epilogue lives
+in its own ``@triton.jit`` helper.
 
 Example:
     >>> "x_desc.load" in TMA_TEMPLATE and "# [epilogue]" in TMA_TEMPLATE
@@ -39,7 +45,7 @@ __all__ = ["TMA_TEMPLATE", "TMA_TEMPLATE_VERSION", "autotune_configs", "gpu_conf
            "set_block_shapes", "sweep_configs"]
 
 # Bump when the template or the launch contract changes: it is part of the cache file's hash.
-TMA_TEMPLATE_VERSION = 3
+TMA_TEMPLATE_VERSION = 4
 
 # Shared memory one CTA may use: H100/H200 allow 227 KiB; keep slack for barriers and layout conversions.
 _SMEM_BUDGET = 220 * 1024
@@ -76,15 +82,31 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+HAS_FAST_FORMS = $HAS_FAST_FORMS  # whether the epilogue has ops with a hardware form (FAST_MATH changes it)
+
+
+@triton.jit
+def _tanh_approx(x):
+    """tanh by the hardware's approximation (one MUFU op, max relative error 2^-11)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit
 def _apply_epilogue(
     acc0,
     acc1,  # [gated]
     v@,  # [each operand]
+    FAST_MATH: tl.constexpr,
 ):
     """The stage's pointwise math on fp32 values (accumulators with bias, operands as ``[1, BLOCK_N]``)."""
-    # [epilogue]
-    return $RESULT
+    if FAST_MATH:
+        # [epilogue fast]
+        result = $RESULT_FAST
+    else:
+        # [epilogue]
+        result = $RESULT
+    return result
 
 
 @autotune(  # configs with a pre_hook: Triton benchmarks them instead of reading its disk cache
@@ -119,6 +141,7 @@ def fused_stage_tma_kernel(
     EPILOGUE_SUBTILE: tl.constexpr,
     CTAS_PER_SM: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):
     """Persistent ``out = epilogue(x @ W0^T + b0[, x @ W1^T + b1], v0, ...)``: each program loops over tiles.
 
@@ -144,6 +167,7 @@ def fused_stage_tma_kernel(
     WARP_SPECIALIZE: split each program into a TMA producer warp and MMA/epilogue consumers (Triton's automatic
                 warp specialization); the tile loop is then not flattened (Hopper's warp specialization needs
                 the K loop nested in it).
+    FAST_MATH:  the epilogue's transcendental ops in their hardware forms (set for bf16 outputs on a GPU).
     """
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -193,6 +217,7 @@ def fused_stage_tma_kernel(
             acc0,
             acc1,  # [gated]
             v@,  # [each operand]
+            FAST_MATH,
         )
         if EPILOGUE_SUBTILE:
             halves = tl.permute(tl.reshape(result, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
@@ -321,6 +346,8 @@ def _prune(configs, named_args, **kwargs):
         if m <= 64 and bm > 64:  # half-empty row tiles waste the MMA
             continue
         if m > 256 and bm * bn < 128 * 128 and bm < 128:  # small tiles only pay off when M is small
+            continue
+        if c.kwargs["WARP_SPECIALIZE"] and args.get("FAST_MATH"):  # inline asm aborts Triton 3.6's WS passes
             continue
         # fp32 accumulator registers per thread: at most 128 (two 128x128 on 4 warps spill), and at most half
         # of a thread's share of the SM's 64K registers when two CTAs share it.
