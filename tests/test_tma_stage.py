@@ -168,6 +168,11 @@ def test_fast_math_only_for_bf16_on_the_gpu_and_never_with_warp_specialization(m
     monkeypatch.setattr(kernel, "run", lambda *a, **kw: seen.update(kw))  # what the launch passes
     run_stage_tma(*stage_args(37, 24, 40, torch.float16, False, False), "gelu_tanh(a0)")
     assert seen["FAST_MATH"] is False  # the interpreter (and fp16, fp32: the hardware tanh is for bf16)
+    from fxfuse.kernels.template import fast_math_enabled
+
+    assert fast_math_enabled()
+    monkeypatch.setenv("FXFUSE_FAST_MATH", "0")  # the user's way out: exact forms everywhere
+    assert not fast_math_enabled()
 
 
 def _prune_args(m, dtype, gated, fast=False):

@@ -166,6 +166,11 @@ def autotune_enabled() -> bool:
     return os.environ.get("FXFUSE_AUTOTUNE", "1") != "0"
 
 
+def fast_math_enabled() -> bool:
+    """``FXFUSE_FAST_MATH=0``: bf16 epilogues keep the exact activation forms (no hardware tanh)."""
+    return os.environ.get("FXFUSE_FAST_MATH", "1") != "0"
+
+
 
 def autotune_configs() -> list[triton.Config]:
     """The configs the autotuner chooses from (one small config under ``TRITON_INTERPRET=1``).

@@ -21,7 +21,7 @@ import triton
 from .. import codegen
 from . import fastlaunch, tma_template
 from .launch import _input_precision, _parse, _tracing, _validate, operand_args
-from .template import interpreting, m_bucket
+from .template import fast_math_enabled, interpreting, m_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
         "DTYPE": str(x.dtype).removeprefix("torch."),
         "INPUT_PRECISION": _input_precision(x.dtype),
         # Hardware tanh where its error (2^-11) is below the output's rounding (bf16: 2^-9); not in the interpreter.
-        "FAST_MATH": module.HAS_FAST_FORMS and x.dtype == torch.bfloat16 and x.device.type == "cuda",
+        "FAST_MATH": module.HAS_FAST_FORMS and x.dtype == torch.bfloat16 and x.device.type == "cuda"
+        and fast_math_enabled(),
     }
     if len(weights) == 2:
         base, pair_stride, swapped = _pair_layout(*weights)

@@ -111,7 +111,8 @@ def _apply_epilogue(
 
 @autotune(  # configs with a pre_hook: Triton benchmarks them instead of reading its disk cache
     configs=autotune_configs(),
-    key=["M_BUCKET", "N", "K", "DTYPE", "INPUT_PRECISION"],  # descriptors carry no dtype Triton could key on
+    # Descriptors carry no dtype Triton could key on; FAST_MATH changes the pruning (no warp specialization).
+    key=["M_BUCKET", "N", "K", "DTYPE", "INPUT_PRECISION", "FAST_MATH"],
     prune_configs_by=prune_configs(),
 )
 @triton.jit
