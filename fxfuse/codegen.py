@@ -89,7 +89,7 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
             lines.extend(line[: -len("# [each operand]")].rstrip().replace("v@", f"v{i}") for i in range(n_ops))
         elif line.strip() == "# [epilogue]":
             lines.extend(body(line, fast=False))
-        elif line.strip() == "# [epilogue fast]":  # the hardware forms (epilogue.FAST_FORMS), for 16-bit outputs
+        elif line.strip() == "# [epilogue fast]":  # the hardware forms (epilogue.FAST_FORMS): bf16 under FAST_MATH
             lines.extend(body(line, fast=True))
         else:
             lines.append(line)
