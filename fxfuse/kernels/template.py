@@ -259,7 +259,7 @@ def m_bucket(m) -> int:
     return next_pow2(m if type(m) is int else _hint(m))
 
 
-def choice_bucket(m: int) -> int:
+def choice_bucket(m) -> int:
     """The planner's bucket of M (its largest M): powers of two up to 64 rows, then also 1.5x a power of two
     (96, 192, 384, ...). Which implementation wins can change within a power-of-two bucket above 64 rows, where
     128-row tiles and the GPU's waves of them fill differently: Llama's gate+up at 192 rows runs the tiles of 256
@@ -271,6 +271,7 @@ def choice_bucket(m: int) -> int:
         >>> [choice_bucket(m) for m in (1, 3, 64, 65, 96, 97, 129, 192, 193, 256, 4096, 4097)]
         [1, 4, 64, 96, 96, 128, 192, 192, 256, 256, 4096, 6144]
     """
+    m = m if type(m) is int else _hint(m)  # a SymInt: its hint's bucket, no guard (as m_bucket)
     p = next_pow2(m)
     if p <= 64:
         return p
