@@ -407,8 +407,10 @@ class GraphedForward:
         capturing = False
         try:
             # fxfuse's split-K workspaces: zeroed once below instead of by a fill kernel in every replay
-            with torch.cuda.device(device), zero_after_capture() as workspaces, \
-                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), _gc_paused():
+            # The collector is paused before the capture begins: torch.cuda.graph no longer collects on entry
+            # (torch.compiler.config.force_cudagraph_gc), so garbage may be waiting for the next collection.
+            with _gc_paused(), torch.cuda.device(device), zero_after_capture() as workspaces, \
+                    torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 capturing = True
                 out = self._call(module, s_args, s_kwargs)
         except Exception:
@@ -439,7 +441,9 @@ def _gc_paused():
     """No cyclic garbage collection inside: a collection during a capture can free an unreachable CUDA graph of
     an earlier module, whose destruction is an operation a capturing stream forbids, and the capture fails (H200:
     `test_grad_and_train_mode_run_plainly_frozen_parameters_are_graphed` after other GPU tests, depending on when
-    the collector ran; with the collector off, never). ``torch.cuda.graph`` collects once before it begins."""
+    the collector ran; with the collector off, never). It is paused from before ``capture_begin``: the same test
+    failed once more on an H100 (session 28) with the collector paused only inside the body, which left a window
+    after ``capture_begin``; ``torch.cuda.graph`` no longer collects before it begins."""
     enabled = gc.isenabled()
     gc.disable()
     try:

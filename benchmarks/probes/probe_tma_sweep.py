@@ -59,6 +59,9 @@ def sweep(case, deadline: float, skip_ws: bool = False) -> None:
     print(f"== {workload} {stage}: M={m} K={k} N={n}{' gated' if gated else ''}, cuBLAS+eager {base:.1f} us "
           f"({flops / base / 1e6:.0f} TFLOP/s), cuBLAS GEMMs alone {gemms:.1f} us ({flops / gemms / 1e6:.0f})",
           flush=True)
+    if not gated and bias and epi in ("gelu_tanh(a0)", "relu(a0)"):  # the planner's cuBLASLt candidate
+        lt = bench_us(lambda: torch._addmm_activation(biases[0], x, weights[0].t(), use_gelu=epi != "relu(a0)"))
+        print(f"   cuBLASLt bias+activation epilogue {lt:.1f} us ({flops / lt / 1e6:.0f} TFLOP/s)", flush=True)
     # The pruning needs the launch's arguments: the descriptors' shapes and M (as the autotuner passes them).
     from triton.tools.tensor_descriptor import TensorDescriptor
 
