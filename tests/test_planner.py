@@ -297,6 +297,36 @@ def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
     assert stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=False).keys() <= {"tma", "triton"}
 
 
+@pytest.mark.parametrize("m, timed_top, chosen", [(100, True, "triton"), (120, False, "torch")])
+def test_a_stage_bucket_is_timed_at_both_ends(monkeypatch, caplog, m, timed_top, chosen):
+    """Above 64 rows a stage is timed at the call's M and at its bucket's largest M (128 for 97-128), and the
+    least sum wins: the library GEMM, faster at 100 rows, loses over the bucket to the kernel whose time the
+    top's full tiles keep. Within 10% of the top the first M stands for the bucket."""
+    x, w, b = torch.randn(m, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+    timed_rows = []
+
+    def fake_times(what, bucket, runners, **kw):
+        timed_rows.append({run().shape[0] for run in runners.values()})
+        at_top = "top" in what
+        return {name: {"triton": 10.0, "torch": 12.0 if at_top else 9.0}.get(name, 50.0) for name in runners}
+
+    monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    rng_state = torch.get_rng_state()
+    with caplog.at_level(logging.INFO, logger="fxfuse.stages"):
+        out, ran = stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)
+    assert timed_rows == ([{m}, {128}] if timed_top else [{m}])
+    assert ran == chosen and list(stages.stage_choices().values()) == [chosen]
+    assert torch.equal(torch.get_rng_state(), rng_state)  # the top's random input leaves the user's stream alone
+    assert ("at M=100 + at M=128" in caplog.text) == timed_top
+    ref = torch.nn.functional.gelu(x.double() @ w.double().T + b.double(), approximate="tanh")
+    assert out.shape == (m, 48) and rel_err(out, ref) < TOL[torch.float32]
+    # The next process reads the summed choice from the disk cache (under a key of its own) and times nothing.
+    monkeypatch.setattr(stages, "_choices", {})
+    tuning_cache.clear_loaded()
+    timed_rows.clear()
+    assert stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)[1] == chosen and not timed_rows
+
+
 def test_cublaslt_stage_only_on_cuda():
     """On the CPU ATen's ``_addmm_activation(use_gelu=True)`` is the erf GELU, so it is never a candidate there."""
     x, w, b = torch.randn(40, 32), torch.randn(48, 32), torch.randn(48)
