@@ -95,7 +95,8 @@ def stage_impls(w: Workload, m: int) -> list[str]:
 
 def planner_times(opt, m: int) -> list[dict]:
     """What the planner measured at ``m``'s bucket (at the M that decided): every candidate's µs."""
-    return [{"at_m": r.m, "times": dict(r.times), "source": r.source}
+    return [{"at_m": f"{r.m} and {r.m_bucket}, mean" if r.both_ends else r.m, "times": dict(r.times),
+             "source": r.source}
             for region in fxfuse.report(opt).regions for r in region.measurements
             if r.m_bucket == choice_bucket(m) and not r.for_cuda_graph]
 
@@ -218,7 +219,8 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
            "first s = fxfuse's first call at "
            "that M (planning and tuning at a new bucket); planner's µs = what the planner measured for each "
            "candidate at the M that decided the bucket (the larger of GPU median and host time, see "
-           "`fxfuse.strategy.time_candidates`). slower = fxfuse above eager × "
+           "`fxfuse.strategy.time_candidates`; above 64 rows the mean of that M and the bucket's largest, "
+           "`fxfuse.strategy.times_bucket_top`). slower = fxfuse above eager × "
            f"{1 + EAGER_SLACK:.2f} in the median and in the fastest of the rounds; a point read slower is timed "
            "again after the shape's last M (fresh input, same modules) and the second reading decides: the host "
            "has slow stretches of seconds that double every variant's times (`bench_sweep.slower`, `recheck`); "

@@ -47,6 +47,7 @@ from .gated_mlp_training import gated_mlp
 from .gated_training import gated_form, gated_product, gated_training_enabled
 from .kernels import fastlaunch
 from .kernels.chain_backward_template import walks
+from .kernels.template import choice_bucket
 from .kernels.template import interpreting as _interpreting
 from .kernels.tuning import TuningDuringCapture
 from .spec import MLPSpec
@@ -64,6 +65,7 @@ from .strategy import (
     forget,
     kernel_candidates,
     measured_choice_enabled,
+    times_bucket_top,
 )
 
 __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
@@ -252,6 +254,20 @@ def _replay_steps(spec: str, strategy: str, cast_input: bool = False) -> int:
     return steps + (cast_input and strategy != FUSED_CHAIN)
 
 
+def _timing_runners(args: tuple, candidates: Sequence[str], replayed: bool) -> tuple[dict, Callable[[], Tensor]]:
+    """The planner's runners for ``args`` (strategy -> call, and the original ops), as their calls will run:
+    through a replay where ``replayed``."""
+    x, spec = args[0], args[-1]
+    cast_input = x.dtype is not args[1][0].dtype
+    runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
+    original = functools.partial(reference_mlp, *args)
+    if replayed:
+        for s in runners.keys() & set(_REPLAYED):
+            runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s, cast_input))
+        original = replay.replaying(x, functools.partial(_run_original, *args), 1)
+    return runners, original
+
+
 def _run_original(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
                   spec: str) -> Tensor:
     """:func:`reference_mlp`, leaving one replay step (its tensors held weakly) when a recording is open."""
@@ -298,17 +314,19 @@ def _dispatch(x, weights, biases, operands, spec):
         widths = (x.shape[-1], *(w.shape[0] for w in weights))
         candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, weights[0].element_size())
         if timed:
-            runners = {s: functools.partial(_run_kernels, *args, s) for s in candidates}
+            replayed = replay_key is not None  # timed as they will run: replayed after the first calls
+            runners, original = _timing_runners(args, candidates, replayed)
             path = 0.0
-            if replay_key is not None:  # timed as they will run: replayed after the first calls
-                for s in runners.keys() & set(_REPLAYED):
-                    runners[s] = replay.replaying(x, runners[s], _replay_steps(spec, s, cast_input))
-                if not torch.cuda.is_current_stream_capturing():  # the path a replayed call pays around them
-                    path = replay.path_us(replay_key, functools.partial(_try_replay, *args))
-            original = functools.partial(reference_mlp, *args)
-            if replay_key is not None:
-                original = replay.replaying(x, functools.partial(_run_original, *args), 1)
-            strategy = fastest(args, runners, original, path_us=path)
+            if replayed and not torch.cuda.is_current_stream_capturing():  # the path a replayed call pays
+                path = replay.path_us(replay_key, functools.partial(_try_replay, *args))
+            at_top = None
+            if times_bucket_top(m):
+                def at_top():  # the same runners on a random input of the bucket's largest M
+                    rng = torch.Generator(x.device).manual_seed(0)  # (the user's random stream is theirs)
+                    x_top = torch.randn(choice_bucket(m), x.shape[-1], dtype=x.dtype, device=x.device,
+                                        generator=rng)
+                    return _timing_runners((x_top, *args[1:]), candidates, replayed)
+            strategy = fastest(args, runners, original, path_us=path, at_top=at_top)
         else:
             strategy = candidates[0]
     if replay_key is not None and settled and strategy not in _REPLAYED:

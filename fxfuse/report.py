@@ -158,6 +158,7 @@ class RegionReport:
         if not self.widths:  # shapes unknown here: the measurements cannot be told apart
             return "—"
         cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket}"
+                 f"{' (mean of both ends)' if r.both_ends else ''}"
                  f"{' in a CUDA graph' if r.for_cuda_graph else ''} ({r.strategy if r.fused else 'original ops kept'})"
                  for r in self.measurements]
         return "; ".join(cells) or "not yet"

@@ -13,7 +13,7 @@ A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest kept (also on disk), so a
 region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
 both. Above 64 rows a bucket is timed at both ends (the call's M and the bucket's largest, on a random input)
-and the least sum wins: the tiled kernels' time steps with whole row tiles, cuBLAS's does not. A few rows
+and the least mean wins: the tiled kernels' time steps with whole row tiles, cuBLAS's does not. A few rows
 (M ≤ 16) choose between ``gemv`` and the library paths, more rows between ``tma``, ``triton`` and the library
 paths. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few
 rows, else ``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
@@ -38,7 +38,7 @@ from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stag
 from .kernels.template import bucket_range, choice_bucket
 from .kernels.tma_launch import tma_applicable
 from .replay import weak_step
-from .strategy import for_cuda_graphs
+from .strategy import for_cuda_graphs, mean_of_ends, times_bucket_top
 
 __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
@@ -91,7 +91,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
         runners = _runners(x, weights, biases, operands, epilogue, timed)
         if timed:
             at_top = None
-            if _times_the_top(M, key[2], x):
+            if times_bucket_top(M) and x.stride(1) == 1:
                 def at_top():  # built only if the stage is timed now (not from the disk cache, not in a capture)
                     rng = torch.Generator(x.device).manual_seed(0)  # (the user's random stream is theirs)
                     x_top = torch.randn(key[2], K, dtype=x.dtype, device=x.device, generator=rng)
@@ -132,26 +132,11 @@ def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, C
     return runners
 
 
-# Within this fraction of its bucket's largest M, a stage's first M stands for the whole bucket.
-TOP_TIMING_NEAR = 0.1
-
-
-def _times_the_top(m: int, bucket: int, x: Tensor) -> bool:
-    """Whether a stage's bucket is timed at its largest M too (on a random input), not only at the call's ``m``
-    rows: above 64 rows, unless ``m`` is within ``TOP_TIMING_NEAR`` of the top.
-
-    Above 64 rows the fused kernel's time is a step in M (whole 128-row tiles) while cuBLAS picks tiles for each
-    M, so the winner can change inside a bucket; a bucket planned at its first M alone kept that M's winner for
-    all of it (Llama's gate+up: cuBLAS by 1% at 392 rows, then 7% slower than the fused kernel at 512).
-    """
-    return m > 64 and bucket > m * (1 + TOP_TIMING_NEAR) and x.stride(1) == 1
-
-
 def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
              at_top: Optional[Callable[[], dict[str, Callable[[], Tensor]]]] = None, m: int = 0) -> str:
     """The stage's choice for ``key``: the fastest of ``runners`` (on the call's input, ``m`` rows), or, with
-    ``at_top`` (it builds the same runners on an input of the bucket's largest M), the fastest over both ends
-    of the bucket: the least sum of the two times, so a bucket is not left to whichever end it met first."""
+    ``at_top`` (it builds the same runners on an input of the bucket's largest M), the fastest in the mean over
+    both ends of the bucket (:func:`fxfuse.strategy.times_bucket_top`)."""
     from . import tuning_cache
     from .strategy import time_candidates
 
@@ -163,7 +148,7 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
     disk_key = f"stage {key[0]}:{key[1]} | M {bucket_range(key[2])} | K={key[3]} N={key[4]} | {dtype}" \
         + (" | CUDA graph" if key[-1] else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device_name)
-    summed = False
+    both_ends = False
     if stored is not None and all(s in runners for s, _ in stored.times):
         times = dict(stored.times)
     else:
@@ -172,12 +157,12 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
             top = time_candidates(f"stage {key[1]} (at M={key[2]}, the bucket's top)", key[2], at_top())
             log.info("fxfuse: stage %s at M=%d / %d: %s", key[1], m, key[2],
                      ", ".join(f"{s} {times[s]:.1f} / {top[s]:.1f} us" for s in times if s in top))
-            summed = any(s in top for s in times)
-            times = {s: times[s] + top[s] for s in times if s in top} or times
+            both_ends = any(s in top for s in times)
+            times = mean_of_ends(times, top) or times
         tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
     choice = _choices[key] = min(times, key=times.get)
     log.info("fxfuse: stage %s at M~%d, K=%d, N=%d%s: %s%s -> %s", key[1], key[2], key[3], key[4],
              " (for a CUDA graph: GPU time only)" if key[-1] else "",
              ", ".join(f"{s} {t:.1f} us" for s, t in sorted(times.items(), key=lambda kv: kv[1])),
-             f" (at M={m} + at M={key[2]})" if summed else "", choice)
+             f" (mean of M={m} and M={key[2]})" if both_ends else "", choice)
     return choice

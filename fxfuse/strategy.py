@@ -149,6 +149,7 @@ class Measurement:
     times: tuple[tuple[str, float], ...] = ()  # every candidate's time, fastest first
     for_cuda_graph: bool = False  # scored by GPU time alone, for a CUDA graph's replays
     skipped: tuple[tuple[str, float], ...] = ()  # candidates never built: (strategy, its predicted µs)
+    both_ends: bool = False  # the times are means over the deciding call's M and the bucket's largest M
 
     @property
     def fused(self) -> bool:
@@ -170,6 +171,36 @@ def measured_choice_enabled() -> bool:
     return autotune_enabled()
 
 
+# Within this fraction of its bucket's largest M, the first M of a bucket stands for all of it.
+TOP_TIMING_NEAR = 0.1
+
+
+def times_bucket_top(m: int) -> bool:
+    """Whether a choice first made at ``m`` rows is timed at its bucket's largest M too (on a random input), the
+    candidates then judged by their mean time over the two ends: above 64 rows, unless ``m`` is within
+    ``TOP_TIMING_NEAR`` of the top.
+
+    Above 64 rows a tiled kernel's time is a step in M (whole 128-row tiles) while cuBLAS picks its tiles for each
+    M, so the winner can change inside a bucket, and a bucket planned at its first M alone kept that M's winner for
+    all of it (Llama's gate+up: cuBLAS by 1% at 392 rows, then 7% slower than the fused kernel at 512).
+
+    Example:
+        >>> [times_bucket_top(m) for m in (16, 64, 65, 90, 300, 384, 392, 480)]
+        [False, False, True, False, True, False, True, False]
+    """
+    return m > 64 and choice_bucket(m) > m * (1 + TOP_TIMING_NEAR)
+
+
+def mean_of_ends(times: dict[str, float], at_top: dict[str, float]) -> dict[str, float]:
+    """Each candidate's mean time over a bucket's two ends (only those timed at both).
+
+    Example:
+        >>> mean_of_ends({"tma": 178.0, "torch": 168.0, "triton": 220.0}, {"tma": 181.7, "torch": 207.4})
+        {'tma': 179.85, 'torch': 187.7}
+    """
+    return {s: (t + at_top[s]) / 2 for s, t in times.items() if s in at_top}
+
+
 def choice_key(args: tuple) -> tuple:
     x, weights, _, _, spec = args
     m = x.numel() // x.shape[-1]
@@ -188,13 +219,16 @@ def forget(args: tuple, strategy: str) -> None:
 
 
 def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
-            run_reference: Callable[[], torch.Tensor], path_us: float = 0.0) -> str:
+            run_reference: Callable[[], torch.Tensor], path_us: float = 0.0,
+            at_top: Optional[Callable[[], tuple[dict, Callable[[], torch.Tensor]]]] = None) -> str:
     """The fastest of ``runners`` (strategy -> call) and the original ops, on inputs like ``args``.
 
     Timed once per key with ``triton.testing.do_bench`` (median) and remembered in memory and on disk.
     A candidate that raises is dropped (logged); inside a CUDA graph capture nothing can be timed, so the
     first candidate is returned and the choice is made on a later eager call. ``path_us``: host µs every call
-    pays besides the candidate (see :func:`time_candidates`).
+    pays besides the candidate (see :func:`time_candidates`). ``at_top`` (see :func:`times_bucket_top`) builds
+    the same runners and original ops on an input of the bucket's largest M; the candidates are then judged by
+    their mean time over the two ends.
     """
     key = choice_key(args)
     choice = _choices.get(key)
@@ -210,7 +244,7 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     skipped: dict[str, float] = {}
     shapes = ",".join("x".join(map(str, w.shape)) for w in weights)
     disk_key = f"{spec} | M {bucket_range(key[1])} | {shapes} | {dtype}" + \
-        (" | CUDA graph" if for_cuda_graphs() else "")
+        (" | CUDA graph" if for_cuda_graphs() else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device)
     if stored is not None and (stored.strategy in runners or stored.strategy == ORIGINAL_OPS):
         times, source = dict(stored.times), "tuning cache"
@@ -222,6 +256,15 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
                      for s, p in zip(everything, _predict(spec, widths, m, dtype, device, list(everything)))}
         times = time_candidates(spec, key[1], everything, path_us=path_us, predicted=predicted, skipped=skipped)
         source = "timed"
+        if at_top is not None:
+            top_runners, top_reference = at_top()
+            top = {s: r for s, r in {**top_runners, ORIGINAL_OPS: top_reference}.items() if s in times}
+            at_top_times = time_candidates(f"{spec} (at M={key[1]}, the bucket's top)", key[1], top,
+                                           path_us=path_us)
+            log.info("fxfuse: %s at M=%d / %d: %s", spec, m, key[1],
+                     ", ".join(f"{s} {t:.1f} / {at_top_times[s]:.1f} us" for s, t in times.items()
+                               if s in at_top_times))
+            times = mean_of_ends(times, at_top_times) or times
     best = min(times, key=times.get)
     if stored is None or source == "timed":
         tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times))
@@ -234,10 +277,11 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
                                  getattr(fused_pred, "predicted_us", None),
                                  getattr(original_pred, "predicted_us", None),
                                  getattr(fused_pred, "regime", ""), times=ranked, for_cuda_graph=key[-1],
-                                 skipped=tuple(skipped.items()))
+                                 skipped=tuple(skipped.items()), both_ends=at_top is not None)
     _choices[key] = best
-    log.info("fxfuse: %s at M~%d (%s%s): %s -> %s", spec, key[1], source,
+    log.info("fxfuse: %s at M~%d (%s%s%s): %s -> %s", spec, key[1], source,
              ", for a CUDA graph: GPU time only" if for_cuda_graphs() else "",
+             ", the mean of both ends" if at_top is not None else "",
              ", ".join(f"{s} {t:.1f} us" for s, t in ranked), best)
     return best
 
