@@ -95,8 +95,8 @@ def stage_impls(w: Workload, m: int) -> list[str]:
 
 def planner_times(opt, m: int) -> list[dict]:
     """What the planner measured at ``m``'s bucket (at the M that decided): every candidate's µs."""
-    return [{"at_m": f"{r.m} and {r.m_bucket}, mean" if r.both_ends else r.m, "times": dict(r.times),
-             "source": r.source}
+    return [{"at_m": r.m, "times": dict(r.times), "source": r.source, "top_times": dict(r.top_times),
+             "split": r.split}
             for region in fxfuse.report(opt).regions for r in region.measurements
             if r.m_bucket == choice_bucket(m) and not r.for_cuda_graph]
 
@@ -107,8 +107,12 @@ def running_cell(row: dict) -> str:
 
 
 def planner_cell(planned: list[dict]) -> str:
-    return "; ".join(", ".join(f"{k} {v:.1f}" for k, v in p["times"].items()) + f" (M={p['at_m']})"
-                     for p in planned) or "—"
+    def at(times: dict, m) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + f" (M={m})"
+
+    return "; ".join(at(p["times"], p["at_m"])
+                     + (f"; {at(p['top_times'], 'top')}" if p.get("top_times") else "")
+                     + (f": {p['split']}" if p.get("split") else "") for p in planned) or "—"
 
 
 def time_rounds(fns: dict, x: torch.Tensor, timer: Timer, rounds: int) -> dict[str, list[float]]:
@@ -219,8 +223,9 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
            "first s = fxfuse's first call at "
            "that M (planning and tuning at a new bucket); planner's µs = what the planner measured for each "
            "candidate at the M that decided the bucket (the larger of GPU median and host time, see "
-           "`fxfuse.strategy.time_candidates`; above 64 rows the mean of that M and the bucket's largest, "
-           "`fxfuse.strategy.times_bucket_top`). slower = fxfuse above eager × "
+           "`fxfuse.strategy.time_candidates`; above 64 rows also at the bucket's largest M, 'top', and where the "
+           "two ends' fastest differ, the M from which the second runs: `fxfuse.strategy.decide`). "
+           "slower = fxfuse above eager × "
            f"{1 + EAGER_SLACK:.2f} in the median and in the fastest of the rounds; a point read slower is timed "
            "again after the shape's last M (fresh input, same modules) and the second reading decides: the host "
            "has slow stretches of seconds that double every variant's times (`bench_sweep.slower`, `recheck`); "

@@ -157,11 +157,20 @@ class RegionReport:
         (``at M~1 in a CUDA graph``: planned by GPU time for a graph's replays)."""
         if not self.widths:  # shapes unknown here: the measurements cannot be told apart
             return "—"
-        cells = [f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket}"
-                 f"{' (mean of both ends)' if r.both_ends else ''}"
-                 f"{' in a CUDA graph' if r.for_cuda_graph else ''} ({r.strategy if r.fused else 'original ops kept'})"
+        cells = [f"{_at_ends(r)}{' in a CUDA graph' if r.for_cuda_graph else ''} "
+                 f"({r.split or (r.strategy if r.fused else 'original ops kept')})"
                  for r in self.measurements]
         return "; ".join(cells) or "not yet"
+
+
+def _at_ends(r: Measurement) -> str:
+    """Fused / original µs of a measurement at its bucket, or at both of its ends where both were timed."""
+    if not r.top_times:
+        return f"{FusedVsOriginal(r.fused_us, r.original_us)} at M~{r.m_bucket}"
+    top = dict(r.top_times)
+    fused_top = min((t for s, t in top.items() if s != ORIGINAL_OPS), default=math.inf)
+    return (f"{FusedVsOriginal(r.fused_us, r.original_us)} at M={r.m}, "
+            f"{FusedVsOriginal(fused_top, top.get(ORIGINAL_OPS, math.inf))} at M={r.m_bucket}")
 
 
 @dataclass

@@ -13,7 +13,8 @@ A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest kept (also on disk), so a
 region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
 both. Above 64 rows a bucket is timed at both ends (the call's M and the bucket's largest, on a random input)
-and the least mean wins: the tiled kernels' time steps with whole row tiles, cuBLAS's does not. A few rows
+and where the two ends' fastest differ, each runs on its side of the M where their times cross: the tiled
+kernels' time steps with whole row tiles, cuBLAS's grows with M. A few rows
 (M ≤ 16) choose between ``gemv`` and the library paths, more rows between ``tma``, ``triton`` and the library
 paths. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few
 rows, else ``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
@@ -38,7 +39,7 @@ from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stag
 from .kernels.template import bucket_range, choice_bucket
 from .kernels.tma_launch import tma_applicable
 from .replay import weak_step
-from .strategy import for_cuda_graphs, mean_of_ends, times_bucket_top
+from .strategy import Split, decide, for_cuda_graphs, resolve, times_bucket_top
 
 __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
@@ -48,12 +49,13 @@ STAGE_IMPLEMENTATIONS = ("gemv", "tma", "triton", "torch", "cublaslt")
 # Epilogues cuBLASLt fuses into the GEMM (with the bias): epilogue -> ``use_gelu`` of ``torch._addmm_activation``
 # (its GELU is the tanh approximation; without it, ReLU).
 _CUBLASLT_EPILOGUES = {"gelu_tanh(a0)": True, "relu(a0)": False}
-_choices: dict[tuple, str] = {}
+_choices: dict[tuple, str | Split] = {}
 
 
 def stage_choices() -> dict[tuple, str]:
-    """What each stage shape was measured to run with in this process (key: epilogue, M bucket, K, N, dtype)."""
-    return dict(_choices)
+    """What each stage shape was measured to run with in this process (key: epilogue, M bucket, K, N, dtype), e.g.
+    ``"tma"``, or ``"torch below M=426, tma from it"`` where the fastest changes inside the bucket."""
+    return {key: str(choice) for key, choice in _choices.items()}
 
 
 @functools.lru_cache(maxsize=512)
@@ -86,7 +88,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     (M, K), N = x.shape, weights[0].shape[0]
     key = (len(weights), epilogue, choice_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
            tuple(b is not None for b in biases), for_cuda_graphs())
-    choice = _choices.get(key) if timed else None
+    choice = resolve(_choices.get(key), M) if timed else None
     if choice is None:
         runners = _runners(x, weights, biases, operands, epilogue, timed)
         if timed:
@@ -134,9 +136,9 @@ def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, C
 
 def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
              at_top: Optional[Callable[[], dict[str, Callable[[], Tensor]]]] = None, m: int = 0) -> str:
-    """The stage's choice for ``key``: the fastest of ``runners`` (on the call's input, ``m`` rows), or, with
-    ``at_top`` (it builds the same runners on an input of the bucket's largest M), the fastest in the mean over
-    both ends of the bucket (:func:`fxfuse.strategy.times_bucket_top`)."""
+    """The stage's implementation at ``m`` rows, choosing for ``key``: the fastest of ``runners`` (on the call's
+    input), or, with ``at_top`` (it builds the same runners on an input of the bucket's largest M), a
+    :class:`fxfuse.strategy.Split` where the two ends' fastest differ (:func:`fxfuse.strategy.decide`)."""
     from . import tuning_cache
     from .strategy import time_candidates
 
@@ -148,21 +150,21 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
     disk_key = f"stage {key[0]}:{key[1]} | M {bucket_range(key[2])} | K={key[3]} N={key[4]} | {dtype}" \
         + (" | CUDA graph" if key[-1] else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device_name)
-    both_ends = False
-    if stored is not None and all(s in runners for s, _ in stored.times):
-        times = dict(stored.times)
+    if stored is not None and all(s in runners for s, _ in stored.times + stored.top_times):
+        times, top_times = dict(stored.times), dict(stored.top_times)
+        m_timed, top_m = (stored.m, stored.top_m) if top_times else (m, 0)
     else:
         times = time_candidates(f"stage {key[1]}", key[2], runners)
+        m_timed, top_m, top_times = m, 0, {}
         if at_top is not None:
-            top = time_candidates(f"stage {key[1]} (at M={key[2]}, the bucket's top)", key[2], at_top())
-            log.info("fxfuse: stage %s at M=%d / %d: %s", key[1], m, key[2],
-                     ", ".join(f"{s} {times[s]:.1f} / {top[s]:.1f} us" for s in times if s in top))
-            both_ends = any(s in top for s in times)
-            times = mean_of_ends(times, top) or times
-        tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
-    choice = _choices[key] = min(times, key=times.get)
+            top_m = key[2]
+            top_times = time_candidates(f"stage {key[1]} (at M={top_m}, the bucket's top)", top_m, at_top())
+        tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times, m_timed, top_m, top_times))
+    choice = _choices[key] = decide(times, m_timed, top_times, top_m)
     log.info("fxfuse: stage %s at M~%d, K=%d, N=%d%s: %s%s -> %s", key[1], key[2], key[3], key[4],
              " (for a CUDA graph: GPU time only)" if key[-1] else "",
              ", ".join(f"{s} {t:.1f} us" for s, t in sorted(times.items(), key=lambda kv: kv[1])),
-             f" (mean of M={m} and M={key[2]})" if both_ends else "", choice)
-    return choice
+             f" at M={m_timed}; at M={top_m}: " + ", ".join(
+                 f"{s} {t:.1f} us" for s, t in sorted(top_times.items(), key=lambda kv: kv[1])) if top_times else "",
+             choice)
+    return resolve(choice, m)

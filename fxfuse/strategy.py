@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -149,7 +150,8 @@ class Measurement:
     times: tuple[tuple[str, float], ...] = ()  # every candidate's time, fastest first
     for_cuda_graph: bool = False  # scored by GPU time alone, for a CUDA graph's replays
     skipped: tuple[tuple[str, float], ...] = ()  # candidates never built: (strategy, its predicted µs)
-    both_ends: bool = False  # the times are means over the deciding call's M and the bucket's largest M
+    top_times: tuple[tuple[str, float], ...] = ()  # every candidate's time at the bucket's largest M (both ends)
+    split: str = ""  # where the fastest changes inside the bucket (str of a Split), or ""
 
     @property
     def fused(self) -> bool:
@@ -176,13 +178,14 @@ TOP_TIMING_NEAR = 0.1
 
 
 def times_bucket_top(m: int) -> bool:
-    """Whether a choice first made at ``m`` rows is timed at its bucket's largest M too (on a random input), the
-    candidates then judged by their mean time over the two ends: above 64 rows, unless ``m`` is within
-    ``TOP_TIMING_NEAR`` of the top.
+    """Whether a choice first made at ``m`` rows is timed at its bucket's largest M too (on a random input), so
+    that a winner that changes inside the bucket is found (:func:`decide`): above 64 rows, unless ``m`` is
+    within ``TOP_TIMING_NEAR`` of the top.
 
     Above 64 rows a tiled kernel's time is a step in M (whole 128-row tiles) while cuBLAS picks its tiles for each
     M, so the winner can change inside a bucket, and a bucket planned at its first M alone kept that M's winner for
-    all of it (Llama's gate+up: cuBLAS by 1% at 392 rows, then 7% slower than the fused kernel at 512).
+    all of it (Llama's gate+up on an H100: cuBLAS 168 against the TMA kernel's 178 µs at 392 rows, 207 against
+    182 at 512).
 
     Example:
         >>> [times_bucket_top(m) for m in (16, 64, 65, 90, 300, 384, 392, 480)]
@@ -191,14 +194,55 @@ def times_bucket_top(m: int) -> bool:
     return m > 64 and choice_bucket(m) > m * (1 + TOP_TIMING_NEAR)
 
 
-def mean_of_ends(times: dict[str, float], at_top: dict[str, float]) -> dict[str, float]:
-    """Each candidate's mean time over a bucket's two ends (only those timed at both).
+@dataclass(frozen=True)
+class Split:
+    """A bucket timed at both ends whose fastest candidate differs between them: ``below`` under ``at_m`` rows,
+    ``above`` from ``at_m`` on.
 
     Example:
-        >>> mean_of_ends({"tma": 178.0, "torch": 168.0, "triton": 220.0}, {"tma": 181.7, "torch": 207.4})
-        {'tma': 179.85, 'torch': 187.7}
+        >>> s = Split("torch", "tma", 426); [s.pick(m) for m in (392, 426, 512)], str(s)
+        (['torch', 'tma', 'tma'], 'torch below M=426, tma from it')
     """
-    return {s: (t + at_top[s]) / 2 for s, t in times.items() if s in at_top}
+
+    below: str
+    above: str
+    at_m: int
+
+    def pick(self, m: int) -> str:
+        return self.above if m >= self.at_m else self.below
+
+    def __str__(self) -> str:
+        return f"{self.below} below M={self.at_m}, {self.above} from it"
+
+
+def decide(times: dict[str, float], m: int, top_times: Optional[dict[str, float]] = None,
+           top_m: int = 0) -> str | Split:
+    """The fastest of ``times`` (µs at ``m`` rows); given the times at the bucket's largest M too, a
+    :class:`Split` where the two ends' fastest differ, at the M where those two candidates' times cross (each
+    taken as linear in M between the ends: the tiled kernel's time is flat across one row tile, cuBLAS's grows).
+
+    Example:
+        >>> decide({"tma": 178.0, "torch": 168.0}, 392, {"tma": 181.7, "torch": 207.4}, 512)
+        Split(below='torch', above='tma', at_m=426)
+        >>> decide({"tma": 178.0, "torch": 168.0}, 392, {"tma": 190.0, "torch": 180.0}, 512)
+        'torch'
+    """
+    best = min(times, key=times.get)
+    common = [s for s in times if top_times and s in top_times]
+    if best not in common:
+        return best
+    best_top = min(common, key=top_times.get)
+    if best_top == best:
+        return best
+    gap_low = times[best_top] - times[best]  # >= 0: how far the top's winner is behind at m
+    gap_top = top_times[best] - top_times[best_top]  # > 0: how far the low end's winner is behind at the top
+    cross = m + (top_m - m) * gap_low / (gap_low + gap_top)
+    return Split(best, best_top, min(top_m, max(m + 1, math.ceil(cross))))
+
+
+def resolve(choice: str | Split | None, m: int) -> Optional[str]:
+    """The strategy a stored choice (a name or a :class:`Split`) runs at ``m`` rows."""
+    return choice.pick(m) if isinstance(choice, Split) else choice
 
 
 def choice_key(args: tuple) -> tuple:
@@ -210,7 +254,8 @@ def choice_key(args: tuple) -> tuple:
 
 def cached_choice(args: tuple) -> Optional[str]:
     """The strategy already chosen for inputs like ``args`` in this process (the forward path's lookup)."""
-    return _choices.get(choice_key(args))
+    x = args[0]
+    return resolve(_choices.get(choice_key(args)), x.numel() // x.shape[-1])
 
 
 def forget(args: tuple, strategy: str) -> None:
@@ -227,17 +272,17 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     A candidate that raises is dropped (logged); inside a CUDA graph capture nothing can be timed, so the
     first candidate is returned and the choice is made on a later eager call. ``path_us``: host µs every call
     pays besides the candidate (see :func:`time_candidates`). ``at_top`` (see :func:`times_bucket_top`) builds
-    the same runners and original ops on an input of the bucket's largest M; the candidates are then judged by
-    their mean time over the two ends.
+    the same runners and original ops on an input of the bucket's largest M, timed too: where the two ends'
+    fastest differ, the bucket keeps a :class:`Split` between them (:func:`decide`).
     """
     key = choice_key(args)
-    choice = _choices.get(key)
-    if choice is not None:
-        return choice
-    from . import tuning_cache
-
     x, weights, _, _, spec = args
     m = x.numel() // x.shape[-1]
+    choice = _choices.get(key)
+    if choice is not None:
+        return resolve(choice, m)
+    from . import tuning_cache
+
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     dtype = str(x.dtype).replace("torch.", "")
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
@@ -246,8 +291,11 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     disk_key = f"{spec} | M {bucket_range(key[1])} | {shapes} | {dtype}" + \
         (" | CUDA graph" if for_cuda_graphs() else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device)
-    if stored is not None and (stored.strategy in runners or stored.strategy == ORIGINAL_OPS):
+    top_times: dict[str, float] = {}
+    if stored is not None and {stored.strategy, *(s for s, _ in stored.top_times[:1])} <= {*runners, ORIGINAL_OPS}:
         times, source = dict(stored.times), "tuning cache"
+        top_times = dict(stored.top_times)
+        m_timed, top_m = (stored.m, stored.top_m) if top_times else (m, 0)
     elif x.is_cuda and torch.cuda.is_current_stream_capturing():
         return next(iter(runners))
     else:
@@ -256,34 +304,35 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
                      for s, p in zip(everything, _predict(spec, widths, m, dtype, device, list(everything)))}
         times = time_candidates(spec, key[1], everything, path_us=path_us, predicted=predicted, skipped=skipped)
         source = "timed"
+        m_timed, top_m = m, 0
         if at_top is not None:
             top_runners, top_reference = at_top()
             top = {s: r for s, r in {**top_runners, ORIGINAL_OPS: top_reference}.items() if s in times}
-            at_top_times = time_candidates(f"{spec} (at M={key[1]}, the bucket's top)", key[1], top,
-                                           path_us=path_us)
-            log.info("fxfuse: %s at M=%d / %d: %s", spec, m, key[1],
-                     ", ".join(f"{s} {t:.1f} / {at_top_times[s]:.1f} us" for s, t in times.items()
-                               if s in at_top_times))
-            times = mean_of_ends(times, at_top_times) or times
-    best = min(times, key=times.get)
+            top_m = key[1]
+            top_times = time_candidates(f"{spec} (at M={top_m}, the bucket's top)", top_m, top, path_us=path_us)
+    decision = decide(times, m_timed, top_times, top_m)
     if stored is None or source == "timed":
-        tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times))
+        tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times, m_timed, top_m, top_times))
     kernels = {s: t for s, t in times.items() if s != ORIGINAL_OPS}
     fused_strategy = min(kernels, key=kernels.get) if kernels else next(iter(runners))
     (fused_pred, original_pred) = _predict(spec, widths, m, dtype, device, (fused_strategy, ORIGINAL_OPS))
     ranked = tuple(sorted(times.items(), key=lambda kv: kv[1]))
-    _measured[key] = Measurement(spec, key[1], m, widths, dtype, device, fused_strategy,
+    _measured[key] = Measurement(spec, key[1], m_timed, widths, dtype, device, fused_strategy,
                                  kernels.get(fused_strategy, float("inf")), times[ORIGINAL_OPS], source,
                                  getattr(fused_pred, "predicted_us", None),
                                  getattr(original_pred, "predicted_us", None),
                                  getattr(fused_pred, "regime", ""), times=ranked, for_cuda_graph=key[-1],
-                                 skipped=tuple(skipped.items()), both_ends=at_top is not None)
-    _choices[key] = best
-    log.info("fxfuse: %s at M~%d (%s%s%s): %s -> %s", spec, key[1], source,
+                                 skipped=tuple(skipped.items()),
+                                 top_times=tuple(sorted(top_times.items(), key=lambda kv: kv[1])),
+                                 split=str(decision) if isinstance(decision, Split) else "")
+    _choices[key] = decision
+    log.info("fxfuse: %s at M~%d (%s%s): %s%s -> %s", spec, key[1], source,
              ", for a CUDA graph: GPU time only" if for_cuda_graphs() else "",
-             ", the mean of both ends" if at_top is not None else "",
-             ", ".join(f"{s} {t:.1f} us" for s, t in ranked), best)
-    return best
+             ", ".join(f"{s} {t:.1f} us" for s, t in ranked),
+             f"; at M={top_m}: " + ", ".join(f"{s} {t:.1f} us" for s, t in sorted(top_times.items(),
+                                                                                key=lambda kv: kv[1]))
+             if top_times else "", decision)
+    return resolve(decision, m)
 
 
 def host_us(run: Callable[[], object], calls: int = 10, bursts: int = 3) -> float:

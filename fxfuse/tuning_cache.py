@@ -50,13 +50,22 @@ _write_failed = False  # log an unwritable folder once per process
 
 @dataclass(frozen=True)
 class TunedChoice:
-    """One measured choice: the median µs of every candidate strategy, the original ops included."""
+    """One measured choice: the median µs of every candidate strategy, the original ops included; for a bucket
+    timed at both ends (:func:`fxfuse.strategy.times_bucket_top`) also the rows of each end and the times at
+    its largest M."""
 
     times: tuple[tuple[str, float], ...]  # (strategy, µs), fastest first
+    m: int = 0  # the rows ``times`` were measured at (with ``top_times``)
+    top_m: int = 0  # the bucket's largest M
+    top_times: tuple[tuple[str, float], ...] = ()  # (strategy, µs) at ``top_m``, fastest first
 
     @classmethod
-    def of(cls, times: dict[str, float]) -> TunedChoice:
-        return cls(tuple(sorted(times.items(), key=lambda kv: kv[1])))
+    def of(cls, times: dict[str, float], m: int = 0, top_m: int = 0,
+           top_times: Optional[dict[str, float]] = None) -> TunedChoice:
+        def ranked(d: dict[str, float]) -> tuple[tuple[str, float], ...]:
+            return tuple(sorted(d.items(), key=lambda kv: kv[1]))
+
+        return cls(ranked(times), m, top_m, ranked(top_times or {}))
 
     @property
     def strategy(self) -> str:
@@ -124,7 +133,9 @@ def _load() -> dict[str, TunedChoice]:
         log.warning("fxfuse: tuning cache %s has an unknown format; rebuilding it", path)
         return _entries
     try:
-        _entries.update({str(k): TunedChoice.of({str(s): float(t) for s, t in v["times"]})
+        _entries.update({str(k): TunedChoice.of({str(s): float(t) for s, t in v["times"]}, int(v.get("m", 0)),
+                                                int(v.get("top_m", 0)),
+                                                {str(s): float(t) for s, t in v.get("top_times", ())})
                          for k, v in data["entries"].items()})
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         _entries.clear()

@@ -152,9 +152,9 @@ def test_calls_planned_for_a_cuda_graph_are_scored_by_gpu_time_under_keys_of_the
         assert strategy.fastest(args, runners, lambda: None) == GEMM_EPILOGUE
 
 
-def test_a_region_bucket_is_decided_by_the_mean_over_both_ends(monkeypatch):
-    """Llama on an H100 (bench_sweep, 385-512 rows): at 392 rows the original ops beat the fused kernels by 3%,
-    at 512 the fused kernels win by 7%. Timed at the first M alone, the bucket kept the original ops for 512."""
+def test_a_region_bucket_whose_winner_changes_inside_it_is_split_where_the_times_cross(monkeypatch):
+    """Llama on an H100 (bench_sweep, 385-512 rows): at 392 rows the original ops beat the fused kernels, at 512
+    the fused kernels win by 7%. Timed at its first M alone, the bucket kept the original ops for 512."""
     ms = {}  # runner -> ms per call
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), ms[fn])[1])
     monkeypatch.setattr(strategy, "host_us", lambda fn, **kw: 0.0)
@@ -164,19 +164,28 @@ def test_a_region_bucket_is_decided_by_the_mean_over_both_ends(monkeypatch):
         ms.update({fused: fused_ms, original: original_ms})
         return {GEMM_EPILOGUE: fused}, original
 
-    args = make_args("1b:relu(a0);1b:a0", [24, 50, 24], lead=(392,))
+    def args(m: int) -> tuple:
+        return make_args("1b:relu(a0);1b:a0", [24, 50, 24], lead=(m,))
+
     built = []
     at_top = lambda: built.append(512) or runners(0.280, 0.300)  # noqa: E731
-    assert strategy.fastest(args, *runners(0.262, 0.2555), at_top=at_top) == GEMM_EPILOGUE and built == [512]
+    # Fused: 262 -> 280 µs, original: 255.5 -> 300 from 392 to 512 rows: they cross at 392 + 120 * 6.5 / 26.5.
+    assert strategy.fastest(args(392), *runners(0.262, 0.2555), at_top=at_top) == ORIGINAL_OPS and built == [512]
     (r,) = strategy.measurements()
-    assert r.both_ends and (r.fused_us, r.original_us) == (pytest.approx(271.0), pytest.approx(277.75))
-    # A first M near the top (within 10%) stands for its bucket: no second timing.
-    assert not strategy.times_bucket_top(480) and strategy.times_bucket_top(392)
-    # The next process reads the mean back under the both-ends key, and times nothing.
+    assert (r.m, r.fused_us, r.original_us) == (392, pytest.approx(262.0), pytest.approx(255.5))
+    assert r.split == f"{ORIGINAL_OPS} below M=422, {GEMM_EPILOGUE} from it"
+    assert dict(r.top_times) == {GEMM_EPILOGUE: pytest.approx(280.0), ORIGINAL_OPS: pytest.approx(300.0)}
+    # Every M of the bucket now runs its side's choice, timing nothing.
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    assert [strategy.cached_choice(args(m)) for m in (385, 421, 422, 512)] == [ORIGINAL_OPS, ORIGINAL_OPS,
+                                                                              GEMM_EPILOGUE, GEMM_EPILOGUE]
+    # The next process reads both ends back from the disk cache (its key says "both ends").
     monkeypatch.setattr(strategy, "_choices", {})
     tuning_cache.clear_loaded()
-    ms.clear()
-    assert strategy.fastest(args, *runners(1.0, 0.001), at_top=at_top) == GEMM_EPILOGUE and built == [512]
+    assert strategy.fastest(args(500), *runners(1.0, 0.001), at_top=at_top) == GEMM_EPILOGUE and built == [512]
+    assert strategy.cached_choice(args(400)) == ORIGINAL_OPS
+    # A first M near the top (within 10%) stands for its bucket; at most 64 rows, no bucket is timed twice.
+    assert [strategy.times_bucket_top(m) for m in (64, 65, 90, 392, 480)] == [False, True, False, True, False]
 
 
 @pytest.mark.parametrize("spec,widths,m,expected", [
@@ -324,11 +333,12 @@ def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
     assert stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=False).keys() <= {"tma", "triton"}
 
 
-@pytest.mark.parametrize("m, timed_top, chosen", [(100, True, "triton"), (120, False, "torch")])
+@pytest.mark.parametrize("m, timed_top, chosen", [(100, True, "torch below M=110, triton from it"),
+                                                  (120, False, "torch")])
 def test_a_stage_bucket_is_timed_at_both_ends(monkeypatch, caplog, m, timed_top, chosen):
-    """Above 64 rows a stage is timed at the call's M and at its bucket's largest M (128 for 97-128), and the
-    least sum wins: the library GEMM, faster at 100 rows, loses over the bucket to the kernel whose time the
-    top's full tiles keep. Within 10% of the top the first M stands for the bucket."""
+    """Above 64 rows a stage is timed at the call's M and at its bucket's largest M (128 for 97-128): the library
+    GEMM, faster at 100 rows, runs below the M where its time crosses the kernel's (flat over the row tile), the
+    kernel from there on. Within 10% of the top the first M stands for the bucket."""
     x, w, b = torch.randn(m, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
     timed_rows = []
 
@@ -342,16 +352,21 @@ def test_a_stage_bucket_is_timed_at_both_ends(monkeypatch, caplog, m, timed_top,
     with caplog.at_level(logging.INFO, logger="fxfuse.stages"):
         out, ran = stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)
     assert timed_rows == ([{m}, {128}] if timed_top else [{m}])
-    assert ran == chosen and list(stages.stage_choices().values()) == [chosen]
+    assert ran == "torch" and list(stages.stage_choices().values()) == [chosen]
     assert torch.equal(torch.get_rng_state(), rng_state)  # the top's random input leaves the user's stream alone
-    assert ("mean of M=100 and M=128" in caplog.text) == timed_top
+    assert ("at M=128: triton 10.0 us" in caplog.text) == timed_top
     ref = torch.nn.functional.gelu(x.double() @ w.double().T + b.double(), approximate="tanh")
     assert out.shape == (m, 48) and rel_err(out, ref) < TOL[torch.float32]
-    # The next process reads the summed choice from the disk cache (under a key of its own) and times nothing.
+    if timed_top:  # the bucket's other side: the kernel, timing nothing
+        x_top = torch.randn(126, 32)
+        assert stages.run_best_stage(x_top, [w], [b], [], "gelu_tanh(a0)", timed=True)[1] == "triton"
+        assert len(timed_rows) == 2
+    # The next process reads the choice from the disk cache (under a key of its own) and times nothing.
     monkeypatch.setattr(stages, "_choices", {})
     tuning_cache.clear_loaded()
     timed_rows.clear()
-    assert stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)[1] == chosen and not timed_rows
+    assert stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)[1] == "torch" and not timed_rows
+    assert list(stages.stage_choices().values()) == [chosen]
 
 
 def test_cublaslt_stage_only_on_cuda():

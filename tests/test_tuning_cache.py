@@ -38,6 +38,19 @@ def test_round_trip_through_the_file():
     assert [p.name for p in cache_path().parent.iterdir()] == ["tuning.json"]  # no temp file left
 
 
+def test_both_ends_round_trip_and_entries_written_before_them_still_load():
+    both = TunedChoice.of({"torch": 168.0, "tma": 178.0}, 392, 512, {"tma": 181.7, "torch": 207.4})
+    store(KEY + " | both ends", "NVIDIA H200", both)
+    tuning_cache.clear_loaded()
+    assert lookup(KEY + " | both ends", "NVIDIA H200") == both and both.top_times[0] == ("tma", 181.7)
+    # An entry of a file written before the both-ends fields: one end only.
+    data = json.loads(cache_path().read_text())
+    data["entries"] = {k.replace(" | both ends", ""): {"times": v["times"]} for k, v in data["entries"].items()}
+    cache_path().write_text(json.dumps(data))
+    tuning_cache.clear_loaded()
+    assert lookup(KEY, "NVIDIA H200") == TunedChoice.of({"torch": 168.0, "tma": 178.0})
+
+
 @pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 2, "entries": {"k": 3}}'])
 def test_corrupt_file_is_rebuilt_with_a_warning(content, caplog):
     cache_path().parent.mkdir(parents=True)
