@@ -96,7 +96,7 @@ def stage_impls(w: Workload, m: int) -> list[str]:
 def planner_times(opt, m: int) -> list[dict]:
     """What the planner measured at ``m``'s bucket (at the M that decided): every candidate's µs."""
     return [{"at_m": r.m, "times": dict(r.times), "source": r.source, "top_times": dict(r.top_times),
-             "split": r.split}
+             "split": str(r.split or "")}
             for region in fxfuse.report(opt).regions for r in region.measurements
             if r.m_bucket == choice_bucket(m) and not r.for_cuda_graph]
 

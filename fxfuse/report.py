@@ -100,8 +100,13 @@ class RegionReport:
             found = [r for r in found if r.m_bucket == choice_bucket(m)]
         if not found or not self.stages:
             return self.strategy
-        cells = [_with_launches(r.strategy, 1 if r.strategy in ONE_LAUNCH else self.stages) if r.fused
-                 else "original ops" for r in found]
+        def cell(strategy: str) -> str:
+            return "original ops" if strategy == ORIGINAL_OPS else \
+                _with_launches(strategy, 1 if strategy in ONE_LAUNCH else self.stages)
+
+        cells = [cell(r.split.pick(m)) if r.split and m is not None
+                 else f"{cell(r.split.below)} below M={r.split.at_m}, {cell(r.split.above)} from it" if r.split
+                 else cell(r.strategy if r.fused else ORIGINAL_OPS) for r in found]
         if len(found) == 1:
             return cells[0]
         return "; ".join(f"{c} at M~{r.m_bucket}" for c, r in zip(cells, found))

@@ -131,6 +131,27 @@ _measured: dict[tuple, Measurement] = {}
 
 
 @dataclass(frozen=True)
+class Split:
+    """A bucket timed at both ends whose fastest candidate differs between them: ``below`` under ``at_m`` rows,
+    ``above`` from ``at_m`` on.
+
+    Example:
+        >>> s = Split("torch", "tma", 426); [s.pick(m) for m in (392, 426, 512)], str(s)
+        (['torch', 'tma', 'tma'], 'torch below M=426, tma from it')
+    """
+
+    below: str
+    above: str
+    at_m: int
+
+    def pick(self, m: int) -> str:
+        return self.above if m >= self.at_m else self.below
+
+    def __str__(self) -> str:
+        return f"{self.below} below M={self.at_m}, {self.above} from it"
+
+
+@dataclass(frozen=True)
 class Measurement:
     """The fused kernels vs the original ops of one region shape, timed (or read from the tuning cache)."""
 
@@ -151,7 +172,7 @@ class Measurement:
     for_cuda_graph: bool = False  # scored by GPU time alone, for a CUDA graph's replays
     skipped: tuple[tuple[str, float], ...] = ()  # candidates never built: (strategy, its predicted µs)
     top_times: tuple[tuple[str, float], ...] = ()  # every candidate's time at the bucket's largest M (both ends)
-    split: str = ""  # where the fastest changes inside the bucket (str of a Split), or ""
+    split: Optional[Split] = None  # where the fastest changes inside the bucket (timed at both ends)
 
     @property
     def fused(self) -> bool:
@@ -192,27 +213,6 @@ def times_bucket_top(m: int) -> bool:
         [False, False, True, False, True, False, True, False]
     """
     return m > 64 and choice_bucket(m) > m * (1 + TOP_TIMING_NEAR)
-
-
-@dataclass(frozen=True)
-class Split:
-    """A bucket timed at both ends whose fastest candidate differs between them: ``below`` under ``at_m`` rows,
-    ``above`` from ``at_m`` on.
-
-    Example:
-        >>> s = Split("torch", "tma", 426); [s.pick(m) for m in (392, 426, 512)], str(s)
-        (['torch', 'tma', 'tma'], 'torch below M=426, tma from it')
-    """
-
-    below: str
-    above: str
-    at_m: int
-
-    def pick(self, m: int) -> str:
-        return self.above if m >= self.at_m else self.below
-
-    def __str__(self) -> str:
-        return f"{self.below} below M={self.at_m}, {self.above} from it"
 
 
 def decide(times: dict[str, float], m: int, top_times: Optional[dict[str, float]] = None,
@@ -324,7 +324,7 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
                                  getattr(fused_pred, "regime", ""), times=ranked, for_cuda_graph=key[-1],
                                  skipped=tuple(skipped.items()),
                                  top_times=tuple(sorted(top_times.items(), key=lambda kv: kv[1])),
-                                 split=str(decision) if isinstance(decision, Split) else "")
+                                 split=decision if isinstance(decision, Split) else None)
     _choices[key] = decision
     log.info("fxfuse: %s at M~%d (%s%s): %s%s -> %s", spec, key[1], source,
              ", for a CUDA graph: GPU time only" if for_cuda_graphs() else "",

@@ -173,7 +173,7 @@ def test_a_region_bucket_whose_winner_changes_inside_it_is_split_where_the_times
     assert strategy.fastest(args(392), *runners(0.262, 0.2555), at_top=at_top) == ORIGINAL_OPS and built == [512]
     (r,) = strategy.measurements()
     assert (r.m, r.fused_us, r.original_us) == (392, pytest.approx(262.0), pytest.approx(255.5))
-    assert r.split == f"{ORIGINAL_OPS} below M=422, {GEMM_EPILOGUE} from it"
+    assert str(r.split) == f"{ORIGINAL_OPS} below M=422, {GEMM_EPILOGUE} from it"
     assert dict(r.top_times) == {GEMM_EPILOGUE: pytest.approx(280.0), ORIGINAL_OPS: pytest.approx(300.0)}
     # Every M of the bucket now runs its side's choice, timing nothing.
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
@@ -184,6 +184,12 @@ def test_a_region_bucket_whose_winner_changes_inside_it_is_split_where_the_times
     tuning_cache.clear_loaded()
     assert strategy.fastest(args(500), *runners(1.0, 0.001), at_top=at_top) == GEMM_EPILOGUE and built == [512]
     assert strategy.cached_choice(args(400)) == ORIGINAL_OPS
+    # What the report says runs at each M of the bucket.
+    from fxfuse.report import RegionReport
+    region = RegionReport("mlp", "mlp", r.spec, GEMM_EPILOGUE, widths=r.widths, dtype=r.dtype, stages=2)
+    assert [region.running_at(m) for m in (400, 500)] == ["original ops", "gemm_epilogue (2 launches)"]
+    assert region.running_at(None) == "original ops below M=422, gemm_epilogue (2 launches) from it"
+    assert "at M=392, 280.0 / 300.0 at M=512 (original_ops below M=422" in region.measured_cell()
     # A first M near the top (within 10%) stands for its bucket; at most 64 rows, no bucket is timed twice.
     assert [strategy.times_bucket_top(m) for m in (64, 65, 90, 392, 480)] == [False, True, False, True, False]
 
