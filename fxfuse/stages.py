@@ -39,7 +39,7 @@ from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stag
 from .kernels.template import bucket_range, choice_bucket
 from .kernels.tma_launch import tma_applicable
 from .replay import weak_step
-from .strategy import Split, decide, for_cuda_graphs, resolve, times_bucket_top
+from .strategy import Split, decide, for_cuda_graphs, resolve, timed_at_top, times_bucket_top
 
 __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
@@ -157,8 +157,9 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
         times = time_candidates(f"stage {key[1]}", key[2], runners)
         m_timed, top_m, top_times = m, 0, {}
         if at_top is not None:
-            top_m = key[2]
-            top_times = time_candidates(f"stage {key[1]} (at M={top_m}, the bucket's top)", top_m, at_top())
+            top_times = timed_at_top(lambda: time_candidates(f"stage {key[1]} (at M={key[2]}, the bucket's top)",
+                                                             key[2], at_top()), f"stage {key[1]}", key[2])
+            top_m = key[2] if top_times else 0
         tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times, m_timed, top_m, top_times))
     choice = _choices[key] = decide(times, m_timed, top_times, top_m)
     log.info("fxfuse: stage %s at M~%d, K=%d, N=%d%s: %s%s -> %s", key[1], key[2], key[3], key[4],

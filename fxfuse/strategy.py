@@ -240,6 +240,17 @@ def decide(times: dict[str, float], m: int, top_times: Optional[dict[str, float]
     return Split(best, best_top, min(top_m, max(m + 1, math.ceil(cross))))
 
 
+def timed_at_top(time_top: Callable[[], dict[str, float]], what: str, top_m: int) -> dict[str, float]:
+    """``time_top()`` (the candidates timed at a bucket's largest M), or nothing where that input and its outputs
+    do not fit in the GPU's memory: the call's own M then decides for the bucket (logged)."""
+    try:
+        return time_top()
+    except torch.OutOfMemoryError:
+        log.info("fxfuse: %s not timed at M=%d (out of GPU memory there); its first M decides the bucket", what,
+                 top_m)
+        return {}
+
+
 def resolve(choice: str | Split | None, m: int) -> Optional[str]:
     """The strategy a stored choice (a name or a :class:`Split`) runs at ``m`` rows."""
     return choice.pick(m) if isinstance(choice, Split) else choice
@@ -306,10 +317,13 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
         source = "timed"
         m_timed, top_m = m, 0
         if at_top is not None:
-            top_runners, top_reference = at_top()
-            top = {s: r for s, r in {**top_runners, ORIGINAL_OPS: top_reference}.items() if s in times}
-            top_m = key[1]
-            top_times = time_candidates(f"{spec} (at M={top_m}, the bucket's top)", top_m, top, path_us=path_us)
+            def time_top() -> dict[str, float]:
+                top_runners, top_reference = at_top()
+                top = {s: r for s, r in {**top_runners, ORIGINAL_OPS: top_reference}.items() if s in times}
+                return time_candidates(f"{spec} (at M={key[1]}, the bucket's top)", key[1], top, path_us=path_us)
+
+            top_times = timed_at_top(time_top, spec, key[1])
+            top_m = key[1] if top_times else 0
     decision = decide(times, m_timed, top_times, top_m)
     if stored is None or source == "timed":
         tuning_cache.store(disk_key, device, tuning_cache.TunedChoice.of(times, m_timed, top_m, top_times))

@@ -375,6 +375,20 @@ def test_a_stage_bucket_is_timed_at_both_ends(monkeypatch, caplog, m, timed_top,
     assert list(stages.stage_choices().values()) == [chosen]
 
 
+def test_a_bucket_top_that_does_not_fit_in_memory_leaves_the_first_m_to_decide(monkeypatch, caplog):
+    x, w, b = torch.randn(100, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+
+    def fake_times(what, bucket, runners, **kw):
+        if "top" in what:
+            raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+        return {name: {"triton": 10.0, "torch": 9.0}.get(name, 50.0) for name in runners}
+
+    monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    with caplog.at_level(logging.INFO, logger="fxfuse.strategy"):
+        assert stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)[1] == "torch"
+    assert list(stages.stage_choices().values()) == ["torch"] and "out of GPU memory there" in caplog.text
+
+
 def test_cublaslt_stage_only_on_cuda():
     """On the CPU ATen's ``_addmm_activation(use_gelu=True)`` is the erf GELU, so it is never a candidate there."""
     x, w, b = torch.randn(40, 32), torch.randn(48, 32), torch.randn(48)
