@@ -14,10 +14,11 @@ On a GPU each is timed once per (stage, M bucket, shapes, dtype) and the fastest
 region whose first GEMM is fastest with the fused epilogue and whose second is fastest in cuBLAS gets
 both. Above 64 rows a bucket is timed at both ends (the call's M and the bucket's largest, on a random input)
 and where the two ends' fastest differ, each runs on its side of the M where their times cross: the tiled
-kernels' time steps with whole row tiles, cuBLAS's grows with M. A few rows
-(M ≤ 16) choose between ``gemv`` and the library paths, more rows between ``tma``, ``triton`` and the library
-paths. Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few
-rows, else ``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
+kernels' time steps with whole row tiles, cuBLAS's grows with M. A few rows (M ≤ 16) choose between ``gemv``
+and the library paths, more rows between ``tma``, ``triton`` and the library paths (16-bit stages of
+``TMA_ONLY_FROM_M`` rows or more that the TMA kernel takes: ``tma`` and the library paths). Without timing
+(``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else ``tma`` where it applies,
+else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 
 Example:
     >>> h, ran = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
@@ -50,6 +51,11 @@ STAGE_IMPLEMENTATIONS = ("gemv", "tma", "triton", "torch", "cublaslt")
 # (its GELU is the tanh approximation; without it, ReLU).
 _CUBLASLT_EPILOGUES = {"gelu_tanh(a0)": True, "relu(a0)": False}
 _choices: dict[tuple, str | Split] = {}
+# From this many rows a 16-bit stage the TMA kernel takes does not time the pointer kernel: it was the fastest of
+# no such stage measured (H100, session 28: seed, gpt2 and Llama stages at 4096 and 8192 rows; the TMA kernel,
+# cuBLAS or cuBLASLt was), and compiling and tuning it took 3.6 of seed_geglu's 9.6 s first call. (At 2048 rows it
+# still won seed's gate+up, whose TMA launch was host-bound when timed outside a replay.)
+TMA_ONLY_FROM_M = 4096
 
 
 def stage_choices() -> dict[tuple, str]:
@@ -122,9 +128,11 @@ def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, C
         # A few rows: the weight-streaming kernel; the GEMM kernels' 64-128-row tiles would mostly multiply padding.
         runners["gemv"] = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False)
     else:
-        if tma_applicable(x, weights):
+        tma = tma_applicable(x, weights)
+        if tma:
             runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)
-        runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
+        if not (tma and timed and x.shape[0] >= TMA_ONLY_FROM_M and x.element_size() == 2):
+            runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
     if timed:
         runners["torch"] = functools.partial(_torch_stage, x, weights, biases, operands, epilogue)
         # CUDA only: on the CPU ATen's use_gelu is the exact (erf) GELU, not the tanh one.

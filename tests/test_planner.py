@@ -389,6 +389,23 @@ def test_a_bucket_top_that_does_not_fit_in_memory_leaves_the_first_m_to_decide(m
     assert list(stages.stage_choices().values()) == ["torch"] and "out of GPU memory there" in caplog.text
 
 
+def test_large_16_bit_stages_the_tma_kernel_takes_do_not_time_the_pointer_kernel(monkeypatch):
+    """From TMA_ONLY_FROM_M rows the pointer kernel never won a 16-bit stage the TMA kernel takes; compiling and
+    tuning it was a third of the first call."""
+    monkeypatch.setattr(stages, "tma_applicable", lambda x, weights: True)
+
+    def kinds(m: int, dtype=torch.float16, timed: bool = True) -> set[str]:
+        w = torch.randn(48, 32, dtype=dtype)
+        return set(stages._runners(torch.randn(m, 32, dtype=dtype), [w], [None], [], "relu(a0)", timed=timed))
+
+    assert kinds(stages.TMA_ONLY_FROM_M) == {"tma", "torch"}
+    assert kinds(stages.TMA_ONLY_FROM_M - 1) == {"tma", "triton", "torch"}
+    assert kinds(stages.TMA_ONLY_FROM_M, torch.float32) == {"tma", "triton", "torch"}  # no fp32 data: both
+    assert kinds(stages.TMA_ONLY_FROM_M, timed=False) == {"tma", "triton"}  # untimed: the first runs
+    monkeypatch.setattr(stages, "tma_applicable", lambda x, weights: False)
+    assert kinds(stages.TMA_ONLY_FROM_M) == {"triton", "torch"}
+
+
 def test_cublaslt_stage_only_on_cuda():
     """On the CPU ATen's ``_addmm_activation(use_gelu=True)`` is the erf GELU, so it is never a candidate there."""
     x, w, b = torch.randn(40, 32), torch.randn(48, 32), torch.randn(48)
