@@ -432,6 +432,21 @@ def test_stage_kernels_are_timed_as_replayed_while_their_region_records():
     assert {n for n in replayed if getattr(replayed[n], "__name__", "") == "runner"} == plain.keys() - {"torch"}
 
 
+def test_a_stage_timed_inside_its_regions_recording_is_scored_by_gpu_time(monkeypatch):
+    x, w, b = torch.randn(100, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+    scored = []
+
+    def fake_times(what, bucket, runners, gpu_only=False, **kw):
+        scored.append(gpu_only)
+        return {name: 1.0 for name in runners}
+
+    monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)
+    with fastlaunch.recording():
+        stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)  # a key of its own: timed again
+    assert scored == [False, False, True, True]  # (each at both ends of the 97-128 bucket)
+
+
 def test_cublaslt_stage_only_on_cuda():
     """On the CPU ATen's ``_addmm_activation(use_gelu=True)`` is the erf GELU, so it is never a candidate there."""
     x, w, b = torch.randn(40, 32), torch.randn(48, 32), torch.randn(48)
