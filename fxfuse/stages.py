@@ -96,16 +96,14 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
            tuple(b is not None for b in biases), for_cuda_graphs())
     choice = resolve(_choices.get(key), M) if timed else None
     if choice is None:
-        # A region being recorded for replays will run its stages as their recorded steps: time them so.
-        replayed = timed and fastlaunch.recording_open()
-        runners = _runners(x, weights, biases, operands, epilogue, timed, replayed)
+        runners = _runners(x, weights, biases, operands, epilogue, timed)
         if timed:
             at_top = None
             if times_bucket_top(M) and x.stride(1) == 1:
                 def at_top():  # built only if the stage is timed now (not from the disk cache, not in a capture)
                     rng = torch.Generator(x.device).manual_seed(0)  # (the user's random stream is theirs)
                     x_top = torch.randn(key[2], K, dtype=x.dtype, device=x.device, generator=rng)
-                    return _runners(x_top, weights, biases, operands, epilogue, timed, replayed)
+                    return _runners(x_top, weights, biases, operands, epilogue, timed)
             choice = _measure(key, runners, at_top, M)
         else:
             choice = next(iter(runners))
@@ -124,38 +122,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     return impl(x, weights, biases, operands, epilogue), choice
 
 
-def _runners(x, weights, biases, operands, epilogue, timed: bool,
-             replayed: bool = False) -> dict[str, Callable[[], Tensor]]:
-    """The stage's implementations on ``x`` (name -> call); ``replayed``: the kernels as their replay steps."""
-    runners = _implementations(x, weights, biases, operands, epilogue, timed)
-    if replayed:
-        for name in runners.keys() & {"gemv", "tma", "triton"}:
-            runners[name] = _as_replayed(runners[name], x)
-    return runners
-
-
-def _as_replayed(run: Callable[[], Tensor], x: Tensor) -> Callable[[], Tensor]:
-    """``run`` as a replay calls it once its first call has left a step (:mod:`fxfuse.replay`): the bound launch
-    alone, without the launch path's checks and argument building. Outside a replay a TMA launch's host path
-    (three descriptors, Triton's descriptor arguments) cost ~85-110 µs per call on an H100's host against ~45 for
-    the pointer kernel, and decided mid-size stages by that (seed's gate+up at 2048 rows: the pointer kernel's
-    46.7 against the TMA kernel's 72.9 µs, host-bound)."""
-    step: Optional[Callable[[Tensor], Tensor]] = None
-
-    def runner() -> Tensor:
-        nonlocal step
-        if step is not None:
-            return step(x)
-        with fastlaunch.recording() as steps:  # (nested in the region's: its own steps)
-            out = run()
-        if len(steps) == 1 and steps[0] is not None:
-            step = steps[0]
-        return out
-
-    return runner
-
-
-def _implementations(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
+def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
     runners: dict[str, Callable[[], Tensor]] = {}
     if x.shape[0] <= GEMV_MAX_M:
         # A few rows: the weight-streaming kernel; the GEMM kernels' 64-128-row tiles would mostly multiply padding.
