@@ -13,10 +13,11 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
   original ops (:mod:`fxfuse.stages`).
 
 On a GPU each candidate and the original ops are timed once per shape bucket and the fastest runs
-(:func:`fastest`), so fusing never makes a region slower; a candidate the cost model puts above twice the best
-time measured before it is not even built (``SKIP_ABOVE_BEST``); without timing (``FXFUSE_AUTOTUNE=0``, the
-interpreter) the first candidate runs. :func:`choose_strategy` is that first candidate, which the report shows
-before anything was measured.
+(:func:`fastest`), so fusing never makes a region slower; above 64 rows a bucket is timed at its largest M too,
+and split where its fastest changes (:func:`times_bucket_top`, :func:`decide`); a candidate the cost model puts
+above twice the best time measured before it is not even built (``SKIP_ABOVE_BEST``); without timing
+(``FXFUSE_AUTOTUNE=0``, the interpreter) the first candidate runs. :func:`choose_strategy` is that first
+candidate, which the report shows before anything was measured.
 
 Example:
     >>> from fxfuse.spec import MLPSpec
@@ -126,7 +127,7 @@ def launches(spec: MLPSpec, strategy: str) -> int:
 # so fusing never makes a region slower than it was. Keyed by (spec, M bucket, weight shapes, dtype,
 # device); the choice is also kept on disk (fxfuse.tuning_cache), the times and the cost model's
 # prediction in _measured (for the report).
-_choices: dict[tuple, str] = {}
+_choices: dict[tuple, str | Split] = {}
 _measured: dict[tuple, Measurement] = {}
 
 
