@@ -266,8 +266,11 @@ def choice_key(args: tuple) -> tuple:
 
 def cached_choice(args: tuple) -> Optional[str]:
     """The strategy already chosen for inputs like ``args`` in this process (the forward path's lookup)."""
-    x = args[0]
-    return resolve(_choices.get(choice_key(args)), x.numel() // x.shape[-1])
+    choice = _choices.get(choice_key(args))
+    if type(choice) is Split:  # (rows counted only for a split bucket: this runs on every unreplayed call)
+        x = args[0]
+        return choice.pick(x.numel() // x.shape[-1])
+    return choice
 
 
 def forget(args: tuple, strategy: str) -> None:
