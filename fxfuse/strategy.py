@@ -13,10 +13,11 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
   original ops (:mod:`fxfuse.stages`).
 
 On a GPU each candidate and the original ops are timed once per shape bucket and the fastest runs
-(:func:`fastest`), so fusing never makes a region slower; a candidate the cost model puts above twice the best
-time measured before it is not even built (``SKIP_ABOVE_BEST``); without timing (``FXFUSE_AUTOTUNE=0``, the
-interpreter) the first candidate runs. :func:`choose_strategy` is that first candidate, which the report shows
-before anything was measured.
+(:func:`fastest`), so fusing never makes a region slower; above 64 rows a bucket is timed at its largest M too,
+and split where its fastest changes (:func:`times_bucket_top`, :func:`decide`); a candidate the cost model puts
+above twice the best time measured before it is not even built (``SKIP_ABOVE_BEST``); without timing
+(``FXFUSE_AUTOTUNE=0``, the interpreter) the first candidate runs. :func:`choose_strategy` is that first
+candidate, which the report shows before anything was measured.
 
 Example:
     >>> from fxfuse.spec import MLPSpec
@@ -48,9 +49,9 @@ from .kernels.template import autotune_enabled, bucket_range, choice_bucket
 from .spec import MLPSpec
 
 __all__ = ["DECODE", "DECODE_GRID_SYNC", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ONE_LAUNCH",
-           "ORIGINAL_OPS", "Measurement", "choose_strategy", "fastest", "for_cuda_graphs", "kernel_candidates",
-           "kernels_are_faster", "launches", "measured_choice_enabled", "measurements", "scoring_for_cuda_graphs",
-           "time_candidates"]
+           "ORIGINAL_OPS", "Measurement", "Split", "choose_strategy", "decide", "fastest", "for_cuda_graphs",
+           "kernel_candidates", "kernels_are_faster", "launches", "measured_choice_enabled", "measurements", "resolve",
+           "scoring_for_cuda_graphs", "time_candidates", "timed_at_top", "times_bucket_top", "top_input"]
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def launches(spec: MLPSpec, strategy: str) -> int:
 # so fusing never makes a region slower than it was. Keyed by (spec, M bucket, weight shapes, dtype,
 # device); the choice is also kept on disk (fxfuse.tuning_cache), the times and the cost model's
 # prediction in _measured (for the report).
-_choices: dict[tuple, str] = {}
+_choices: dict[tuple, str | Split] = {}
 _measured: dict[tuple, Measurement] = {}
 
 
@@ -240,6 +241,13 @@ def decide(times: dict[str, float], m: int, top_times: Optional[dict[str, float]
     return Split(best, best_top, min(top_m, max(m + 1, math.ceil(cross))))
 
 
+def top_input(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A random ``[rows, like.shape[-1]]`` input in ``like``'s dtype and device, to time a bucket's largest M: from a
+    generator of its own (the user's random stream is theirs)."""
+    rng = torch.Generator(like.device).manual_seed(0)
+    return torch.randn(rows, like.shape[-1], dtype=like.dtype, device=like.device, generator=rng)
+
+
 def timed_at_top(time_top: Callable[[], dict[str, float]], what: str, top_m: int) -> dict[str, float]:
     """``time_top()`` (the candidates timed at a bucket's largest M), or nothing where that input and its outputs
     do not fit in the GPU's memory: the call's own M then decides for the bucket (logged)."""
@@ -265,8 +273,11 @@ def choice_key(args: tuple) -> tuple:
 
 def cached_choice(args: tuple) -> Optional[str]:
     """The strategy already chosen for inputs like ``args`` in this process (the forward path's lookup)."""
-    x = args[0]
-    return resolve(_choices.get(choice_key(args)), x.numel() // x.shape[-1])
+    choice = _choices.get(choice_key(args))
+    if type(choice) is Split:  # (rows counted only for a split bucket: this runs on every unreplayed call)
+        x = args[0]
+        return choice.pick(x.numel() // x.shape[-1])
+    return choice
 
 
 def forget(args: tuple, strategy: str) -> None:
