@@ -92,16 +92,18 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     lets a small-M launch start loading its weights early (:func:`fxfuse.kernels.run_stage_gemv`).
     """
     (M, K), N = x.shape, weights[0].shape[0]
+    # A region being recorded for replays will run its stages as their recorded steps: time them so.
+    replayed = timed and fastlaunch.recording_open()
     key = (len(weights), epilogue, choice_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
-           tuple(b is not None for b in biases), for_cuda_graphs())
+           tuple(b is not None for b in biases), replayed, for_cuda_graphs())
     choice = resolve(_choices.get(key), M) if timed else None
     if choice is None:
-        runners = _runners(x, weights, biases, operands, epilogue, timed)
+        runners = _runners(x, weights, biases, operands, epilogue, timed, replayed)
         if timed:
             at_top = None
             if times_bucket_top(M) and x.stride(1) == 1:
                 def at_top():  # built only if the stage is timed now (not from the disk cache, not in a capture)
-                    return _runners(top_input(key[2], x), weights, biases, operands, epilogue, timed)
+                    return _runners(top_input(key[2], x), weights, biases, operands, epilogue, timed, replayed)
             choice = _measure(key, runners, at_top, M)
         else:
             choice = next(iter(runners))
@@ -120,7 +122,38 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     return impl(x, weights, biases, operands, epilogue), choice
 
 
-def _runners(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
+def _runners(x, weights, biases, operands, epilogue, timed: bool,
+             replayed: bool = False) -> dict[str, Callable[[], Tensor]]:
+    """The stage's implementations on ``x`` (name -> call); ``replayed``: the kernels as their replay steps."""
+    runners = _implementations(x, weights, biases, operands, epilogue, timed)
+    if replayed:
+        for name in runners.keys() & {"gemv", "tma", "triton"}:
+            runners[name] = _as_replayed(runners[name], x)
+    return runners
+
+
+def _as_replayed(run: Callable[[], Tensor], x: Tensor) -> Callable[[], Tensor]:
+    """``run`` as a replay calls it once its first call has left a step (:mod:`fxfuse.replay`): the bound launch
+    alone, without the launch path's checks and argument building. Outside a replay a TMA launch's host path
+    (three descriptors, Triton's descriptor arguments) cost ~85-110 µs per call on an H100's host against ~45 for
+    the pointer kernel, and decided mid-size stages by that (seed's gate+up at 2048 rows: the pointer kernel's
+    46.7 against the TMA kernel's 72.9 µs, host-bound)."""
+    step: Optional[Callable[[Tensor], Tensor]] = None
+
+    def runner() -> Tensor:
+        nonlocal step
+        if step is not None:
+            return step(x)
+        with fastlaunch.recording() as steps:  # (nested in the region's: its own steps)
+            out = run()
+        if len(steps) == 1 and steps[0] is not None:
+            step = steps[0]
+        return out
+
+    return runner
+
+
+def _implementations(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
     runners: dict[str, Callable[[], Tensor]] = {}
     if x.shape[0] <= GEMV_MAX_M:
         # A few rows: the weight-streaming kernel; the GEMM kernels' 64-128-row tiles would mostly multiply padding.
@@ -154,17 +187,18 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     dtype = str(x_dtype).replace("torch.", "")
     disk_key = f"stage {key[0]}:{key[1]} | M {bucket_range(key[2])} | K={key[3]} N={key[4]} | {dtype}" \
-        + (" | CUDA graph" if key[-1] else "") + (" | both ends" if at_top else "")
+        + (" | CUDA graph" if key[-1] else "") + (" | replayed" if key[-2] else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device_name)
     if stored is not None and all(s in runners for s, _ in stored.times + stored.top_times):
         times, top_times = dict(stored.times), dict(stored.top_times)
         m_timed, top_m = (stored.m, stored.top_m) if top_times else (m, 0)
     else:
-        times = time_candidates(f"stage {key[1]}", key[2], runners)
+        times = time_candidates(f"stage {key[1]}", key[2], runners, gpu_only=key[-2])
         m_timed, top_m, top_times = m, 0, {}
         if at_top is not None:
             top_times = timed_at_top(lambda: time_candidates(f"stage {key[1]} (at M={key[2]}, the bucket's top)",
-                                                             key[2], at_top()), f"stage {key[1]}", key[2])
+                                                             key[2], at_top(), gpu_only=key[-2]),
+                                     f"stage {key[1]}", key[2])
             top_m = key[2] if top_times else 0
         tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times, m_timed, top_m, top_times))
     choice = _choices[key] = decide(times, m_timed, top_times, top_m)

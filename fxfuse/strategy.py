@@ -391,10 +391,10 @@ SKIP_ABOVE_BEST = 2.0
 
 def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torch.Tensor]],
                     path_us: float = 0.0, predicted: Optional[dict[str, Optional[float]]] = None,
-                    skipped: Optional[dict[str, float]] = None) -> dict[str, float]:
+                    skipped: Optional[dict[str, float]] = None, gpu_only: bool = False) -> dict[str, float]:
     """µs per call of each runner: the larger of its GPU median (``do_bench``, the best of ``TIMING_ROUNDS``
     rounds) and its host time per call (:func:`interleaved_host_us`) plus ``path_us``; the GPU median alone
-    within :func:`scoring_for_cuda_graphs`.
+    within :func:`scoring_for_cuda_graphs`, or with ``gpu_only``.
 
     ``predicted``: the cost model's µs per runner (None where it has none). Then every runner is timed once as
     soon as it is built, and a later kernel runner predicted above ``SKIP_ABOVE_BEST`` times the best of those
@@ -417,7 +417,7 @@ def time_candidates(what: str, bucket: int, runners: dict[str, Callable[[], torc
 
     log.info("fxfuse: %s at M~%d: first call at this shape bucket, compiling and timing %s", what, bucket,
              ", ".join(runners))
-    graphed = for_cuda_graphs()
+    graphed = for_cuda_graphs() or gpu_only
 
     def gpu_us(run: Callable[[], torch.Tensor]) -> float:
         return do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3

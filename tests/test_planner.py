@@ -16,6 +16,7 @@ import triton.testing
 from test_ops import TOL, f64, make_args, rel_err
 
 from fxfuse import ops, stages, strategy, tuning_cache
+from fxfuse.kernels import fastlaunch
 from fxfuse.ops import reference_mlp
 from fxfuse.spec import MLPSpec
 from fxfuse.strategy import DECODE, DECODE_GRID_SYNC, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
@@ -404,6 +405,46 @@ def test_large_16_bit_stages_the_tma_kernel_takes_do_not_time_the_pointer_kernel
     assert kinds(stages.TMA_ONLY_FROM_M, timed=False) == {"tma", "triton"}  # untimed: the first runs
     monkeypatch.setattr(stages, "tma_applicable", lambda x, weights: False)
     assert kinds(stages.TMA_ONLY_FROM_M) == {"triton", "torch"}
+
+
+def test_stage_kernels_are_timed_as_replayed_while_their_region_records():
+    """Inside a region's recording (its first call, planned for replays) a stage's kernels are timed as the replay
+    will run them: their recorded step, not the launch path; the region's own recording keeps only its steps."""
+    x = torch.randn(8, 4)
+    calls = []
+
+    def run():
+        calls.append("full")
+        fastlaunch.record(lambda h: calls.append("step") or h)
+        return x
+
+    runner = stages._as_replayed(run, x)
+    with fastlaunch.recording() as region_steps:
+        runner(), runner(), runner()
+        fastlaunch.record("the stage's launch")
+    assert calls == ["full", "step", "step"] and region_steps == ["the stage's launch"]
+    assert not fastlaunch.recording_open()  # the outer recording ended too
+    # Which runners are wrapped: the kernels, not the library paths (their calls are their steps).
+    w = torch.randn(48, 4)
+    plain = stages._runners(x, [w], [None], [], "relu(a0)", timed=True)
+    replayed = stages._runners(x, [w], [None], [], "relu(a0)", timed=True, replayed=True)
+    assert plain.keys() == replayed.keys()
+    assert {n for n in replayed if getattr(replayed[n], "__name__", "") == "runner"} == plain.keys() - {"torch"}
+
+
+def test_a_stage_timed_inside_its_regions_recording_is_scored_by_gpu_time(monkeypatch):
+    x, w, b = torch.randn(100, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+    scored = []
+
+    def fake_times(what, bucket, runners, gpu_only=False, **kw):
+        scored.append(gpu_only)
+        return {name: 1.0 for name in runners}
+
+    monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)
+    with fastlaunch.recording():
+        stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)  # a key of its own: timed again
+    assert scored == [False, False, True, True]  # (each at both ends of the 97-128 bucket)
 
 
 def test_cublaslt_stage_only_on_cuda():

@@ -78,13 +78,15 @@ _recording: Optional[list] = None
 def recording():
     """Within it, each stage launcher that can be replayed appends one *step* (``h -> out``, the stage on a
     new input of the same layout; or None when it cannot be replayed) to the yielded list
-    (:mod:`fxfuse.replay` records a region's stages this way)."""
+    (:mod:`fxfuse.replay` records a region's stages this way). Recordings nest: an inner one takes the steps
+    made within it, and the outer one goes on after it."""
     global _recording
+    outer = _recording  # a recording inside another (a stage timed while its region records) keeps its own steps
     _recording = steps = []
     try:
         yield steps
     finally:
-        _recording = None
+        _recording = outer
 
 
 _MAX_RECORDED = 64  # a recording that runs a timing loop (the first call at a shape) stops keeping steps here
