@@ -1,0 +1,165 @@
+"""Mixture-of-experts kernels: the experts' gated MLPs as two grouped GEMMs over tokens sorted by expert.
+
+A MoE layer (transformers' ``MixtralExperts`` / ``Qwen3MoeExperts``) sends each token to ``top_k`` experts; each
+expert ``e`` computes ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``, scaled by the token's routing weight, and
+the token's output is the sum over its experts. Eager PyTorch loops over the experts (gather, three GEMMs, the
+pointwise ops, index_add per expert: ~10 launches each). Here the (token, expert) pairs are sorted by expert into
+blocks of ``BLOCK_M`` rows that each belong to ONE expert (an expert's rows padded to whole blocks; the layout is
+built on the GPU by :func:`fxfuse.kernels.moe_launch.sort_pairs`, with no host sync), and two kernels run every
+block of every expert in one launch each:
+
+* :func:`moe_gate_up_kernel`: gathers the block's token rows of x, multiplies them with its expert's gate and up
+  weights (``gate_up[e]``: gate rows first, then up, as ``chunk(2)`` splits it), applies ``act(g) * u`` to the
+  fp32 accumulators and writes the block's rows of h (``[padded rows, I]``) once;
+* :func:`moe_down_kernel`: multiplies h's block with its expert's down weight, scales each row by its routing
+  weight in fp32, casts once and writes the row of its (token, expert) pair.
+
+The caller sums each token's ``top_k`` rows (one reduction, deterministic: no atomics).
+
+Example:
+    >>> "moe_gate_up_kernel" in globals() and "moe_down_kernel" in globals()
+    True
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["ACTIVATIONS", "moe_down_kernel", "moe_gate_up_kernel"]
+
+# The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names.
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
+
+
+@triton.jit
+def _activate(g, ACT: tl.constexpr):
+    """``act(g)`` on fp32 values: 0 SiLU, 1 tanh-GELU, 2 erf GELU."""
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-2.0 * inner))  # 0.5 * g * (1 + tanh(inner))
+    else:
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    K,
+    N,
+    TOP_K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``h[r, n] = act(x[t] @ gate[e, n]) * (x[t] @ up[e, n])`` for the rows r of one block of one expert.
+
+    x_ptr:            hidden states ``[T, K]`` (last dim contiguous, row stride ``stride_xm``).
+    w_ptr:            stacked gate/up weights ``[E, 2N, K]`` (strides ``stride_we``, ``stride_wn``, 1): rows
+                      ``[0, N)`` of expert e are its gate, ``[N, 2N)`` its up projection.
+    h_ptr:            output ``[padded rows, N]`` (row stride ``stride_hm``), x's dtype; rows of padding are not
+                      written.
+    rows_ptr:         int32 ``[padded rows]``: the (token, expert) pair of each sorted row (``token * TOP_K +
+                      slot``), -1 for padding.
+    block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, -1 for an unused block.
+    K, N:             hidden size and intermediate size; TOP_K: experts per token.
+    ACT:              the gate activation (:data:`ACTIVATIONS`).
+    BLOCK_*:          tile sizes; the grid is (blocks, cdiv(N, BLOCK_N)).
+    """
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(rows_ptr + offs_m)
+    valid = pairs >= 0
+    tokens = tl.where(valid, pairs // TOP_K, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                     other=0.0)
+        wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + k[:, None],
+                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc_g = tl.dot(x, wg, acc_g)
+        acc_u = tl.dot(x, wu, acc_u)
+    h = _activate(acc_g, ACT) * acc_u  # on the fp32 accumulators; cast once
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    routing_ptr,
+    K,
+    N,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[p, n] = routing[p] * (h[r] @ down[e, n])`` for the rows r (pairs p) of one block of one expert.
+
+    h_ptr:            the gate/up kernel's output ``[padded rows, K]`` (row stride ``stride_hm``).
+    w_ptr:            stacked down weights ``[E, N, K]`` (strides ``stride_we``, ``stride_wn``, 1).
+    out_ptr:          ``[pairs, N]`` (row stride ``stride_om``): one row per (token, expert) pair, zero-filled
+                      by the caller (pairs routed to no expert here stay zero).
+    rows_ptr, block_expert_ptr: as in :func:`moe_gate_up_kernel`.
+    routing_ptr:      the routing weight of each pair ``[pairs]`` (any float dtype), applied in fp32.
+    K, N:             intermediate size and hidden size.
+    BLOCK_*:          tile sizes; the grid is (blocks, cdiv(N, BLOCK_N)).
+    """
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(rows_ptr + offs_m)
+    valid = pairs >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        h = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        acc = tl.dot(h, w, acc)
+    scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
+    out = acc * scale[:, None]
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])

@@ -1,0 +1,103 @@
+"""The mixture-of-experts kernels (fxfuse.kernels.moe_*) against transformers' MixtralExperts and a float64
+reference: fp32/fp16 in the interpreter on the CPU, bf16/fp16/fp32 on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ops import rel_err
+
+from fxfuse.kernels.moe_launch import run_moe, sort_pairs
+from fxfuse.kernels.template import interpreting
+
+transformers = pytest.importorskip("transformers")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralExperts  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def experts(act: str, dtype: torch.dtype, device: str, hidden: int = 32, inter: int = 48, num: int = 4):
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num, hidden_act=act)
+    module = MixtralExperts(config)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, hidden ** -0.5)
+        module.down_proj.normal_(0, inter ** -0.5)
+    return module.to(device=device, dtype=dtype)
+
+
+def routing(tokens: int, top_k: int, num: int, device: str, dtype: torch.dtype):
+    """Random distinct experts per token (one token sent to ``num``: an expert held elsewhere), softmax weights."""
+    index = torch.stack([torch.randperm(num)[:top_k] for _ in range(tokens)]).to(device)
+    index[0, 0] = num
+    weights = torch.softmax(torch.randn(tokens, top_k), -1).to(device=device, dtype=dtype)
+    return index, weights
+
+
+def reference(module: MixtralExperts, x, index, weights, act: str) -> torch.Tensor:
+    """float64: each pair's expert MLP scaled by its weight, summed per token (index ``num`` skipped)."""
+    gate_up, down = module.gate_up_proj.double(), module.down_proj.double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(index[t].tolist()):
+            if e >= gate_up.shape[0]:
+                continue
+            g, u = (gate_up[e] @ x[t].double()).chunk(2)
+            out[t] += weights[t, slot].double() * (down[e] @ (ACT2FN[act](g) * u))
+    return out
+
+
+def test_pairs_are_sorted_into_blocks_of_one_expert():
+    index = torch.tensor([[3, 0], [0, 1], [3, 3], [4, 0]])  # 4 is an expert held elsewhere
+    layout = sort_pairs(index, num_experts=4, block_m=2)
+    rows, owner = layout.rows.tolist(), layout.block_expert.tolist()
+    seen = []
+    for b, e in enumerate(owner):
+        block = [p for p in rows[2 * b: 2 * b + 2] if p >= 0]
+        if e < 0:
+            continue
+        assert all(index.reshape(-1)[p] == e for p in block)
+        seen += block
+    assert sorted(seen) == [p for p in range(8) if index.reshape(-1)[p] < 4]  # every routed pair once
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_moe_matches_mixtral_experts_in_the_interpreter(act, dtype):
+    torch.manual_seed(0)
+    module = experts(act, dtype, "cpu")
+    x = torch.randn(11, 32, dtype=dtype)
+    index, weights = routing(11, 2, 4, "cpu", dtype)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, act)
+    ref = reference(module, x, index, weights, act)
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
+    if dtype == torch.float32:  # transformers' own loop agrees (on routing it accepts: experts in [0, E))
+        index[0, 0] = (index[0, 1] + 1) % 4
+        with torch.no_grad():
+            ref = reference(module, x, index, weights, act)
+            assert rel_err(module(x, index, weights), ref) < TOL[dtype]
+            assert rel_err(run_moe(x, index, weights, module.gate_up_proj, module.down_proj, act), ref) < TOL[dtype]
+
+
+def test_bad_arguments_raise_clearly():
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(3, 32)
+    index, weights = routing(3, 2, 4, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "relu6")
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        run_moe(x[:, :16], index, weights, module.gate_up_proj, module.down_proj, "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
+    torch.manual_seed(0)
+    module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)
+    x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
+    index, weights = routing(tokens, 2, 8, "cuda", dtype)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
+    ref = reference(module, x, index, weights, "silu")
+    assert rel_err(out, ref) < TOL[dtype]
