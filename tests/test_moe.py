@@ -101,3 +101,52 @@ def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
     out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
     ref = reference(module, x, index, weights, "silu")
     assert rel_err(out, ref) < TOL[dtype]
+
+
+class ClampedExperts(MixtralExperts):
+    """The same structure, another computation (gpt-oss style clamp): must keep its own forward."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return super().forward(hidden_states.clamp(-0.1, 0.1), top_k_index, top_k_weights)
+
+
+def test_structure_and_activation_are_recognized_and_the_reasons_named():
+    from torch import nn
+
+    from fxfuse.moe import activation_of, experts_modules, why_not_experts
+
+    assert [activation_of(a) for a in (ACT2FN["silu"], ACT2FN["gelu_pytorch_tanh"], ACT2FN["gelu"], nn.ReLU())] \
+        == ["silu", "gelu_pytorch_tanh", "gelu", None]
+    module = experts("silu", torch.float32, "cpu")
+    assert why_not_experts(module) is None
+    module.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 96))
+    assert "other parameters" in why_not_experts(module)
+    relu = experts("relu", torch.float32, "cpu")
+    assert "act_fn" in why_not_experts(relu)
+    assert experts_modules(nn.Sequential(experts("silu", torch.float32, "cpu"), relu)) == {"0": "silu"}
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_module_whose_forward_differs_keeps_it_and_grad_calls_run_the_original(caplog):
+    import logging
+
+    from fxfuse.moe import moe_forward
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4, hidden_act="silu")
+    clamped = ClampedExperts(config)
+    with torch.no_grad():
+        clamped.gate_up_proj.normal_(0, 0.2)
+        clamped.down_proj.normal_(0, 0.2)
+    forward = moe_forward(ClampedExperts.forward, "silu")
+    x = torch.randn(6, 32)
+    index, weights = routing(6, 2, 4, "cpu", torch.float32)
+    index[0, 0] = (index[0, 1] + 1) % 4
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"), torch.no_grad():
+        out = forward(clamped, x, index, weights)
+    assert torch.equal(out, clamped(x, index, weights)) and clamped.__dict__["_fxfuse_moe"] is False
+    assert "keeps its forward" in caplog.text
+    # Gradients to record: the original forward, unchecked (the kernels have no backward).
+    plain = experts("silu", torch.float32, "cpu")
+    out = moe_forward(MixtralExperts.forward, "silu")(plain, x, index, weights)
+    assert out.requires_grad and "_fxfuse_moe" not in plain.__dict__
