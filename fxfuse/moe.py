@@ -35,6 +35,7 @@ from .autocast import any_autocast
 from .install import Install
 from .kernels.moe_launch import run_moe
 from .kernels.template import interpreting
+from .kernels.tuning import TuningDuringCapture
 
 __all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "why_not_experts"]
 
@@ -118,7 +119,17 @@ def moe_forward(orig: Any, act: str) -> Any:
     def forward(self, hidden_states, top_k_index, top_k_weights):
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
         if state is not False and _usable(self, hidden_states, top_k_index, top_k_weights):
-            fused = run_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
+            try:
+                fused = run_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
+            except TuningDuringCapture:  # a CUDA graph being captured: it records the original forward
+                return orig(self, hidden_states, top_k_index, top_k_weights)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # never fail the user's forward: the original runs from now on
+                log.warning("fxfuse: the experts kernels of %s failed (%s: %s); it keeps its forward",
+                            type(self).__name__, type(err).__name__, err)
+                self.__dict__["_fxfuse_moe"] = False
+                return orig(self, hidden_states, top_k_index, top_k_weights)
             if state:
                 return fused
             out = orig(self, hidden_states, top_k_index, top_k_weights)

@@ -150,3 +150,23 @@ def test_a_module_whose_forward_differs_keeps_it_and_grad_calls_run_the_original
     plain = experts("silu", torch.float32, "cpu")
     out = moe_forward(MixtralExperts.forward, "silu")(plain, x, index, weights)
     assert out.requires_grad and "_fxfuse_moe" not in plain.__dict__
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_kernels_that_fail_leave_the_original_forward(monkeypatch, caplog):
+    import logging
+
+    from fxfuse import moe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(moe, "run_moe", broken)
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(5, 32)
+    index, weights = routing(5, 2, 4, "cpu", torch.float32)
+    index[0, 0] = (index[0, 1] + 1) % 4
+    forward = moe.moe_forward(MixtralExperts.forward, "silu")
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"), torch.no_grad():
+        assert torch.equal(forward(module, x, index, weights), module(x, index, weights))
+    assert module.__dict__["_fxfuse_moe"] is False and "no kernel today" in caplog.text

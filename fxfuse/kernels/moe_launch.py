@@ -18,7 +18,7 @@ import triton
 from .moe_template import ACTIVATIONS, moe_down_kernel, moe_gate_up_kernel
 from .template import interpreting
 
-__all__ = ["PairLayout", "run_moe", "sort_pairs"]
+__all__ = ["PairLayout", "block_rows", "run_moe", "sort_pairs"]
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,17 @@ def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pai
     return PairLayout(rows, block_expert, block_m)
 
 
-def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): small tiles in the interpreter; Hopper-sized ones on a GPU
-    (untuned: a first choice)."""
+def block_rows(pairs: int, num_experts: int) -> int:
+    """Rows per block: about the pairs an expert gets, so few rows are padding (16 in the interpreter).
+
+    Example:
+        >>> interpreting() or [block_rows(p, 8) for p in (2, 200, 2000, 20000)] == [16, 32, 128, 128]
+        True
+    """
     if interpreting():
-        return 16, 32, 16, 4
-    return 64, 128, 64 if dtype != torch.float32 else 32, 4
+        return 16
+    per_expert = pairs / max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 128 else 128
 
 
 def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -98,17 +103,17 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w1 = gate_up if gate_up.stride(2) == 1 else gate_up.contiguous()
     w2 = down if down.stride(2) == 1 else down.contiguous()
-    bm, bn, bk, warps = _tiles(hidden.dtype)
+    bm = block_rows(T * top_k, E)
     layout = sort_pairs(top_k_index, E, bm)
     blocks = layout.block_expert.numel()
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
-    moe_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+    moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         x, w1, h, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1),
-        h.stride(0), ACT=ACTIVATIONS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        h.stride(0), ACT=ACTIVATIONS[act], BLOCK_M=bm)
     pairs_out = torch.zeros(T * top_k, H, dtype=hidden.dtype, device=hidden.device)
     routing = top_k_weights.reshape(-1)
-    moe_down_kernel[(blocks, triton.cdiv(H, bn))](
+    moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
         h, w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H, h.stride(0), w2.stride(0),
-        w2.stride(1), pairs_out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        w2.stride(1), pairs_out.stride(0), BLOCK_M=bm)
     # Each token's top_k rows, summed in fp32 (eager adds them one expert at a time in the hidden dtype).
     return pairs_out.view(T, top_k, H).sum(1, dtype=torch.float32).to(hidden.dtype)

@@ -26,10 +26,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ACTIVATIONS", "moe_down_kernel", "moe_gate_up_kernel"]
+from .template import interpreting
+from .tuning import autotune
+
+__all__ = ["ACTIVATIONS", "moe_configs", "moe_down_kernel", "moe_gate_up_kernel"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names.
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
+
+
+def moe_configs() -> list[triton.Config]:
+    """Tile widths, K steps, warps and pipeline depths to tune over (the rows per block, ``BLOCK_M``, are the
+    caller's: the pair layout is built for them). One small config in the interpreter. A first list, not yet
+    measured on a GPU.
+
+    Example:
+        >>> interpreting() or len(moe_configs()) > 1
+        True
+    """
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+                                 (128, 128, 8, 3))]
 
 
 @triton.jit
@@ -44,6 +63,7 @@ def _activate(g, ACT: tl.constexpr):
         return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
 
 
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M"])
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr,
@@ -75,7 +95,8 @@ def moe_gate_up_kernel(
     block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, -1 for an unused block.
     K, N:             hidden size and intermediate size; TOP_K: experts per token.
     ACT:              the gate activation (:data:`ACTIVATIONS`).
-    BLOCK_*:          tile sizes; the grid is (blocks, cdiv(N, BLOCK_N)).
+    BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
+                      grid is (blocks, cdiv(N, BLOCK_N)).
     """
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -108,6 +129,7 @@ def moe_gate_up_kernel(
              mask=valid[:, None] & n_mask[None, :])
 
 
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M"])
 @triton.jit
 def moe_down_kernel(
     h_ptr,
@@ -135,7 +157,8 @@ def moe_down_kernel(
     rows_ptr, block_expert_ptr: as in :func:`moe_gate_up_kernel`.
     routing_ptr:      the routing weight of each pair ``[pairs]`` (any float dtype), applied in fp32.
     K, N:             intermediate size and hidden size.
-    BLOCK_*:          tile sizes; the grid is (blocks, cdiv(N, BLOCK_N)).
+    BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
+                      grid is (blocks, cdiv(N, BLOCK_N)).
     """
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
