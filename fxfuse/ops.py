@@ -66,6 +66,7 @@ from .strategy import (
     kernel_candidates,
     measured_choice_enabled,
     times_bucket_top,
+    top_input,
 )
 
 __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
@@ -322,10 +323,7 @@ def _dispatch(x, weights, biases, operands, spec):
             at_top = None
             if times_bucket_top(m):
                 def at_top():  # the same runners on a random input of the bucket's largest M
-                    rng = torch.Generator(x.device).manual_seed(0)  # (the user's random stream is theirs)
-                    x_top = torch.randn(choice_bucket(m), x.shape[-1], dtype=x.dtype, device=x.device,
-                                        generator=rng)
-                    return _timing_runners((x_top, *args[1:]), candidates, replayed)
+                    return _timing_runners((top_input(choice_bucket(m), x), *args[1:]), candidates, replayed)
             strategy = fastest(args, runners, original, path_us=path, at_top=at_top)
         else:
             strategy = candidates[0]

@@ -40,7 +40,7 @@ from .kernels import GEMV_MAX_M, fastlaunch, run_stage, run_stage_gemv, run_stag
 from .kernels.template import bucket_range, choice_bucket
 from .kernels.tma_launch import tma_applicable
 from .replay import weak_step
-from .strategy import Split, decide, for_cuda_graphs, resolve, timed_at_top, times_bucket_top
+from .strategy import Split, decide, for_cuda_graphs, resolve, timed_at_top, times_bucket_top, top_input
 
 __all__ = ["STAGE_IMPLEMENTATIONS", "run_best_stage", "stage_choices"]
 
@@ -101,9 +101,7 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
             at_top = None
             if times_bucket_top(M) and x.stride(1) == 1:
                 def at_top():  # built only if the stage is timed now (not from the disk cache, not in a capture)
-                    rng = torch.Generator(x.device).manual_seed(0)  # (the user's random stream is theirs)
-                    x_top = torch.randn(key[2], K, dtype=x.dtype, device=x.device, generator=rng)
-                    return _runners(x_top, weights, biases, operands, epilogue, timed)
+                    return _runners(top_input(key[2], x), weights, biases, operands, epilogue, timed)
             choice = _measure(key, runners, at_top, M)
         else:
             choice = next(iter(runners))

@@ -49,9 +49,9 @@ from .kernels.template import autotune_enabled, bucket_range, choice_bucket
 from .spec import MLPSpec
 
 __all__ = ["DECODE", "DECODE_GRID_SYNC", "FUSED_CHAIN", "GATED_GEMM_EPILOGUE", "GEMM_EPILOGUE", "ONE_LAUNCH",
-           "ORIGINAL_OPS", "Measurement", "choose_strategy", "fastest", "for_cuda_graphs", "kernel_candidates",
-           "kernels_are_faster", "launches", "measured_choice_enabled", "measurements", "scoring_for_cuda_graphs",
-           "time_candidates"]
+           "ORIGINAL_OPS", "Measurement", "Split", "choose_strategy", "decide", "fastest", "for_cuda_graphs",
+           "kernel_candidates", "kernels_are_faster", "launches", "measured_choice_enabled", "measurements", "resolve",
+           "scoring_for_cuda_graphs", "time_candidates", "timed_at_top", "times_bucket_top", "top_input"]
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,13 @@ def decide(times: dict[str, float], m: int, top_times: Optional[dict[str, float]
     return Split(best, best_top, min(top_m, max(m + 1, math.ceil(cross))))
 
 
+def top_input(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A random ``[rows, like.shape[-1]]`` input in ``like``'s dtype and device, to time a bucket's largest M: from a
+    generator of its own (the user's random stream is theirs)."""
+    rng = torch.Generator(like.device).manual_seed(0)
+    return torch.randn(rows, like.shape[-1], dtype=like.dtype, device=like.device, generator=rng)
+
+
 def timed_at_top(time_top: Callable[[], dict[str, float]], what: str, top_m: int) -> dict[str, float]:
     """``time_top()`` (the candidates timed at a bucket's largest M), or nothing where that input and its outputs
     do not fit in the GPU's memory: the call's own M then decides for the bucket (logged)."""
@@ -266,8 +273,11 @@ def choice_key(args: tuple) -> tuple:
 
 def cached_choice(args: tuple) -> Optional[str]:
     """The strategy already chosen for inputs like ``args`` in this process (the forward path's lookup)."""
-    x = args[0]
-    return resolve(_choices.get(choice_key(args)), x.numel() // x.shape[-1])
+    choice = _choices.get(choice_key(args))
+    if type(choice) is Split:  # (rows counted only for a split bucket: this runs on every unreplayed call)
+        x = args[0]
+        return choice.pick(x.numel() // x.shape[-1])
+    return choice
 
 
 def forget(args: tuple, strategy: str) -> None:
