@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .launch import _input_precision
 from .moe_template import ACTIVATIONS, moe_down_kernel, moe_gate_up_kernel
 from .template import interpreting
 
@@ -109,11 +110,11 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         x, w1, h, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1),
-        h.stride(0), ACT=ACTIVATIONS[act], BLOCK_M=bm)
+        h.stride(0), ACT=ACTIVATIONS[act], INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_M=bm)
     pairs_out = torch.zeros(T * top_k, H, dtype=hidden.dtype, device=hidden.device)
     routing = top_k_weights.reshape(-1)
     moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
         h, w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H, h.stride(0), w2.stride(0),
-        w2.stride(1), pairs_out.stride(0), BLOCK_M=bm)
+        w2.stride(1), pairs_out.stride(0), INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_M=bm)
     # Each token's top_k rows, summed in fp32 (eager adds them one expert at a time in the hidden dtype).
     return pairs_out.view(T, top_k, H).sum(1, dtype=torch.float32).to(hidden.dtype)

@@ -79,6 +79,7 @@ def moe_gate_up_kernel(
     stride_wn,
     stride_hm,
     ACT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -95,6 +96,7 @@ def moe_gate_up_kernel(
     block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, -1 for an unused block.
     K, N:             hidden size and intermediate size; TOP_K: experts per token.
     ACT:              the gate activation (:data:`ACTIVATIONS`).
+    INPUT_PRECISION:  ``tl.dot`` precision: "ieee" for fp32 (as eager) unless the user allows TF32, else "tf32".
     BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
                       grid is (blocks, cdiv(N, BLOCK_N)).
     """
@@ -122,8 +124,8 @@ def moe_gate_up_kernel(
                      other=0.0)
         wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + k[:, None],
                      mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g)
-        acc_u = tl.dot(x, wu, acc_u)
+        acc_g = tl.dot(x, wg, acc_g, input_precision=INPUT_PRECISION)
+        acc_u = tl.dot(x, wu, acc_u, input_precision=INPUT_PRECISION)
     h = _activate(acc_g, ACT) * acc_u  # on the fp32 accumulators; cast once
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
@@ -144,6 +146,7 @@ def moe_down_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -157,6 +160,7 @@ def moe_down_kernel(
     rows_ptr, block_expert_ptr: as in :func:`moe_gate_up_kernel`.
     routing_ptr:      the routing weight of each pair ``[pairs]`` (any float dtype), applied in fp32.
     K, N:             intermediate size and hidden size.
+    INPUT_PRECISION:  as in :func:`moe_gate_up_kernel`.
     BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
                       grid is (blocks, cdiv(N, BLOCK_N)).
     """
@@ -180,7 +184,7 @@ def moe_down_kernel(
                     mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
                     other=0.0)
-        acc = tl.dot(h, w, acc)
+        acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
     scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
     out = acc * scale[:, None]
     safe = tl.where(valid, pairs, 0).to(tl.int64)
