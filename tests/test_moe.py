@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_ops import rel_err
 
+from fxfuse.kernels import moe_launch
 from fxfuse.kernels.moe_launch import run_moe, sort_pairs
 from fxfuse.kernels.template import interpreting
 
@@ -47,18 +48,35 @@ def reference(module: MixtralExperts, x, index, weights, act: str) -> torch.Tens
     return out
 
 
-def test_pairs_are_sorted_into_blocks_of_one_expert():
+@pytest.mark.parametrize("one_hot_cells", [moe_launch._ONE_HOT_CELLS, 0], ids=["one-hot ranks", "sorted ranks"])
+def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", one_hot_cells)
     index = torch.tensor([[3, 0], [0, 1], [3, 3], [4, 0]])  # 4 is an expert held elsewhere
     layout = sort_pairs(index, num_experts=4, block_m=2)
     rows, owner = layout.rows.tolist(), layout.block_expert.tolist()
-    seen = []
+    seen, elsewhere = [], []
     for b, e in enumerate(owner):
         block = [p for p in rows[2 * b: 2 * b + 2] if p >= 0]
-        if e < 0:
-            continue
-        assert all(index.reshape(-1)[p] == e for p in block)
-        seen += block
-    assert sorted(seen) == [p for p in range(8) if index.reshape(-1)[p] < 4]  # every routed pair once
+        if e == moe_launch.ELSEWHERE_BLOCK:
+            elsewhere += block
+        elif e == moe_launch.UNUSED_BLOCK:
+            assert block == []
+        else:
+            assert all(index.reshape(-1)[p] == e for p in block)
+            seen += block
+    assert seen == [1, 2, 7, 3, 0, 4, 5]  # every routed pair once, expert by expert, in order within an expert
+    assert elsewhere == [6]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_moe_with_three_experts_per_token_and_sorted_ranks(monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", 0)  # the stable sort's ranks
+    torch.manual_seed(1)
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(9, 32)
+    index, weights = routing(9, 3, 4, "cpu", torch.float32)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
+    assert rel_err(out, reference(module, x, index, weights, "silu")) < TOL[torch.float32]
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")

@@ -1,16 +1,17 @@
-"""MoE experts: transformers' MixtralExperts loop against fxfuse's two grouped kernels (``run_moe``), Mixtral-8x7B
-shapes by default, bf16, at several token counts; correctness against float32 and GPU µs (do_bench, L2 flushed).
+"""MoE experts: transformers' MixtralExperts (its eager loop and its default ``grouped_mm`` implementation) against
+fxfuse's two grouped kernels (``run_moe``), Mixtral-8x7B shapes by default, bf16, at several token counts;
+correctness against float32, GPU µs (do_bench, L2 flushed) and wall µs per call (50 back-to-back calls).
 
     python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
-
-Also times the same module with transformers' ``grouped_mm`` experts implementation where this transformers has it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -51,20 +52,31 @@ def main() -> None:
         with torch.no_grad():
             ref = reference(x.float(), index, weights.float())
 
-            def eager(x=x, index=index, weights=weights):
+            def original(implementation, x=x, index=index, weights=weights):
+                module.config._experts_implementation = implementation
                 return module(x, index, weights)
 
-            def fused(x=x, index=index, weights=weights):
-                return run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
-
-            err = ((fused().float() - ref).norm() / ref.norm()).item()
-            err_eager = ((eager().float() - ref).norm() / ref.norm()).item()
-            us = {name: do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-                  for name, fn in (("eager", eager), ("fxfuse", fused))}
-        print(f"  T={tokens:5d}  eager {us['eager']:9.1f} us (rel err {err_eager:.1e})  fxfuse {us['fxfuse']:9.1f} us "
-              f"(rel err {err:.1e})  {us['eager'] / us['fxfuse']:.2f}x", flush=True)
+            variants = {"eager loop": functools.partial(original, "eager"),
+                        "grouped_mm": functools.partial(original, "grouped_mm"),
+                        "fxfuse": lambda x=x, index=index, weights=weights: run_moe(
+                            x, index, weights, module.gate_up_proj, module.down_proj, "silu")}
+            cells = []
+            for name, fn in variants.items():
+                try:
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    gpu = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    torch.cuda.synchronize()
+                    wall = (time.perf_counter() - start) / 50 * 1e6
+                    cells.append(f"{name} {gpu:8.1f} us (wall {wall:8.1f}, err {err:.1e})")
+                except Exception as exc:  # grouped_mm missing on this torch / GPU
+                    cells.append(f"{name} failed: {type(exc).__name__}: {str(exc)[:80]}")
+        print(f"  T={tokens:5d}  " + "  ".join(cells), flush=True)
         if args.profile:
-            profile(fused, tokens)
+            profile(variants["fxfuse"], tokens)
 
 
 def profile(fn, tokens: int) -> None:

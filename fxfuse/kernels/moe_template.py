@@ -93,7 +93,8 @@ def moe_gate_up_kernel(
                       written.
     rows_ptr:         int32 ``[padded rows]``: the (token, expert) pair of each sorted row (``token * TOP_K +
                       slot``), -1 for padding.
-    block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, -1 for an unused block.
+    block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, or -1 (unused) or -2
+                      (pairs routed to an expert held elsewhere): no work here.
     K, N:             hidden size and intermediate size; TOP_K: experts per token.
     ACT:              the gate activation (:data:`ACTIVATIONS`).
     INPUT_PRECISION:  ``tl.dot`` precision: "ieee" for fp32 (as eager) unless the user allows TF32, else "tf32".
@@ -155,8 +156,8 @@ def moe_down_kernel(
 
     h_ptr:            the gate/up kernel's output ``[padded rows, K]`` (row stride ``stride_hm``).
     w_ptr:            stacked down weights ``[E, N, K]`` (strides ``stride_we``, ``stride_wn``, 1).
-    out_ptr:          ``[pairs, N]`` (row stride ``stride_om``): one row per (token, expert) pair, zero-filled
-                      by the caller (pairs routed to no expert here stay zero).
+    out_ptr:          ``[pairs, N]`` (row stride ``stride_om``): one row per (token, expert) pair; the rows of
+                      a block marked -2 (routed to an expert held elsewhere) are written as zeros.
     rows_ptr, block_expert_ptr: as in :func:`moe_gate_up_kernel`.
     routing_ptr:      the routing weight of each pair ``[pairs]`` (any float dtype), applied in fp32.
     K, N:             intermediate size and hidden size.
@@ -167,13 +168,18 @@ def moe_down_kernel(
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + block)
-    if expert < 0:
+    if expert == -1:  # UNUSED_BLOCK
         return
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(rows_ptr + offs_m)
     valid = pairs >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    if expert == -2:  # ELSEWHERE_BLOCK: pairs routed to no expert here add nothing to their token
+        tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        return
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -187,6 +193,5 @@ def moe_down_kernel(
         acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
     scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
     out = acc * scale[:, None]
-    safe = tl.where(valid, pairs, 0).to(tl.int64)
     tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
