@@ -13,7 +13,10 @@ routing, which no tracer captures; fxfuse installs, on the optimized copy, a for
   dtype on a GPU (or the interpreter); other calls run the original forward;
 * the first call that could run them runs both and compares: a module whose original forward computes something
   else (a clamp, another gate/up layout) keeps its original forward for good (logged at WARNING), never a wrong
-  answer.
+  answer;
+* the first call in each power-of-two bucket of token counts times both on its routing and keeps the faster for
+  that bucket, for every experts module of that class and shape (logged at INFO): transformers' default
+  ``grouped_mm`` implementation is fast at some shapes, and fxfuse never makes a layer slower by replacing it.
 
 Example:
     >>> from torch import nn
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -37,7 +41,8 @@ from .kernels.moe_launch import run_moe
 from .kernels.template import interpreting
 from .kernels.tuning import TuningDuringCapture
 
-__all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "why_not_experts"]
+__all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "token_bucket",
+           "why_not_experts"]
 
 log = logging.getLogger(__name__)
 
@@ -112,39 +117,104 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
     return not any_autocast()
 
 
+def token_bucket(tokens: int) -> int:
+    """The power of two at or above ``tokens``: calls in one bucket share a timed choice.
+
+    Example:
+        >>> [token_bucket(t) for t in (1, 2, 3, 16, 17, 4096)]
+        [1, 2, 4, 16, 32, 4096]
+    """
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+# (class, experts implementation, E, H, I, top_k, dtype, device, activation, token bucket) -> "kernels" or
+# "original": shared by every layer of a model (a Mixtral's 32 experts modules time once per bucket).
+_CHOICES: dict[tuple, str] = {}
+_TIMING_ROUNDS, _TIMING_CALLS = 3, 3
+
+
+def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, act: str) -> tuple:
+    config = getattr(module, "config", None)
+    return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
+            index.shape[1], hidden.dtype, hidden.device, act, token_bucket(hidden.shape[0]))
+
+
+def _us_per_call(run: Any) -> float:
+    """Wall µs per call of ``run`` over a few back-to-back calls ended by a synchronization: the larger of its
+    host and GPU time, as a model's forward pays it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(_TIMING_CALLS):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / _TIMING_CALLS * 1e6
+
+
+def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple) -> str:
+    """Time the kernels and the module's own forward on this call's routing (interleaved rounds, the best of
+    each) and keep the faster for the key's token bucket, logged with both times."""
+    best = {"kernels": float("inf"), "original": float("inf")}
+    for _ in range(_TIMING_ROUNDS):
+        for name, run in (("kernels", kernels), ("original", original)):
+            best[name] = min(best[name], _us_per_call(run))
+    choice = min(best, key=best.get)
+    log.info("fxfuse: %s at %d-%d tokens: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
+             "runs %s", type(module).__name__, key[-1] // 2 + 1, key[-1], best["kernels"], key[1] or "its forward",
+             best["original"], "the kernels" if choice == "kernels" else "its own forward")
+    return choice
+
+
 def moe_forward(orig: Any, act: str) -> Any:
-    """The experts module's forward: the kernels where they apply and agreed with ``orig`` at their first call,
-    else ``orig``."""
+    """The experts module's forward: the kernels where they apply, agreed with ``orig`` at their first call and
+    were the faster of the two at this call's token bucket (timed on a GPU at its first call), else ``orig``."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
-        if state is not False and _usable(self, hidden_states, top_k_index, top_k_weights):
-            try:
-                fused = run_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
-            except TuningDuringCapture:  # a CUDA graph being captured: it records the original forward
-                return orig(self, hidden_states, top_k_index, top_k_weights)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # never fail the user's forward: the original runs from now on
-                log.warning("fxfuse: the experts kernels of %s failed (%s: %s); it keeps its forward",
-                            type(self).__name__, type(err).__name__, err)
-                self.__dict__["_fxfuse_moe"] = False
-                return orig(self, hidden_states, top_k_index, top_k_weights)
-            if state:
-                return fused
-            out = orig(self, hidden_states, top_k_index, top_k_weights)
+        if state is False or not _usable(self, hidden_states, top_k_index, top_k_weights):
+            return orig(self, hidden_states, top_k_index, top_k_weights)
+        key = _choice_key(self, hidden_states, top_k_index, act)
+        choice = _CHOICES.get(key)
+        if choice == "original":
+            return orig(self, hidden_states, top_k_index, top_k_weights)
+        on_gpu = hidden_states.device.type == "cuda"
+        if choice is None and on_gpu and torch.cuda.is_current_stream_capturing():
+            return orig(self, hidden_states, top_k_index, top_k_weights)  # no timing inside a capture
+
+        def kernels():
+            return run_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
+
+        def original():
+            return orig(self, hidden_states, top_k_index, top_k_weights)
+
+        try:
+            fused = kernels()
+        except TuningDuringCapture:  # a CUDA graph being captured: it records the original forward
+            return original()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # never fail the user's forward: the original runs from now on
+            log.warning("fxfuse: the experts kernels of %s failed (%s: %s); it keeps its forward",
+                        type(self).__name__, type(err).__name__, err)
+            self.__dict__["_fxfuse_moe"] = False
+            return original()
+        if not state:
+            out = original()
             err = ((fused.double() - out.double()).norm() / out.double().norm().clamp_min(1e-30)).item()
             ok = err <= _CHECK_TOL.get(hidden_states.dtype, 3e-2)
             self.__dict__["_fxfuse_moe"] = ok
             if not ok:
                 log.warning("fxfuse: %s's experts kernels differ from its forward (rel err %.1e); it keeps its "
                             "forward", type(self).__name__, err)
-            return out
-        return orig(self, hidden_states, top_k_index, top_k_weights)
+                return out
+        if choice is None:
+            # The interpreter has no GPU time to compare: there the kernels run (what its tests check).
+            choice = _CHOICES[key] = _timed_choice(self, kernels, original, key) if on_gpu else "kernels"
+            if choice == "original":
+                return original()
+        return fused
 
     functools.update_wrapper(forward, orig)
     return forward
-
 
 
 def experts_installs(model: nn.Module) -> tuple[dict[str, Install], dict[str, str]]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_ops import rel_err
 
+from fxfuse import moe
 from fxfuse.kernels import moe_launch
 from fxfuse.kernels.moe_launch import run_moe, sort_pairs
 from fxfuse.kernels.template import interpreting
@@ -32,6 +33,13 @@ def routing(tokens: int, top_k: int, num: int, device: str, dtype: torch.dtype):
     index = torch.stack([torch.randperm(num)[:top_k] for _ in range(tokens)]).to(device)
     index[0, 0] = num
     weights = torch.softmax(torch.randn(tokens, top_k), -1).to(device=device, dtype=dtype)
+    return index, weights
+
+
+def local_routing(tokens: int, top_k: int, num: int, device: str, dtype: torch.dtype):
+    """As :func:`routing`, every expert held here (transformers' eager loop takes no other)."""
+    index, weights = routing(tokens, top_k, num, device, dtype)
+    index[0, 0] = (index[0, 1] + 1) % num
     return index, weights
 
 
@@ -188,3 +196,50 @@ def test_kernels_that_fail_leave_the_original_forward(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="fxfuse.moe"), torch.no_grad():
         assert torch.equal(forward(module, x, index, weights), module(x, index, weights))
     assert module.__dict__["_fxfuse_moe"] is False and "no kernel today" in caplog.text
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_single_token_runs_one_block_per_pair():
+    torch.manual_seed(2)
+    module = experts("gelu", torch.float32, "cpu")
+    x = torch.randn(1, 32)
+    index, weights = routing(1, 2, 4, "cpu", torch.float32)  # one of its two experts is held elsewhere
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "gelu")
+    assert rel_err(out, reference(module, x, index, weights, "gelu")) < TOL[torch.float32]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_bucket_where_the_module_was_faster_runs_its_forward(monkeypatch):
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+    x = torch.randn(5, 32)
+    index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
+    monkeypatch.setitem(moe._CHOICES, moe._choice_key(module, x, index, "silu"), "original")
+
+    def kernels_not_expected(*args):
+        raise AssertionError("the kernels ran in a bucket timed slower")
+
+    monkeypatch.setattr(moe, "run_moe", kernels_not_expected)
+    with torch.no_grad():
+        assert torch.equal(forward(module, x, index, weights), type(module).forward(module, x, index, weights))
+        x3 = torch.randn(3, 32)  # another module's bucket (8 tokens): not the one timed slower
+        assert moe._choice_key(module, x3, index[:3], "silu") not in moe._CHOICES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_gpu_forward_times_each_token_bucket_once_and_stays_correct(implementation, monkeypatch):
+    monkeypatch.setattr(moe, "_CHOICES", {})
+    torch.manual_seed(0)
+    module = experts("silu", torch.bfloat16, "cuda", hidden=256, inter=512, num=8)
+    module.config._experts_implementation = implementation
+    forward = moe.moe_forward(type(module).forward, "silu")
+    with torch.no_grad():
+        for tokens in (1, 6, 7, 300):
+            x = torch.randn(tokens, 256, dtype=torch.bfloat16, device="cuda")
+            index, weights = local_routing(tokens, 2, 8, "cuda", torch.bfloat16)
+            out = forward(module, x, index, weights)
+            assert rel_err(out, reference(module, x, index, weights, "silu")) < TOL[torch.bfloat16]
+    assert module.__dict__["_fxfuse_moe"] is True
+    assert sorted(key[-1] for key in moe._CHOICES) == [1, 8, 512]  # 6 and 7 tokens share a bucket
+    assert set(moe._CHOICES.values()) <= {"kernels", "original"}

@@ -1,6 +1,8 @@
 """MoE experts: transformers' MixtralExperts (its eager loop and its default ``grouped_mm`` implementation) against
 fxfuse's two grouped kernels (``run_moe``), Mixtral-8x7B shapes by default, bf16, at several token counts;
-correctness against float32, GPU µs (do_bench, L2 flushed) and wall µs per call (50 back-to-back calls).
+correctness against float32, GPU µs (do_bench, L2 flushed), wall µs per call (50 back-to-back calls) and GPU µs
+replayed from a CUDA graph; 'installed' = the forward fxfuse.optimize installs (the faster of the kernels and
+grouped_mm, timed at each token bucket's first call).
 
     python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import sys
 import time
@@ -19,6 +22,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from fxfuse.kernels.moe_launch import run_moe  # noqa: E402
+from fxfuse.moe import moe_forward  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time (torch.profiler) and config")
     args = ap.parse_args()
+    logging.basicConfig(format="    %(message)s")
+    logging.getLogger("fxfuse.moe").setLevel(logging.INFO)  # the installed forward's choice per token bucket
     torch.manual_seed(0)
     config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts)
     module = MixtralExperts(config)
@@ -41,6 +47,7 @@ def main() -> None:
     reference = MixtralExperts(config).to("cuda")  # float32 copy of the same weights
     reference.load_state_dict(module.state_dict())
     module = module.to("cuda", torch.bfloat16)
+    forward = moe_forward(type(module).forward, "silu")
     weight_mb = (module.gate_up_proj.numel() + module.down_proj.numel()) * 2 / 1e6
     print(f"{torch.cuda.get_device_name()}: E={args.experts} H={args.hidden} I={args.inter} top_k={args.top_k}, "
           f"weights {weight_mb:.0f} MB (bf16)")
@@ -56,10 +63,15 @@ def main() -> None:
                 module.config._experts_implementation = implementation
                 return module(x, index, weights)
 
+            def installed(x=x, index=index, weights=weights):  # what fxfuse.optimize installs: timed per bucket
+                module.config._experts_implementation = "grouped_mm"
+                return forward(module, x, index, weights)
+
             variants = {"eager loop": functools.partial(original, "eager"),
                         "grouped_mm": functools.partial(original, "grouped_mm"),
                         "fxfuse": lambda x=x, index=index, weights=weights: run_moe(
-                            x, index, weights, module.gate_up_proj, module.down_proj, "silu")}
+                            x, index, weights, module.gate_up_proj, module.down_proj, "silu"),
+                        "installed": installed}
             cells = []
             for name, fn in variants.items():
                 try:
@@ -71,12 +83,28 @@ def main() -> None:
                         fn()
                     torch.cuda.synchronize()
                     wall = (time.perf_counter() - start) / 50 * 1e6
-                    cells.append(f"{name} {gpu:8.1f} us (wall {wall:8.1f}, err {err:.1e})")
+                    # (the eager loop waits on the GPU for its routing: no capture)
+                    graph = "n/a" if name == "eager loop" else graphed_us(fn)
+                    cells.append(f"{name} {gpu:8.1f} us (wall {wall:8.1f}, graph {graph}, err {err:.1e})")
                 except Exception as exc:  # grouped_mm missing on this torch / GPU
                     cells.append(f"{name} failed: {type(exc).__name__}: {str(exc)[:80]}")
         print(f"  T={tokens:5d}  " + "  ".join(cells), flush=True)
         if args.profile:
             profile(variants["fxfuse"], tokens)
+
+
+def graphed_us(fn) -> str:
+    """GPU µs of ``fn`` replayed from a CUDA graph (no host time), or why it could not be captured."""
+    try:
+        for _ in range(2):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return f"{do_bench(graph.replay, warmup=10, rep=50, return_mode='median') * 1e3:7.1f}"
+    except Exception as exc:
+        torch.cuda.synchronize()
+        return f"n/a ({type(exc).__name__})"
 
 
 def profile(fn, tokens: int) -> None:
