@@ -33,6 +33,7 @@ import time
 from typing import Any, Optional
 
 import torch
+import triton.testing
 from torch import nn
 
 from .autocast import any_autocast
@@ -40,6 +41,7 @@ from .install import Install
 from .kernels.moe_launch import run_moe
 from .kernels.template import interpreting
 from .kernels.tuning import TuningDuringCapture
+from .strategy import for_cuda_graphs
 
 __all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "token_bucket",
            "why_not_experts"]
@@ -127,7 +129,8 @@ def token_bucket(tokens: int) -> int:
     return 1 << max(tokens - 1, 0).bit_length()
 
 
-# (class, experts implementation, E, H, I, top_k, dtype, device, activation, token bucket) -> "kernels" or
+# (class, experts implementation, E, H, I, top_k, dtype, device, activation, for a CUDA graph, token bucket) ->
+# "kernels" or
 # "original": shared by every layer of a model (a Mixtral's 32 experts modules time once per bucket).
 _CHOICES: dict[tuple, str] = {}
 _TIMING_ROUNDS, _TIMING_CALLS = 3, 3
@@ -136,12 +139,15 @@ _TIMING_ROUNDS, _TIMING_CALLS = 3, 3
 def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, act: str) -> tuple:
     config = getattr(module, "config", None)
     return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
-            index.shape[1], hidden.dtype, hidden.device, act, token_bucket(hidden.shape[0]))
+            index.shape[1], hidden.dtype, hidden.device, act, for_cuda_graphs(), token_bucket(hidden.shape[0]))
 
 
 def _us_per_call(run: Any) -> float:
     """Wall µs per call of ``run`` over a few back-to-back calls ended by a synchronization: the larger of its
-    host and GPU time, as a model's forward pays it."""
+    host and GPU time, as a model's forward pays it; its GPU median alone (``do_bench``) where the call is
+    planned for a CUDA graph (:func:`fxfuse.strategy.scoring_for_cuda_graphs`: a replay pays no host time)."""
+    if for_cuda_graphs():
+        return triton.testing.do_bench(run, warmup=2, rep=10, return_mode="median") * 1e3
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(_TIMING_CALLS):

@@ -77,6 +77,25 @@ def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens, top_k, num, block_m", [(4, 2, 4, 2), (1, 8, 128, 16), (37, 3, 6, 16),
+                                                         (70, 2, 3, 16)])
+def test_the_routing_kernel_lays_pairs_out_as_the_torch_ops(tokens, top_k, num, block_m, monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ROUTE_CELLS", 64)  # several steps per pass (70 tokens: 9 steps of 16 pairs)
+    torch.manual_seed(tokens)
+    index, _ = routing(tokens, top_k, num, "cpu", torch.float32)  # (one pair held elsewhere)
+    routed = moe_launch.route_pairs(index, num, block_m)
+    layout = sort_pairs(index, num, block_m)
+    assert routed.rows.tolist() == layout.rows.tolist()
+    assert routed.block_expert.tolist() == layout.block_expert.tolist()
+
+
+def test_the_routing_kernel_leaves_many_pairs_to_the_torch_ops(monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 2)
+    index = torch.zeros(1000, 2, dtype=torch.int64)  # 2000 pairs of 129 experts' one-hot: 63 steps of 32 pairs
+    assert moe_launch.route_pairs(index, 128, 16) is None
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 def test_moe_with_three_experts_per_token_and_sorted_ranks(monkeypatch):
     monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", 0)  # the stable sort's ranks
     torch.manual_seed(1)

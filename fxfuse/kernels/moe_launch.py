@@ -11,15 +11,16 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 
 from .launch import _input_precision
-from .moe_template import ACTIVATIONS, moe_down_kernel, moe_gate_up_kernel
+from .moe_template import ACTIVATIONS, moe_down_kernel, moe_gate_up_kernel, moe_route_kernel
 from .template import interpreting
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "PairLayout", "block_rows", "pair_blocks", "run_moe", "sort_pairs"]
+__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "PairLayout", "block_rows", "route_pairs", "run_moe", "sort_pairs"]
 
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
@@ -27,6 +28,10 @@ UNUSED_BLOCK = -1  # past the last expert's blocks: the kernels return at once
 ELSEWHERE_BLOCK = -2  # pairs routed to an expert outside [0, E): the down kernel writes their rows as zeros
 # Up to this many (pair, expert) cells, ranks come from a one-hot cumulative sum; beyond, from a stable sort.
 _ONE_HOT_CELLS = 1 << 24
+# The routing kernel: one-hot cells per step (registers of its one program), and the most steps it takes per pass
+# over the pairs (above, the torch ops: at such sizes the GPU work hides their host time).
+_ROUTE_CELLS = 8192
+_ROUTE_MAX_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -92,22 +97,28 @@ def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pai
     return PairLayout(rows, block_expert, block_m)
 
 
-def pair_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
-    """One block per pair, in the pairs' order: the layout of a single token (its ``top_k`` experts are distinct),
-    in a handful of torch ops instead of :func:`sort_pairs`' ~25, whose host time outweighed the kernels at
-    decode (an expert chosen twice would be read twice: correct, slower).
+def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Optional[PairLayout]:
+    """:func:`sort_pairs`' layout from one launch of :func:`~fxfuse.kernels.moe_template.moe_route_kernel`
+    (the same rows and blocks), or None where its one program would take more than ``_ROUTE_MAX_STEPS`` steps
+    over the pairs (then the torch ops, whose host time the GPU work hides at such sizes).
 
     Example:
-        >>> layout = pair_blocks(torch.tensor([[2, 7]]), num_experts=4, block_m=2)
-        >>> layout.rows.tolist(), layout.block_expert.tolist()
-        ([0, -1, 1, -1], [2, -2])
+        >>> layout = route_pairs(torch.tensor([[1, 0], [1, 5]]), num_experts=3, block_m=2)  # doctest: +SKIP
+        >>> layout.rows.tolist(), layout.block_expert.tolist()  # doctest: +SKIP
+        ([1, -1, 0, 2, 3, -1, -1, -1, -1, -1, -1, -1], [0, 1, -2, -1, -1, -1])
     """
     flat = top_k_index.reshape(-1)
     pairs = flat.numel()
-    rows = torch.full((pairs, block_m), -1, dtype=torch.int32, device=flat.device)
-    rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=flat.device)
-    block_expert = torch.where((flat >= 0) & (flat < num_experts), flat, ELSEWHERE_BLOCK).to(torch.int32)
-    return PairLayout(rows.view(-1), block_expert, block_m)
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    chunk = max(16, _ROUTE_CELLS // e_pad)
+    if pairs == 0 or triton.cdiv(pairs, chunk) > _ROUTE_MAX_STEPS:
+        return None
+    blocks = triton.cdiv(pairs, block_m) + num_experts + 1
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    moe_route_kernel[(1,)](flat, rows, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                           CHUNK=chunk, num_warps=8)
+    return PairLayout(rows, block_expert, block_m)
 
 
 def block_rows(pairs: int, num_experts: int) -> int:
@@ -151,7 +162,7 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     w1 = gate_up if gate_up.stride(2) == 1 else gate_up.contiguous()
     w2 = down if down.stride(2) == 1 else down.contiguous()
     bm = block_rows(T * top_k, E)
-    layout = (pair_blocks if T == 1 else sort_pairs)(top_k_index, E, bm)
+    layout = route_pairs(top_k_index, E, bm) or sort_pairs(top_k_index, E, bm)
     blocks = layout.block_expert.numel()
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](

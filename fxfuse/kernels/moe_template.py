@@ -29,7 +29,7 @@ import triton.language as tl
 from .template import interpreting
 from .tuning import autotune
 
-__all__ = ["ACTIVATIONS", "moe_configs", "moe_down_kernel", "moe_gate_up_kernel"]
+__all__ = ["ACTIVATIONS", "moe_configs", "moe_down_kernel", "moe_gate_up_kernel", "moe_route_kernel"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names.
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
@@ -195,3 +195,63 @@ def moe_down_kernel(
     out = acc * scale[:, None]
     tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_route_kernel(
+    index_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    pairs,
+    num_experts,
+    blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The pair layout of :func:`fxfuse.kernels.moe_launch.sort_pairs` in one launch of one program (its torch
+    ops cost ~400 µs of host time per call on an H100's host).
+
+    index_ptr:        the ``[pairs]`` expert of each (token, slot) pair (any integer dtype); outside
+                      ``[0, num_experts)``: an expert held elsewhere.
+    rows_ptr:         int32 ``[blocks * BLOCK_M]`` out: each row's pair, -1 for padding.
+    block_expert_ptr: int32 ``[blocks]`` out: each block's expert, -2 for pairs held elsewhere, -1 unused.
+    pairs, num_experts, blocks: the counts (``blocks`` = the caller's bound).
+    BLOCK_M:          rows per block; E_PAD: a power of two above ``num_experts`` (the dummy expert included);
+                      CHUNK: pairs (and blocks) per step, E_PAD * CHUNK one-hot cells in registers.
+    """
+    experts = tl.arange(0, E_PAD)
+    # Pass 1: pairs per expert (the dummy expert ``num_experts`` holds the pairs held elsewhere).
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+        hit = (e[None, :] == experts[:, None]) & (p < pairs)[None, :]
+        counts += tl.sum(hit.to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    seg_end = tl.cumsum(padded, axis=0)
+    seg_start = seg_end - padded
+    # Every row starts as padding; then (after the barrier: one program, its threads in step) each pair's row.
+    for r0 in range(0, blocks * BLOCK_M, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + r, tl.full((CHUNK,), -1, tl.int32), mask=r < blocks * BLOCK_M)
+    tl.debug_barrier()
+    # Pass 2: each pair's rank within its expert (a running count carried across chunks) -> its row.
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+        hit = (e[None, :] == experts[:, None]) & (p < pairs)[None, :]
+        hit_i = hit.to(tl.int32)
+        running = tl.cumsum(hit_i, axis=1) + (before + seg_start - 1)[:, None]
+        row = tl.sum(tl.where(hit, running, 0), axis=0)
+        tl.store(rows_ptr + row, p, mask=p < pairs)
+        before += tl.sum(hit_i, axis=1)
+    # Each block's expert: how many experts' segments end at or before its first row.
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((seg_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(owner == num_experts, -2, tl.where(owner > num_experts, -1, owner))
+        tl.store(block_expert_ptr + b, owner, mask=b < blocks)
