@@ -81,6 +81,7 @@ def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
                                                          (70, 2, 3, 16)])
 def test_the_routing_kernel_lays_pairs_out_as_the_torch_ops(tokens, top_k, num, block_m, monkeypatch):
     monkeypatch.setattr(moe_launch, "_ROUTE_CELLS", 64)  # several steps per pass (70 tokens: 9 steps of 16 pairs)
+    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 16)
     torch.manual_seed(tokens)
     index, _ = routing(tokens, top_k, num, "cpu", torch.float32)  # (one pair held elsewhere)
     routed = moe_launch.route_pairs(index, num, block_m)
