@@ -16,6 +16,7 @@
 #                                                #   and with StaticCache + reduce-overhead -> decode_model_static.md;
 #                                                #   model.generate() with CompileConfig(backend="fxfuse") -> generate.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
+#   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py -> moe_*.log
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
 # default 10 here), BENCH_ARGS, and a *_TIMEOUT per step (see below).
@@ -169,6 +170,14 @@ case "$mode" in
     step generate "${GENERATE_TIMEOUT:-200}" generate_console.log \
       python3 benchmarks/bench_generate.py --out "$OUT" --layers 4 --new-tokens 64 --prompt 128 --rounds 5
     tail -9 "$OUT/generate_console.log"
+    ;;
+  moe)
+    # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' loop -> moe*.log
+    step moe-tests "${TEST_TIMEOUT:-300}" moe_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_moe.py tests/test_real_models.py
+    grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
+    step moe-probe "${PROBE_TIMEOUT:-240}" moe_probe.log python3 benchmarks/probes/probe_moe.py
+    cat "$OUT/moe_probe.log"
     ;;
   probe)
     PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probes/probe_decode.py --quick

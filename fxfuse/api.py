@@ -11,11 +11,12 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .capture import CaptureFailure, discover, record_inputs
+from .capture import MOE_NOTE, CaptureFailure, discover, record_inputs
 from .cudagraphs import cuda_graphed
 from .hosts import place
 from .install import assemble, fused_graphs
-from .report import FusionReport
+from .moe import MOE_PATTERN, experts_installs
+from .report import FusionReport, RegionReport
 
 __all__ = ["fused_graphs", "optimize", "report"]
 
@@ -63,13 +64,15 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     module_inputs = record_inputs(model, example_inputs) if example_inputs is not None else {}
     found = discover(model)
     placement = place(model, found, module_inputs)  # (adds the graphs it could not analyze to found.failures)
+    experts, experts_acts = experts_installs(model)  # MoE experts: the grouped kernels (fxfuse.moe)
+    found.failures = [f for f in found.failures if not (f.error == MOE_NOTE and f.module_path in experts)]
     try:
-        result = assemble(model, placement.hosts, placement.inline)
+        result = assemble(model, placement.hosts, placement.inline, experts)
     except Exception as err:  # pragma: no cover - a module that cannot be copied: nothing is fused
         log.info("fxfuse: could not install the fused methods (%s: %s)", type(err).__name__, err,
                  exc_info=log.isEnabledFor(logging.DEBUG))
         found.failures.append(CaptureFailure("", f"not installed: {type(err).__name__}: {err}"))
-        placement.hosts, placement.inline, placement.inline_reports = [], [], []
+        placement.hosts, placement.inline, placement.inline_reports, experts_acts = [], [], [], {}
         result = assemble(model, [], [])
     full_report = FusionReport(rejections=placement.rejections, capture_failures=_summarize(found.failures),
                                graphs=placement.graphs)
@@ -85,6 +88,10 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
             full_report.regions.append(region)
         full_report.graphs += all(host.scope is not s for s in found.scopes)  # (a discovery graph reused)
     full_report.regions += placement.inline_reports
+    for path, act in experts_acts.items():
+        full_report.regions.append(RegionReport(path, MOE_PATTERN, f"moe:{act}", "moe_grouped (2 launches)", [
+            "each (token, expert) pair through two grouped kernels; checked against the module's forward at its "
+            "first call, which it keeps if they differ"]))
     if cuda_graphs:
         full_report.cuda_graphs = cuda_graphed(result, static_outputs=cuda_graphs == "static").forward.describe()
     full_report.seconds = time.perf_counter() - start

@@ -234,9 +234,11 @@ class Install:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
-def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] = ()) -> nn.Module:
-    """A shallow copy of ``model`` with each host's method replaced (see the module doc)."""
-    by_path: dict[str, list[Install]] = {}
+def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] = (),
+             extra: Optional[dict[str, Install]] = None) -> nn.Module:
+    """A shallow copy of ``model`` with each host's method replaced (see the module doc); ``extra``: more
+    installs by module path (the experts modules of :mod:`fxfuse.moe`)."""
+    by_path: dict[str, list[Install]] = {path: [inst] for path, inst in (extra or {}).items()}
     for h in hosts:
         by_path.setdefault(h.module_path, []).append(_host_install(model.get_submodule(h.module_path), h))
     for chain in inline:

@@ -15,6 +15,8 @@ from real_models import VOCAB, FusedCalls, fused_calls, main_output, tiny
 
 import fxfuse
 from fxfuse.capture import MOE_NOTE
+from fxfuse.kernels.template import interpreting
+from fxfuse.moe import MOE_PATTERN
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -48,7 +50,7 @@ FAMILIES = {
     "siglip": ["encoder.layers.0.mlp", "encoder.layers.1.mlp", "head.mlp"],
     "swin": ["encoder.layers.0.blocks.0.mlp", "encoder.layers.1.blocks.0.mlp"],
     "wav2vec2": ["encoder.layers.0.feed_forward"],
-    "qwen3_moe": ["layers.0.mlp"],  # the dense layer; the sparse layer's experts are left as they are
+    "qwen3_moe": ["layers.0.mlp"],  # the dense layer (the sparse layer's experts: test_moe_experts_...)
     "mixtral": [],  # experts only
 }
 
@@ -66,7 +68,7 @@ def test_every_mlp_block_is_fused_and_outputs_match(family, monkeypatch):
     fast = fxfuse.optimize(model)
     report = fxfuse.report(fast)
     assert type(fast).__name__ == type(model).__name__ and isinstance(fast, type(model))
-    assert sorted(r.module_path for r in report.regions) == sorted(FAMILIES[family])
+    assert sorted(r.module_path for r in report.regions if r.pattern != MOE_PATTERN) == sorted(FAMILIES[family])
     assert len(FAMILIES[family]) == blocks or family == "albert"  # ALBERT calls its one layer twice
     n, out = fused_calls(fast, **inputs)
     assert n == blocks
@@ -91,10 +93,25 @@ def test_report_says_what_was_left_out_and_why():
     model, _, _ = tiny("bart")
     report = fxfuse.report(fxfuse.optimize(model))
     assert all(any("hand-off" in n for n in r.notes) for r in report.regions)
-    for moe in ("mixtral", "qwen3_moe"):  # experts are named as left out, not silently skipped
-        report = fxfuse.report(fxfuse.optimize(tiny(moe)[0]))
-        assert [(f.module_path, f.error) for f in report.capture_failures if "experts" in f.module_path] == \
-            [("layers.*.mlp.experts (x2)" if moe == "mixtral" else "layers.1.mlp.experts", MOE_NOTE)]
+
+
+@pytest.mark.parametrize("family, experts", [("mixtral", ["layers.0.mlp.experts", "layers.1.mlp.experts"]),
+                                             ("qwen3_moe", ["layers.1.mlp.experts"])])
+def test_moe_experts_run_the_grouped_kernels_after_a_first_checked_call(family, experts):
+    model, inputs, _ = tiny(family)
+    fast = fxfuse.optimize(model)
+    report = fxfuse.report(fast)
+    assert sorted(r.module_path for r in report.regions if r.pattern == MOE_PATTERN) == experts
+    assert not any(f.error == MOE_NOTE for f in report.capture_failures)
+    assert fast.state_dict().keys() == model.state_dict().keys()
+    with torch.no_grad():
+        ref = model(**inputs)
+        for _ in range(2):  # the first call checks the kernels against the original forward, the second uses them
+            close(fast(**inputs), ref)
+    kernels = interpreting() or next(model.parameters()).is_cuda
+    assert [fast.get_submodule(p).__dict__.get("_fxfuse_moe") for p in experts] == [True if kernels else None] * \
+        len(experts)
+    assert "_fxfuse_moe" not in vars(model.get_submodule(experts[0]))  # the user's module is untouched
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

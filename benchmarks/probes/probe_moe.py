@@ -1,0 +1,130 @@
+"""MoE experts: transformers' MixtralExperts (its eager loop and its default ``grouped_mm`` implementation) against
+fxfuse's two grouped kernels (``run_moe``), Mixtral-8x7B shapes by default, bf16, at several token counts;
+correctness against float32, GPU µs (do_bench, L2 flushed), wall µs per call (50 back-to-back calls) and GPU µs
+replayed from a CUDA graph; 'installed' = the forward fxfuse.optimize installs (the faster of the kernels and
+grouped_mm, timed at each token bucket's first call).
+
+    python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from fxfuse.kernels.moe_launch import run_moe  # noqa: E402
+from fxfuse.moe import moe_forward  # noqa: E402
+
+
+def main() -> None:
+    from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralExperts
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,16,128,512,4096")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=14336)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time (torch.profiler) and config")
+    args = ap.parse_args()
+    logging.basicConfig(format="    %(message)s")
+    logging.getLogger("fxfuse.moe").setLevel(logging.INFO)  # the installed forward's choice per token bucket
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts)
+    module = MixtralExperts(config)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, args.hidden ** -0.5)
+        module.down_proj.normal_(0, args.inter ** -0.5)
+    reference = MixtralExperts(config).to("cuda")  # float32 copy of the same weights
+    reference.load_state_dict(module.state_dict())
+    module = module.to("cuda", torch.bfloat16)
+    forward = moe_forward(type(module).forward, "silu")
+    weight_mb = (module.gate_up_proj.numel() + module.down_proj.numel()) * 2 / 1e6
+    print(f"{torch.cuda.get_device_name()}: E={args.experts} H={args.hidden} I={args.inter} top_k={args.top_k}, "
+          f"weights {weight_mb:.0f} MB (bf16)")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, args.experts, device="cuda")
+        weights, index = torch.topk(torch.softmax(logits, -1), args.top_k, -1)
+        weights = weights.to(torch.bfloat16)
+        with torch.no_grad():
+            ref = reference(x.float(), index, weights.float())
+
+            def original(implementation, x=x, index=index, weights=weights):
+                module.config._experts_implementation = implementation
+                return module(x, index, weights)
+
+            def installed(x=x, index=index, weights=weights):  # what fxfuse.optimize installs: timed per bucket
+                module.config._experts_implementation = "grouped_mm"
+                return forward(module, x, index, weights)
+
+            variants = {"eager loop": functools.partial(original, "eager"),
+                        "grouped_mm": functools.partial(original, "grouped_mm"),
+                        "fxfuse": lambda x=x, index=index, weights=weights: run_moe(
+                            x, index, weights, module.gate_up_proj, module.down_proj, "silu"),
+                        "installed": installed}
+            cells = []
+            for name, fn in variants.items():
+                try:
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    gpu = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    torch.cuda.synchronize()
+                    wall = (time.perf_counter() - start) / 50 * 1e6
+                    # (the eager loop waits on the GPU for its routing: no capture)
+                    graph = "n/a" if name == "eager loop" else graphed_us(fn)
+                    cells.append(f"{name} {gpu:8.1f} us (wall {wall:8.1f}, graph {graph}, err {err:.1e})")
+                except Exception as exc:  # grouped_mm missing on this torch / GPU
+                    cells.append(f"{name} failed: {type(exc).__name__}: {str(exc)[:80]}")
+        print(f"  T={tokens:5d}  " + "  ".join(cells), flush=True)
+        if args.profile:
+            profile(variants["fxfuse"], tokens)
+
+
+def graphed_us(fn) -> str:
+    """GPU µs of ``fn`` replayed from a CUDA graph (no host time), or why it could not be captured."""
+    try:
+        for _ in range(2):
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return f"{do_bench(graph.replay, warmup=10, rep=50, return_mode='median') * 1e3:7.1f}"
+    except Exception as exc:
+        torch.cuda.synchronize()
+        return f"n/a ({type(exc).__name__})"
+
+
+def profile(fn, tokens: int) -> None:
+    """Each GPU kernel's mean time over 20 calls of ``fn``, and the tuned configs of the two MoE kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from fxfuse.kernels.moe_template import moe_down_kernel, moe_gate_up_kernel
+
+    with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:8]:
+        print(f"      {e.device_time_total / 20:9.1f} us/call  x{e.count / 20:.0f}  {e.key[:90]}")
+    for kernel in (moe_gate_up_kernel, moe_down_kernel):
+        for key, config in getattr(kernel, "cache", {}).items():
+            print(f"      {kernel.fn.__name__} {key}: {config}")
+
+
+if __name__ == "__main__":
+    main()

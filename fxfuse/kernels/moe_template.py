@@ -1,0 +1,257 @@
+"""Mixture-of-experts kernels: the experts' gated MLPs as two grouped GEMMs over tokens sorted by expert.
+
+A MoE layer (transformers' ``MixtralExperts`` / ``Qwen3MoeExperts``) sends each token to ``top_k`` experts; each
+expert ``e`` computes ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``, scaled by the token's routing weight, and
+the token's output is the sum over its experts. Eager PyTorch loops over the experts (gather, three GEMMs, the
+pointwise ops, index_add per expert: ~10 launches each). Here the (token, expert) pairs are sorted by expert into
+blocks of ``BLOCK_M`` rows that each belong to ONE expert (an expert's rows padded to whole blocks; the layout is
+built on the GPU by :func:`fxfuse.kernels.moe_launch.sort_pairs`, with no host sync), and two kernels run every
+block of every expert in one launch each:
+
+* :func:`moe_gate_up_kernel`: gathers the block's token rows of x, multiplies them with its expert's gate and up
+  weights (``gate_up[e]``: gate rows first, then up, as ``chunk(2)`` splits it), applies ``act(g) * u`` to the
+  fp32 accumulators and writes the block's rows of h (``[padded rows, I]``) once;
+* :func:`moe_down_kernel`: multiplies h's block with its expert's down weight, scales each row by its routing
+  weight in fp32, casts once and writes the row of its (token, expert) pair.
+
+The caller sums each token's ``top_k`` rows (one reduction, deterministic: no atomics).
+
+Example:
+    >>> "moe_gate_up_kernel" in globals() and "moe_down_kernel" in globals()
+    True
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .template import interpreting
+from .tuning import autotune
+
+__all__ = ["ACTIVATIONS", "moe_configs", "moe_down_kernel", "moe_gate_up_kernel", "moe_route_kernel"]
+
+# The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names.
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
+
+
+def moe_configs() -> list[triton.Config]:
+    """Tile widths, K steps, warps and pipeline depths to tune over (the rows per block, ``BLOCK_M``, are the
+    caller's: the pair layout is built for them). One small config in the interpreter. A first list, not yet
+    measured on a GPU.
+
+    Example:
+        >>> interpreting() or len(moe_configs()) > 1
+        True
+    """
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+                                 (128, 128, 8, 3))]
+
+
+@triton.jit
+def _activate(g, ACT: tl.constexpr):
+    """``act(g)`` on fp32 values: 0 SiLU, 1 tanh-GELU, 2 erf GELU."""
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-2.0 * inner))  # 0.5 * g * (1 + tanh(inner))
+    else:
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+
+
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M"])
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    K,
+    N,
+    TOP_K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    ACT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``h[r, n] = act(x[t] @ gate[e, n]) * (x[t] @ up[e, n])`` for the rows r of one block of one expert.
+
+    x_ptr:            hidden states ``[T, K]`` (last dim contiguous, row stride ``stride_xm``).
+    w_ptr:            stacked gate/up weights ``[E, 2N, K]`` (strides ``stride_we``, ``stride_wn``, 1): rows
+                      ``[0, N)`` of expert e are its gate, ``[N, 2N)`` its up projection.
+    h_ptr:            output ``[padded rows, N]`` (row stride ``stride_hm``), x's dtype; rows of padding are not
+                      written.
+    rows_ptr:         int32 ``[padded rows]``: the (token, expert) pair of each sorted row (``token * TOP_K +
+                      slot``), -1 for padding.
+    block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, or -1 (unused) or -2
+                      (pairs routed to an expert held elsewhere): no work here.
+    K, N:             hidden size and intermediate size; TOP_K: experts per token.
+    ACT:              the gate activation (:data:`ACTIVATIONS`).
+    INPUT_PRECISION:  ``tl.dot`` precision: "ieee" for fp32 (as eager) unless the user allows TF32, else "tf32".
+    BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
+                      grid is (blocks, cdiv(N, BLOCK_N)).
+    """
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(rows_ptr + offs_m)
+    valid = pairs >= 0
+    tokens = tl.where(valid, pairs // TOP_K, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        wg = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                     other=0.0)
+        wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + k[:, None],
+                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc_g = tl.dot(x, wg, acc_g, input_precision=INPUT_PRECISION)
+        acc_u = tl.dot(x, wu, acc_u, input_precision=INPUT_PRECISION)
+    h = _activate(acc_g, ACT) * acc_u  # on the fp32 accumulators; cast once
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M"])
+@triton.jit
+def moe_down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    routing_ptr,
+    K,
+    N,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[p, n] = routing[p] * (h[r] @ down[e, n])`` for the rows r (pairs p) of one block of one expert.
+
+    h_ptr:            the gate/up kernel's output ``[padded rows, K]`` (row stride ``stride_hm``).
+    w_ptr:            stacked down weights ``[E, N, K]`` (strides ``stride_we``, ``stride_wn``, 1).
+    out_ptr:          ``[pairs, N]`` (row stride ``stride_om``): one row per (token, expert) pair; the rows of
+                      a block marked -2 (routed to an expert held elsewhere) are written as zeros.
+    rows_ptr, block_expert_ptr: as in :func:`moe_gate_up_kernel`.
+    routing_ptr:      the routing weight of each pair ``[pairs]`` (any float dtype), applied in fp32.
+    K, N:             intermediate size and hidden size.
+    INPUT_PRECISION:  as in :func:`moe_gate_up_kernel`.
+    BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
+                      grid is (blocks, cdiv(N, BLOCK_N)).
+    """
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert == -1:  # UNUSED_BLOCK
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(rows_ptr + offs_m)
+    valid = pairs >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    if expert == -2:  # ELSEWHERE_BLOCK: pairs routed to no expert here add nothing to their token
+        tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        h = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+    scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
+    out = acc * scale[:, None]
+    tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_route_kernel(
+    index_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    pairs,
+    num_experts,
+    blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The pair layout of :func:`fxfuse.kernels.moe_launch.sort_pairs` in one launch of one program (its torch
+    ops cost ~400 µs of host time per call on an H100's host).
+
+    index_ptr:        the ``[pairs]`` expert of each (token, slot) pair (any integer dtype); outside
+                      ``[0, num_experts)``: an expert held elsewhere.
+    rows_ptr:         int32 ``[blocks * BLOCK_M]`` out: each row's pair, -1 for padding.
+    block_expert_ptr: int32 ``[blocks]`` out: each block's expert, -2 for pairs held elsewhere, -1 unused.
+    pairs, num_experts, blocks: the counts (``blocks`` = the caller's bound).
+    BLOCK_M:          rows per block; E_PAD: a power of two above ``num_experts`` (the dummy expert included);
+                      CHUNK: pairs (and blocks) per step, E_PAD * CHUNK one-hot cells in registers.
+    """
+    experts = tl.arange(0, E_PAD)
+    # Pass 1: pairs per expert (the dummy expert ``num_experts`` holds the pairs held elsewhere).
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+        hit = (e[None, :] == experts[:, None]) & (p < pairs)[None, :]
+        counts += tl.sum(hit.to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    seg_end = tl.cumsum(padded, axis=0)
+    seg_start = seg_end - padded
+    # Every row starts as padding; then (after the barrier: one program, its threads in step) each pair's row.
+    for r0 in range(0, blocks * BLOCK_M, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + r, tl.full((CHUNK,), -1, tl.int32), mask=r < blocks * BLOCK_M)
+    tl.debug_barrier()
+    # Pass 2: each pair's rank within its expert (a running count carried across chunks) -> its row.
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+        hit = (e[None, :] == experts[:, None]) & (p < pairs)[None, :]
+        hit_i = hit.to(tl.int32)
+        running = tl.cumsum(hit_i, axis=1) + (before + seg_start - 1)[:, None]
+        row = tl.sum(tl.where(hit, running, 0), axis=0)
+        tl.store(rows_ptr + row, p, mask=p < pairs)
+        before += tl.sum(hit_i, axis=1)
+    # Each block's expert: how many experts' segments end at or before its first row.
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((seg_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(owner == num_experts, -2, tl.where(owner > num_experts, -1, owner))
+        tl.store(block_expert_ptr + b, owner, mask=b < blocks)

@@ -1,0 +1,265 @@
+"""The mixture-of-experts kernels (fxfuse.kernels.moe_*) against transformers' MixtralExperts and a float64
+reference: fp32/fp16 in the interpreter on the CPU, bf16/fp16/fp32 on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ops import rel_err
+
+from fxfuse import moe
+from fxfuse.kernels import moe_launch
+from fxfuse.kernels.moe_launch import run_moe, sort_pairs
+from fxfuse.kernels.template import interpreting
+
+transformers = pytest.importorskip("transformers")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralExperts  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def experts(act: str, dtype: torch.dtype, device: str, hidden: int = 32, inter: int = 48, num: int = 4):
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num, hidden_act=act)
+    module = MixtralExperts(config)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, hidden ** -0.5)
+        module.down_proj.normal_(0, inter ** -0.5)
+    return module.to(device=device, dtype=dtype)
+
+
+def routing(tokens: int, top_k: int, num: int, device: str, dtype: torch.dtype):
+    """Random distinct experts per token (one token sent to ``num``: an expert held elsewhere), softmax weights."""
+    index = torch.stack([torch.randperm(num)[:top_k] for _ in range(tokens)]).to(device)
+    index[0, 0] = num
+    weights = torch.softmax(torch.randn(tokens, top_k), -1).to(device=device, dtype=dtype)
+    return index, weights
+
+
+def local_routing(tokens: int, top_k: int, num: int, device: str, dtype: torch.dtype):
+    """As :func:`routing`, every expert held here (transformers' eager loop takes no other)."""
+    index, weights = routing(tokens, top_k, num, device, dtype)
+    index[0, 0] = (index[0, 1] + 1) % num
+    return index, weights
+
+
+def reference(module: MixtralExperts, x, index, weights, act: str) -> torch.Tensor:
+    """float64: each pair's expert MLP scaled by its weight, summed per token (index ``num`` skipped)."""
+    gate_up, down = module.gate_up_proj.double(), module.down_proj.double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for slot, e in enumerate(index[t].tolist()):
+            if e >= gate_up.shape[0]:
+                continue
+            g, u = (gate_up[e] @ x[t].double()).chunk(2)
+            out[t] += weights[t, slot].double() * (down[e] @ (ACT2FN[act](g) * u))
+    return out
+
+
+@pytest.mark.parametrize("one_hot_cells", [moe_launch._ONE_HOT_CELLS, 0], ids=["one-hot ranks", "sorted ranks"])
+def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", one_hot_cells)
+    index = torch.tensor([[3, 0], [0, 1], [3, 3], [4, 0]])  # 4 is an expert held elsewhere
+    layout = sort_pairs(index, num_experts=4, block_m=2)
+    rows, owner = layout.rows.tolist(), layout.block_expert.tolist()
+    seen, elsewhere = [], []
+    for b, e in enumerate(owner):
+        block = [p for p in rows[2 * b: 2 * b + 2] if p >= 0]
+        if e == moe_launch.ELSEWHERE_BLOCK:
+            elsewhere += block
+        elif e == moe_launch.UNUSED_BLOCK:
+            assert block == []
+        else:
+            assert all(index.reshape(-1)[p] == e for p in block)
+            seen += block
+    assert seen == [1, 2, 7, 3, 0, 4, 5]  # every routed pair once, expert by expert, in order within an expert
+    assert elsewhere == [6]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens, top_k, num, block_m", [(4, 2, 4, 2), (1, 8, 128, 16), (37, 3, 6, 16),
+                                                         (70, 2, 3, 16)])
+def test_the_routing_kernel_lays_pairs_out_as_the_torch_ops(tokens, top_k, num, block_m, monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ROUTE_CELLS", 64)  # several steps per pass (70 tokens: 9 steps of 16 pairs)
+    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 16)
+    torch.manual_seed(tokens)
+    index, _ = routing(tokens, top_k, num, "cpu", torch.float32)  # (one pair held elsewhere)
+    routed = moe_launch.route_pairs(index, num, block_m)
+    layout = sort_pairs(index, num, block_m)
+    assert routed.rows.tolist() == layout.rows.tolist()
+    assert routed.block_expert.tolist() == layout.block_expert.tolist()
+
+
+def test_the_routing_kernel_leaves_many_pairs_to_the_torch_ops(monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 2)
+    index = torch.zeros(1000, 2, dtype=torch.int64)  # 2000 pairs of 129 experts' one-hot: 63 steps of 32 pairs
+    assert moe_launch.route_pairs(index, 128, 16) is None
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_moe_with_three_experts_per_token_and_sorted_ranks(monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", 0)  # the stable sort's ranks
+    torch.manual_seed(1)
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(9, 32)
+    index, weights = routing(9, 3, 4, "cpu", torch.float32)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
+    assert rel_err(out, reference(module, x, index, weights, "silu")) < TOL[torch.float32]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_moe_matches_mixtral_experts_in_the_interpreter(act, dtype):
+    torch.manual_seed(0)
+    module = experts(act, dtype, "cpu")
+    x = torch.randn(11, 32, dtype=dtype)
+    index, weights = routing(11, 2, 4, "cpu", dtype)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, act)
+    ref = reference(module, x, index, weights, act)
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
+    if dtype == torch.float32:  # transformers' own loop agrees (on routing it accepts: experts in [0, E))
+        index[0, 0] = (index[0, 1] + 1) % 4
+        with torch.no_grad():
+            ref = reference(module, x, index, weights, act)
+            assert rel_err(module(x, index, weights), ref) < TOL[dtype]
+            assert rel_err(run_moe(x, index, weights, module.gate_up_proj, module.down_proj, act), ref) < TOL[dtype]
+
+
+def test_bad_arguments_raise_clearly():
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(3, 32)
+    index, weights = routing(3, 2, 4, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "relu6")
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        run_moe(x[:, :16], index, weights, module.gate_up_proj, module.down_proj, "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
+    torch.manual_seed(0)
+    module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)
+    x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
+    index, weights = routing(tokens, 2, 8, "cuda", dtype)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
+    ref = reference(module, x, index, weights, "silu")
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+class ClampedExperts(MixtralExperts):
+    """The same structure, another computation (gpt-oss style clamp): must keep its own forward."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return super().forward(hidden_states.clamp(-0.1, 0.1), top_k_index, top_k_weights)
+
+
+def test_structure_and_activation_are_recognized_and_the_reasons_named():
+    from torch import nn
+
+    from fxfuse.moe import activation_of, experts_modules, why_not_experts
+
+    assert [activation_of(a) for a in (ACT2FN["silu"], ACT2FN["gelu_pytorch_tanh"], ACT2FN["gelu"], nn.ReLU())] \
+        == ["silu", "gelu_pytorch_tanh", "gelu", None]
+    module = experts("silu", torch.float32, "cpu")
+    assert why_not_experts(module) is None
+    module.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 96))
+    assert "other parameters" in why_not_experts(module)
+    relu = experts("relu", torch.float32, "cpu")
+    assert "act_fn" in why_not_experts(relu)
+    assert experts_modules(nn.Sequential(experts("silu", torch.float32, "cpu"), relu)) == {"0": "silu"}
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_module_whose_forward_differs_keeps_it_and_grad_calls_run_the_original(caplog):
+    import logging
+
+    from fxfuse.moe import moe_forward
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4, hidden_act="silu")
+    clamped = ClampedExperts(config)
+    with torch.no_grad():
+        clamped.gate_up_proj.normal_(0, 0.2)
+        clamped.down_proj.normal_(0, 0.2)
+    forward = moe_forward(ClampedExperts.forward, "silu")
+    x = torch.randn(6, 32)
+    index, weights = routing(6, 2, 4, "cpu", torch.float32)
+    index[0, 0] = (index[0, 1] + 1) % 4
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"), torch.no_grad():
+        out = forward(clamped, x, index, weights)
+    assert torch.equal(out, clamped(x, index, weights)) and clamped.__dict__["_fxfuse_moe"] is False
+    assert "keeps its forward" in caplog.text
+    # Gradients to record: the original forward, unchecked (the kernels have no backward).
+    plain = experts("silu", torch.float32, "cpu")
+    out = moe_forward(MixtralExperts.forward, "silu")(plain, x, index, weights)
+    assert out.requires_grad and "_fxfuse_moe" not in plain.__dict__
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_kernels_that_fail_leave_the_original_forward(monkeypatch, caplog):
+    import logging
+
+    from fxfuse import moe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(moe, "run_moe", broken)
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(5, 32)
+    index, weights = routing(5, 2, 4, "cpu", torch.float32)
+    index[0, 0] = (index[0, 1] + 1) % 4
+    forward = moe.moe_forward(MixtralExperts.forward, "silu")
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"), torch.no_grad():
+        assert torch.equal(forward(module, x, index, weights), module(x, index, weights))
+    assert module.__dict__["_fxfuse_moe"] is False and "no kernel today" in caplog.text
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_single_token_runs_one_block_per_pair():
+    torch.manual_seed(2)
+    module = experts("gelu", torch.float32, "cpu")
+    x = torch.randn(1, 32)
+    index, weights = routing(1, 2, 4, "cpu", torch.float32)  # one of its two experts is held elsewhere
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "gelu")
+    assert rel_err(out, reference(module, x, index, weights, "gelu")) < TOL[torch.float32]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_bucket_where_the_module_was_faster_runs_its_forward(monkeypatch):
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+    x = torch.randn(5, 32)
+    index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
+    monkeypatch.setitem(moe._CHOICES, moe._choice_key(module, x, index, "silu"), "original")
+
+    def kernels_not_expected(*args):
+        raise AssertionError("the kernels ran in a bucket timed slower")
+
+    monkeypatch.setattr(moe, "run_moe", kernels_not_expected)
+    with torch.no_grad():
+        assert torch.equal(forward(module, x, index, weights), type(module).forward(module, x, index, weights))
+        x3 = torch.randn(3, 32)  # another module's bucket (8 tokens): not the one timed slower
+        assert moe._choice_key(module, x3, index[:3], "silu") not in moe._CHOICES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_gpu_forward_times_each_token_bucket_once_and_stays_correct(implementation, monkeypatch):
+    monkeypatch.setattr(moe, "_CHOICES", {})
+    torch.manual_seed(0)
+    module = experts("silu", torch.bfloat16, "cuda", hidden=256, inter=512, num=8)
+    module.config._experts_implementation = implementation
+    forward = moe.moe_forward(type(module).forward, "silu")
+    with torch.no_grad():
+        for tokens in (1, 6, 7, 300):
+            x = torch.randn(tokens, 256, dtype=torch.bfloat16, device="cuda")
+            index, weights = local_routing(tokens, 2, 8, "cuda", torch.bfloat16)
+            out = forward(module, x, index, weights)
+            assert rel_err(out, reference(module, x, index, weights, "silu")) < TOL[torch.bfloat16]
+    assert module.__dict__["_fxfuse_moe"] is True
+    assert sorted(key[-1] for key in moe._CHOICES) == [1, 8, 512]  # 6 and 7 tokens share a bucket
+    assert set(moe._CHOICES.values()) <= {"kernels", "original"}
