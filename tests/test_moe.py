@@ -76,29 +76,30 @@ def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
     assert elsewhere == [6]
 
 
+def used_layout(layout):
+    """The rows of the blocks kernels read (an unused block's rows are not written by the routing kernels)."""
+    rows = layout.rows.view(-1, layout.block_m)
+    used = layout.block_expert != moe_launch.UNUSED_BLOCK
+    return rows[used].tolist(), layout.block_expert.tolist()
+
+
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("kernels", ["one program", "a program per expert"])
 @pytest.mark.parametrize("tokens, top_k, num, block_m", [(4, 2, 4, 2), (1, 8, 128, 16), (37, 3, 6, 16),
                                                          (70, 2, 3, 16)])
-def test_the_routing_kernel_lays_pairs_out_as_the_torch_ops(tokens, top_k, num, block_m, monkeypatch):
+def test_the_routing_kernels_lay_pairs_out_as_the_torch_ops(kernels, tokens, top_k, num, block_m, monkeypatch):
     monkeypatch.setattr(moe_launch, "_ROUTE_CELLS", 64)  # several steps per pass (70 tokens: 9 steps of 16 pairs)
-    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 16)
+    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 16 if kernels == "one program" else 0)
+    monkeypatch.setattr(moe_launch, "_PLACE_CHUNK", 16)
     torch.manual_seed(tokens)
     index, _ = routing(tokens, top_k, num, "cpu", torch.float32)  # (one pair held elsewhere)
-    routed = moe_launch.route_pairs(index, num, block_m)
-    layout = sort_pairs(index, num, block_m)
-    assert routed.rows.tolist() == layout.rows.tolist()
-    assert routed.block_expert.tolist() == layout.block_expert.tolist()
-
-
-def test_the_routing_kernel_leaves_many_pairs_to_the_torch_ops(monkeypatch):
-    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 2)
-    index = torch.zeros(1000, 2, dtype=torch.int64)  # 2000 pairs of 129 experts' one-hot: 63 steps of 32 pairs
-    assert moe_launch.route_pairs(index, 128, 16) is None
+    assert used_layout(moe_launch.route_pairs(index, num, block_m)) == used_layout(sort_pairs(index, num, block_m))
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
-def test_moe_with_three_experts_per_token_and_sorted_ranks(monkeypatch):
-    monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", 0)  # the stable sort's ranks
+def test_moe_with_three_experts_per_token_and_a_program_per_expert(monkeypatch):
+    monkeypatch.setattr(moe_launch, "_ROUTE_MAX_STEPS", 0)  # the routing of many pairs
+    monkeypatch.setattr(moe_launch, "_PLACE_CHUNK", 16)
     torch.manual_seed(1)
     module = experts("silu", torch.float32, "cpu")
     x = torch.randn(9, 32)
@@ -126,6 +127,13 @@ def test_moe_matches_mixtral_experts_in_the_interpreter(act, dtype):
             assert rel_err(run_moe(x, index, weights, module.gate_up_proj, module.down_proj, act), ref) < TOL[dtype]
 
 
+def test_no_tokens_give_no_rows():
+    module = experts("silu", torch.float32, "cpu")
+    index, weights = routing(1, 2, 4, "cpu", torch.float32)
+    out = run_moe(torch.randn(0, 32), index[:0], weights[:0], module.gate_up_proj, module.down_proj, "silu")
+    assert out.shape == (0, 32)
+
+
 def test_bad_arguments_raise_clearly():
     module = experts("silu", torch.float32, "cpu")
     x = torch.randn(3, 32)
@@ -138,7 +146,7 @@ def test_bad_arguments_raise_clearly():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("tokens", [1, 7, 300, 3000])  # (3000: a routing program per expert)
 def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
     torch.manual_seed(0)
     module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)

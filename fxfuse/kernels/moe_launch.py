@@ -1,8 +1,9 @@
 """Launcher of the mixture-of-experts kernels (:mod:`fxfuse.kernels.moe_template`).
 
 :func:`run_moe` computes what transformers' ``MixtralExperts.forward(hidden_states, top_k_index, top_k_weights)``
-computes, in three launches and a sum: the pairs sorted by expert (:func:`sort_pairs`, torch ops on the GPU, no
-host sync), the gate/up kernel, the down kernel, and the sum of each token's ``top_k`` rows.
+computes, in three or four launches and an add: the pairs sorted by expert (:func:`route_pairs`, no host sync),
+the gate/up kernel, the down kernel, and the sum of each token's ``top_k`` rows. :func:`sort_pairs` builds the same
+layout in torch ops: the reference the routing kernels are tested against.
 
 Example:
     >>> out = run_moe(x, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, "silu")  # doctest: +SKIP
@@ -11,13 +12,19 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
 
 from .launch import _input_precision
-from .moe_template import ACTIVATIONS, moe_down_kernel, moe_gate_up_kernel, moe_route_kernel
+from .moe_template import (
+    ACTIVATIONS,
+    moe_count_kernel,
+    moe_down_kernel,
+    moe_gate_up_kernel,
+    moe_place_kernel,
+    moe_route_kernel,
+)
 from .template import interpreting
 
 __all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "PairLayout", "block_rows", "route_pairs", "run_moe", "sort_pairs"]
@@ -28,11 +35,12 @@ UNUSED_BLOCK = -1  # past the last expert's blocks: the kernels return at once
 ELSEWHERE_BLOCK = -2  # pairs routed to an expert outside [0, E): the down kernel writes their rows as zeros
 # Up to this many (pair, expert) cells, ranks come from a one-hot cumulative sum; beyond, from a stable sort.
 _ONE_HOT_CELLS = 1 << 24
-# The routing kernel: one-hot cells per step (registers of its one program), and the most steps it takes per pass
-# over the pairs; above, the torch ops, whose host time the GPU work hides at such sizes. (H100, 129 experts'
-# one-hot, 32 pairs a step: 4 steps ran 24 µs, 32 steps 142 µs, more than the torch ops' GPU time.)
+# The one-program routing kernel: one-hot cells per step (registers of its one program), and the most steps it
+# takes per pass over the pairs; above, a program per expert (H100, 129 experts' one-hot, 32 pairs a step: 4 steps
+# ran 24 µs, 32 steps 142 µs). _PLACE_CHUNK: pairs per step of the program-per-expert kernels.
 _ROUTE_CELLS = 8192
 _ROUTE_MAX_STEPS = 8
+_PLACE_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -45,11 +53,13 @@ class PairLayout:
 
 
 def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
-    """Sort the ``[T, top_k]`` expert choices by expert into blocks of ``block_m`` rows, each expert's rows padded
-    to whole blocks, pairs in their original order within an expert. The number of blocks is the bound
-    ``cdiv(T * top_k, block_m) + num_experts + 1`` (no host sync to learn the real count); blocks past the last
-    expert's are marked :data:`UNUSED_BLOCK`. An index outside ``[0, num_experts)`` (transformers' marker of an
-    expert held elsewhere) goes to blocks marked :data:`ELSEWHERE_BLOCK`, whose rows come out as zeros.
+    """The pair layout in torch ops (the reference of :func:`route_pairs`, which :func:`run_moe` uses: these ops
+    cost ~400 µs of host time per call on an H100's host). Sort the ``[T, top_k]`` expert choices by expert into
+    blocks of ``block_m`` rows, each expert's rows padded to whole blocks, pairs in their original order within an
+    expert. The number of blocks is the bound ``cdiv(T * top_k, block_m) + num_experts + 1`` (no host sync to learn
+    the real count); blocks past the last expert's are marked :data:`UNUSED_BLOCK`. An index outside ``[0,
+    num_experts)`` (transformers' marker of an expert held elsewhere) goes to blocks marked :data:`ELSEWHERE_BLOCK`,
+    whose rows come out as zeros.
 
     All torch ops on the index's device, none of which waits for the GPU (``torch.bincount`` would: it reads the
     index's maximum on the host). A pair's rank within its expert is a cumulative sum over a one-hot
@@ -98,27 +108,30 @@ def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pai
     return PairLayout(rows, block_expert, block_m)
 
 
-def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Optional[PairLayout]:
-    """:func:`sort_pairs`' layout from one launch of :func:`~fxfuse.kernels.moe_template.moe_route_kernel`
-    (the same rows and blocks), or None where its one program would take more than ``_ROUTE_MAX_STEPS`` steps
-    over the pairs (then the torch ops, whose host time the GPU work hides at such sizes).
-
-    Example:
-        >>> layout = route_pairs(torch.tensor([[1, 0], [1, 5]]), num_experts=3, block_m=2)  # doctest: +SKIP
-        >>> layout.rows.tolist(), layout.block_expert.tolist()  # doctest: +SKIP
-        ([1, -1, 0, 2, 3, -1, -1, -1, -1, -1, -1, -1], [0, 1, -2, -1, -1, -1])
+def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
+    """:func:`sort_pairs`' layout (the same rows and blocks where kernels read them) from Triton kernels: up to
+    ``_ROUTE_MAX_STEPS`` steps over the pairs, one launch of :func:`~fxfuse.kernels.moe_template.
+    moe_route_kernel` (one program: a one-hot of every expert per step); above, :func:`~fxfuse.kernels.
+    moe_template.moe_count_kernel` then :func:`~fxfuse.kernels.moe_template.moe_place_kernel`, a program per
+    expert each over every pair. No host synchronization, and a few µs of host time against the torch ops' ~400
+    on an H100's host. The rows of unused blocks (marked :data:`UNUSED_BLOCK`) are left unwritten.
     """
     flat = top_k_index.reshape(-1)
     pairs = flat.numel()
+    device = flat.device
     e_pad = triton.next_power_of_2(num_experts + 1)
     chunk = max(16, _ROUTE_CELLS // e_pad)
-    if pairs == 0 or triton.cdiv(pairs, chunk) > _ROUTE_MAX_STEPS:
-        return None
     blocks = triton.cdiv(pairs, block_m) + num_experts + 1
-    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    moe_route_kernel[(1,)](flat, rows, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m, E_PAD=e_pad,
-                           CHUNK=chunk, num_warps=8)
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    if triton.cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
+        moe_route_kernel[(1,)](flat, rows, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
+                               E_PAD=e_pad, CHUNK=chunk, num_warps=8)
+    else:
+        counts = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+        moe_count_kernel[(num_experts + 1,)](flat, counts, pairs, num_experts, CHUNK=_PLACE_CHUNK)
+        moe_place_kernel[(num_experts + 1,)](flat, counts, rows, block_expert, pairs, num_experts, blocks,
+                                             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_PLACE_CHUNK)
     return PairLayout(rows, block_expert, block_m)
 
 
@@ -144,6 +157,8 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     Raises:
         ValueError: shapes, dtypes or the activation do not fit.
     """
+    if hidden.dim() == 2 and hidden.shape[0] == 0:
+        return hidden.new_zeros(hidden.shape)
     if act not in ACTIVATIONS:
         raise ValueError(f"fxfuse.moe: activation {act!r} is not one of {sorted(ACTIVATIONS)}")
     if hidden.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
@@ -163,7 +178,7 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     w1 = gate_up if gate_up.stride(2) == 1 else gate_up.contiguous()
     w2 = down if down.stride(2) == 1 else down.contiguous()
     bm = block_rows(T * top_k, E)
-    layout = route_pairs(top_k_index, E, bm) or sort_pairs(top_k_index, E, bm)
+    layout = route_pairs(top_k_index, E, bm)
     blocks = layout.block_expert.numel()
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](

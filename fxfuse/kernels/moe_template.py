@@ -29,7 +29,8 @@ import triton.language as tl
 from .template import interpreting
 from .tuning import autotune
 
-__all__ = ["ACTIVATIONS", "moe_configs", "moe_down_kernel", "moe_gate_up_kernel", "moe_route_kernel"]
+__all__ = ["ACTIVATIONS", "moe_configs", "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel",
+           "moe_place_kernel", "moe_route_kernel"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names.
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
@@ -198,6 +199,13 @@ def moe_down_kernel(
 
 
 @triton.jit
+def _expert_of(index_ptr, p, pairs, num_experts):
+    """The experts of pairs ``p`` (``num_experts`` for one held elsewhere; any value past ``pairs``)."""
+    e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+    return tl.where((e >= 0) & (e < num_experts), e, num_experts)
+
+
+@triton.jit
 def moe_route_kernel(
     index_ptr,
     rows_ptr,
@@ -225,8 +233,7 @@ def moe_route_kernel(
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for p0 in range(0, pairs, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
-        e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
-        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+        e = _expert_of(index_ptr, p, pairs, num_experts)
         hit = (e[None, :] == experts[:, None]) & (p < pairs)[None, :]
         counts += tl.sum(hit.to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -241,8 +248,7 @@ def moe_route_kernel(
     before = tl.zeros((E_PAD,), dtype=tl.int32)
     for p0 in range(0, pairs, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
-        e = tl.load(index_ptr + p, mask=p < pairs, other=0).to(tl.int32)
-        e = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+        e = _expert_of(index_ptr, p, pairs, num_experts)
         hit = (e[None, :] == experts[:, None]) & (p < pairs)[None, :]
         hit_i = hit.to(tl.int32)
         running = tl.cumsum(hit_i, axis=1) + (before + seg_start - 1)[:, None]
@@ -255,3 +261,67 @@ def moe_route_kernel(
         owner = tl.sum((seg_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         owner = tl.where(owner == num_experts, -2, tl.where(owner > num_experts, -1, owner))
         tl.store(block_expert_ptr + b, owner, mask=b < blocks)
+
+
+@triton.jit
+def moe_count_kernel(index_ptr, counts_ptr, pairs, num_experts, CHUNK: tl.constexpr):
+    """``counts[e]``: the pairs routed to expert ``e`` = this program (``num_experts``: held elsewhere). With
+    :func:`moe_place_kernel`, the pair layout for more pairs than :func:`moe_route_kernel`'s one program takes:
+    a program per expert, each over every pair.
+
+    index_ptr: the ``[pairs]`` expert of each pair (any integer dtype); counts_ptr: int32 ``[num_experts + 1]``
+    out; CHUNK: pairs per step.
+    """
+    expert = tl.program_id(0)
+    n = tl.zeros((CHUNK,), dtype=tl.int32)
+    for p0 in range(0, pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        n += ((_expert_of(index_ptr, p, pairs, num_experts) == expert) & (p < pairs)).to(tl.int32)
+    tl.store(counts_ptr + expert, tl.sum(n, axis=0))
+
+
+@triton.jit
+def moe_place_kernel(
+    index_ptr,
+    counts_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    pairs,
+    num_experts,
+    blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Expert ``e`` = this program's pairs, in order, at its rows; its padding rows and its blocks' expert (the
+    program of ``num_experts``, pairs held elsewhere, marks its blocks -2 and every block after them -1).
+    Rows of unused blocks are not written: no kernel reads them.
+
+    index_ptr, rows_ptr, block_expert_ptr, pairs, num_experts, blocks, BLOCK_M: as in :func:`moe_route_kernel`;
+    counts_ptr: int32 ``[num_experts + 1]`` from :func:`moe_count_kernel`; E_PAD: a power of two above
+    ``num_experts``; CHUNK: pairs (and blocks) per step.
+    """
+    expert = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + experts, mask=experts <= num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(experts < expert, padded, 0), axis=0)
+    count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+    end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    before = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)  # this expert's pairs in earlier steps
+    for p0 in range(0, pairs, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        hit = (_expert_of(index_ptr, p, pairs, num_experts) == expert) & (p < pairs)
+        hit_i = hit.to(tl.int32)
+        tl.store(rows_ptr + start + before + tl.cumsum(hit_i, axis=0) - 1, p, mask=hit)
+        before += tl.sum(hit_i, axis=0)
+    pad = start + count + tl.arange(0, BLOCK_M)
+    tl.store(rows_ptr + pad, tl.full((BLOCK_M,), -1, tl.int32), mask=pad < end)
+    owner = tl.where(expert == num_experts, -2, expert)
+    for b0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + b, tl.zeros((CHUNK,), dtype=tl.int32) + owner, mask=b < end // BLOCK_M)
+    if expert == num_experts:
+        for b0 in range(end // BLOCK_M, blocks, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            tl.store(block_expert_ptr + b, tl.full((CHUNK,), -1, tl.int32), mask=b < blocks)
