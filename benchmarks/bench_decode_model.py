@@ -1,4 +1,5 @@
-"""Greedy decoding of a transformers Llama with Llama-3-8B's layer shapes: ms per token, eager vs fxfuse.
+"""Greedy decoding of a transformers Llama with Llama-3-8B's layer shapes (or a MoE model: Mixtral-8x7B's or
+Qwen3-30B-A3B's layers): ms per token, eager vs fxfuse.
 
 The benchmark rows time one MLP. A user decoding with a real model sees the whole step: attention with its KV
 cache, norms, rotary embeddings, the LM head, and the Python around all of it. This script builds
@@ -17,9 +18,14 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
   positions and ``mode="reduce-overhead"`` (one CUDA graph per step).
 
     python3 benchmarks/bench_decode_model.py --out DIR [--layers 4] [--steps 64] [--rounds 3] [--batch 1] \
-        [--compile] [--static]
+        [--compile] [--static] [--family llama|mixtral|qwen3_moe]
 
-Writes ``DIR/decode_model.md`` (``decode_model_static.md`` with ``--static``) and prints it. On a CPU
+With ``--family mixtral`` / ``qwen3_moe`` the model is ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` with that
+model's layer shapes (every MLP a MoE layer run by transformers' default ``grouped_mm`` experts), and the prefill's
+ms are a column too: the prompt's tokens go through the experts at once.
+
+Writes ``DIR/decode_model.md`` (``decode_model_static.md`` with ``--static``; ``decode_<family>.md`` for a MoE
+family) and prints it. On a CPU
 (``TRITON_INTERPRET=1``) ``--tiny`` runs a small config for a smoke test.
 """
 
@@ -33,6 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -47,20 +54,36 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
 TINY_LAYER = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2)
+# family -> (config class, model class, its layer shapes, a tiny config's)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA3_8B_LAYER, TINY_LAYER),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(LLAMA3_8B_LAYER, num_local_experts=8, num_experts_per_tok=2),
+                dict(TINY_LAYER, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
+                  dict(TINY_LAYER, moe_intermediate_size=48, head_dim=16, num_experts=8, num_experts_per_tok=2)),
+}
 
 
-def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def layer_shape(family: str, tiny: bool) -> dict:
+    return FAMILIES[family][3 if tiny else 2]
+
+
+def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype,
+          family: str = "llama") -> torch.nn.Module:
     """The model, initialized on ``device`` in ``dtype`` (random weights at HF's init scale)."""
     import transformers
 
-    shape = TINY_LAYER if tiny else LLAMA3_8B_LAYER
-    config = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096,
-                                      **shape)
+    config_class, model_class, _, _ = FAMILIES[family]
+    config = getattr(transformers, config_class)(vocab_size=vocab, num_hidden_layers=layers,
+                                                 max_position_embeddings=4096, **layer_shape(family, tiny))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
+            model = getattr(transformers, model_class)(config)
     finally:
         torch.set_default_dtype(old)
     return model.eval()
@@ -74,21 +97,25 @@ def model_and_prompt(args, batch: int) -> tuple:
     tiny = args.tiny or not gpu
     vocab = 256 if tiny else args.vocab
     torch.manual_seed(0)
-    model = build(args.layers, vocab, tiny, device, dtype)
+    model = build(args.layers, vocab, tiny, device, dtype, getattr(args, "family", "llama"))
     return gpu, tiny, vocab, dtype, model, torch.randint(3, vocab, (batch, args.prompt), device=device)
 
 
 def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, forced=None,
-           keep: int = 0, static=None) -> tuple[list, float, list]:
+           keep: int = 0, static=None, prefill: Optional[list] = None) -> tuple[list, float, list]:
     """Prefill ``prompt``, then ``steps`` greedy steps: (the ``[B, 1]`` tokens fed, seconds of the steps, logits of
     the prefill's last position and of the first ``keep`` steps, in fp32). ``forced``: feed these tokens (another
     run's list, each an argmax output like this run's own, so a compiled model sees the same strides and does not
     recompile) instead of this model's own picks, so two models see the same inputs. ``sync``: called before and
     after the timed steps (``torch.cuda.synchronize`` on a GPU). ``static``: a ``StaticCache`` to reset and decode
-    into, with explicit cache positions (as ``generate`` does for a compiled model); otherwise a ``DynamicCache``."""
+    into, with explicit cache positions (as ``generate`` does for a compiled model); otherwise a ``DynamicCache``.
+    ``prefill``: a list that gets the prefill's seconds (with ``sync`` before and after it)."""
     from transformers import DynamicCache
 
     with torch.no_grad():
+        if sync is not None and prefill is not None:
+            sync()
+        start = time.perf_counter()  # (the prefill's)
         if static is not None:
             static.reset()
             position = torch.arange(prompt.shape[1], device=prompt.device)
@@ -96,6 +123,10 @@ def decode(model: torch.nn.Module, prompt: torch.Tensor, steps: int, sync=None, 
             position = position[-1:] + 1
         else:
             out = model(input_ids=prompt, past_key_values=DynamicCache(), use_cache=True)
+        if prefill is not None:
+            if sync is not None:
+                sync()
+            prefill.append(time.perf_counter() - start)
         kept = [out.logits[:, -1:].float()] if keep else []
         token = out.logits[:, -1:].argmax(-1) if forced is None else forced[0]
         cache = out.past_key_values
@@ -168,6 +199,8 @@ def main() -> None:
                     help="decode into a StaticCache with explicit cache positions; the compiled variants then use "
                          "mode='reduce-overhead' (CUDA graphs), the fast path transformers documents")
     ap.add_argument("--tiny", action="store_true", help="a small config (CPU smoke test)")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                    help="the model: Llama-3-8B's layers, or a MoE model's (Mixtral-8x7B, Qwen3-30B-A3B)")
     args = ap.parse_args()
     gpu, tiny, vocab, dtype, model, prompt = model_and_prompt(args, args.batch)
     sync = torch.cuda.synchronize if gpu else None
@@ -181,7 +214,8 @@ def main() -> None:
         # Allocated now, outside any compiled code, so its tensors are marked static: a compiled graph that mutates
         # them is then still CUDA-graphed (lazily, inside a compiled prefill, they would not be).
         c = m.config
-        cache.early_initialization(args.batch, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+        cache.early_initialization(args.batch, c.num_key_value_heads,
+                                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                                    next(m.parameters()).dtype, prompt.device)
         return cache
 
@@ -216,41 +250,51 @@ def main() -> None:
         errors[name] = rel_err(logits, ref_logits)
 
     walls = {name: [] for name in variants}
+    prefills = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, m in variants.items():
-            walls[name].append(decode(m, prompt, args.steps, sync, static=caches[name])[1] * 1e3 / args.steps)
+            walls[name].append(decode(m, prompt, args.steps, sync, static=caches[name], prefill=prefills[name])[1]
+                               * 1e3 / args.steps)
     wall = {k: statistics.median(v) for k, v in walls.items()}
+    prefill_ms = {k: statistics.median(v) * 1e3 for k, v in prefills.items() if v}
     gpu_ms = ({k: gpu_ms_per_step(m, prompt, min(args.steps, 16), caches[k]) for k, m in variants.items()}
               if gpu else {})
 
-    shape = TINY_LAYER if tiny else LLAMA3_8B_LAYER
+    shape = layer_shape(args.family, tiny)
     cache_kind = "StaticCache" if args.static else "DynamicCache"
     cmd = (f"python3 benchmarks/bench_decode_model.py --layers {args.layers} --steps {args.steps} --rounds "
            f"{args.rounds} --batch {args.batch} --prompt {args.prompt}" + (" --compile" if args.compile else "")
-           + (" --static" if args.static else ""))
-    lines = [f"### Greedy decode, `LlamaForCausalLM` ({args.layers} layers of hidden {shape['hidden_size']}, "
-             f"intermediate {shape['intermediate_size']}, {shape['num_attention_heads']} heads / "
-             f"{shape['num_key_value_heads']} KV heads; vocab {vocab}; {str(dtype).replace('torch.', '')}; batch "
-             f"{args.batch}, prompt {args.prompt}, {args.steps} steps, {cache_kind})",
+           + (" --static" if args.static else "") + (f" --family {args.family}" if args.family != "llama" else ""))
+    experts = (f", {shape.get('num_local_experts', shape.get('num_experts'))} experts of intermediate "
+               f"{shape.get('moe_intermediate_size', shape['intermediate_size'])}, top-{shape['num_experts_per_tok']}"
+               if args.family != "llama" else "")
+    lines = [f"### Greedy decode, `{FAMILIES[args.family][1]}` ({args.layers} layers of hidden {shape['hidden_size']}, "
+             + (experts[2:] if experts else f"intermediate {shape['intermediate_size']}")
+             + f", {shape['num_attention_heads']} heads / {shape['num_key_value_heads']} KV heads; vocab {vocab}; "
+             f"{str(dtype).replace('torch.', '')}; batch {args.batch}, prompt {args.prompt}, {args.steps} steps, "
+             f"{cache_kind})",
              "",
              f"- {torch.cuda.get_device_name() if gpu else 'CPU (Triton interpreter)'}; torch {torch.__version__}; "
              f"`{cmd}`",
              "- " + "; ".join(notes),
              "- wall = ms per decode step (one token per sequence) over all steps between two synchronizations, "
              "median of interleaved rounds; GPU = the time per step during which a kernel ran (torch.profiler); "
+             f"prefill = ms of the {args.prompt}-token prefill (synchronized, median of the rounds); "
              "first pass = the first prefill + decode, planning, "
              "tuning and compiling included; rel err = the logits of the prefill and the first "
              f"{keep - 1} steps against the fp32 model's, every variant fed the fp32 model's greedy tokens",
-             "", "| | wall ms / step (rounds) | tokens/s | GPU ms / step | first pass s | rel err |",
-             "|---|---|---|---|---|---|"]
+             "", "| | wall ms / step (rounds) | tokens/s | GPU ms / step | prefill ms | first pass s | rel err |",
+             "|---|---|---|---|---|---|---|"]
     for name in variants:
         g = gpu_ms.get(name)
         lines.append(f"| {name} | {wall[name]:.3f} ({', '.join(f'{t:.3f}' for t in walls[name])}) | "
-                     f"{1e3 / wall[name] * args.batch:.0f} | {f'{g:.3f}' if g else 'n/a'} | {first_call[name]:.1f} | "
+                     f"{1e3 / wall[name] * args.batch:.0f} | {f'{g:.3f}' if g else 'n/a'} | "
+                     f"{prefill_ms[name]:.2f} | {first_call[name]:.1f} | "
                      f"{errors[name]:.1e} |")
     summary = f"fxfuse vs eager: **{wall['eager'] / wall['fxfuse']:.2f}×** on the wall per step"
     if gpu_ms:
         summary += f", {gpu_ms['eager'] / gpu_ms['fxfuse']:.2f}× on GPU time"
+    summary += f"; prefill {prefill_ms['eager'] / prefill_ms['fxfuse']:.2f}×"
     compiled = [name for name in variants if name.startswith("torch.compile(")]
     if len(compiled) == 2:  # (the default backend's, then fxfuse's)
         summary += (f"; backend='fxfuse' vs torch.compile: **{wall[compiled[0]] / wall[compiled[1]]:.2f}×** on the "
@@ -262,7 +306,8 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / ("decode_model_static.md" if args.static else "decode_model.md")).write_text(text)
+        name = "decode_model" if args.family == "llama" else f"decode_{args.family}"
+        (Path(args.out) / (name + ("_static.md" if args.static else ".md"))).write_text(text)
 
 
 if __name__ == "__main__":

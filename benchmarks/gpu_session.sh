@@ -17,6 +17,8 @@
 #                                                #   model.generate() with CompileConfig(backend="fxfuse") -> generate.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 #   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py -> moe_*.log
+#   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE shapes)
+#                                                #   -> decode_mixtral.md, decode_qwen3_moe.md
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
 # default 10 here), BENCH_ARGS, and a *_TIMEOUT per step (see below).
@@ -172,12 +174,26 @@ case "$mode" in
     tail -9 "$OUT/generate_console.log"
     ;;
   moe)
-    # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' loop -> moe*.log
+    # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' loop and grouped_mm at
+    # Mixtral's and Qwen3-MoE's shapes -> moe*.log
     step moe-tests "${TEST_TIMEOUT:-300}" moe_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_moe.py tests/test_real_models.py
+      tests/test_moe.py tests/test_real_models.py -k "moe or Moe or mixtral"
     grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
-    step moe-probe "${PROBE_TIMEOUT:-240}" moe_probe.log python3 benchmarks/probes/probe_moe.py
+    step moe-probe "${PROBE_TIMEOUT:-170}" moe_probe.log python3 benchmarks/probes/probe_moe.py
     cat "$OUT/moe_probe.log"
+    step moe-probe-qwen3 "${PROBE_TIMEOUT:-170}" moe_probe_qwen3.log python3 benchmarks/probes/probe_moe.py \
+      --experts 128 --hidden 2048 --inter 768 --top-k 8
+    cat "$OUT/moe_probe_qwen3.log"
+    ;;
+  decode-moe)
+    # Whole MoE models (4 layers of Mixtral-8x7B's / Qwen3-30B-A3B's shapes): a 512-token prefill and greedy decode,
+    # eager (transformers' grouped_mm experts) against fxfuse -> decode_mixtral.md, decode_qwen3_moe.md
+    for family in mixtral qwen3_moe; do
+      step "decode-$family" "${DECODE_MODEL_TIMEOUT:-240}" "decode_${family}_console.log" \
+        python3 benchmarks/bench_decode_model.py --out "$OUT" --family "$family" --layers 4 --steps 32 --rounds 5 \
+        --prompt 512
+      tail -8 "$OUT/decode_${family}_console.log"
+    done
     ;;
   probe)
     PROBE_TIMEOUT=${PROBE_DECODE_TIMEOUT:-150} probe probe_decode benchmarks/probes/probe_decode.py --quick
