@@ -21,8 +21,9 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
         [--compile] [--static] [--family llama|mixtral|qwen3_moe]
 
 With ``--family mixtral`` / ``qwen3_moe`` the model is ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` with that
-model's layer shapes (every MLP a MoE layer run by transformers' default ``grouped_mm`` experts), and the prefill's
-ms are a column too: the prompt's tokens go through the experts at once.
+model's layer shapes (every MLP a MoE layer run by transformers' default ``grouped_mm`` experts; routers scaled up so
+that routing is decisive, ``ROUTER_SCALE``), and the prefill's ms are a column too: the prompt's tokens go through
+the experts at once.
 
 Writes ``DIR/decode_model.md`` (``decode_model_static.md`` with ``--static``; ``decode_<family>.md`` for a MoE
 family) and prints it. On a CPU
@@ -66,6 +67,8 @@ FAMILIES = {
                   dict(TINY_LAYER, moe_intermediate_size=48, head_dim=16, num_experts=8, num_experts_per_tok=2)),
 }
 
+ROUTER_SCALE = 20.0  # MoE families: the routers' weights times this (see build)
+
 
 def layer_shape(family: str, tiny: bool) -> dict:
     return FAMILIES[family][3 if tiny else 2]
@@ -86,6 +89,14 @@ def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype,
             model = getattr(transformers, model_class)(config)
     finally:
         torch.set_default_dtype(old)
+    if family != "llama":
+        # Random routers at HF's init scale give near-ties between experts, which bf16's rounding flips (eager
+        # against the fp32 model: 0.14 rel err on Mixtral's logits): scaled up, routing is decisive and the
+        # logits' error measures the layers' arithmetic.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.mul_(ROUTER_SCALE)
     return model.eval()
 
 
