@@ -271,3 +271,36 @@ def test_gpu_forward_times_each_token_bucket_once_and_stays_correct(implementati
     assert module.__dict__["_fxfuse_moe"] is True
     assert sorted(key[-1] for key in moe._CHOICES) == [1, 8, 512]  # 6 and 7 tokens share a bucket
     assert set(moe._CHOICES.values()) <= {"kernels", "original"}
+
+
+# Experts classes of other transformers MoE families (transformers 5.17), built from a tiny config of their family.
+# 46 families' classes pass the structural check (a survey in session 29); these are checked for numbers too.
+OTHER_FAMILIES = [("deepseek_v3", "DeepseekV3Config", "DeepseekV3Experts"), ("olmoe", "OlmoeConfig", "OlmoeExperts"),
+                  ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeExperts"), ("phimoe", "PhimoeConfig", "PhimoeExperts"),
+                  ("granitemoe", "GraniteMoeConfig", "GraniteMoeExperts"),
+                  ("glm4_moe", "Glm4MoeConfig", "Glm4MoeExperts"), ("jamba", "JambaConfig", "JambaExperts")]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family, config_name, experts_name", OTHER_FAMILIES, ids=[f[0] for f in OTHER_FAMILIES])
+def test_other_families_experts_are_recognized_and_run_as_their_forward(family, config_name, experts_name):
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
+                                                num_local_experts=4, num_experts=4, n_routed_experts=4)
+    module = getattr(modeling, experts_name)(config)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_(0, 0.2)
+    assert moe.why_not_experts(module) is None
+    act = moe.activation_of(module.act_fn)
+    num = module.gate_up_proj.shape[0]
+    torch.manual_seed(3)
+    x = torch.randn(6, 32)
+    index, weights = local_routing(6, 2, num, "cpu", torch.float32)
+    forward = moe.moe_forward(type(module).forward, act)
+    with torch.no_grad():
+        out = forward(module, x, index, weights)
+        assert module.__dict__["_fxfuse_moe"] is True  # the kernels agreed with the module's forward
+        assert rel_err(out, type(module).forward(module, x, index, weights)) < TOL[torch.float32]
