@@ -2,6 +2,7 @@
 
     python examples/transformers_demo.py                     # Llama-style decoder (random weights)
     python examples/transformers_demo.py --family gpt2       # or bert, bart, t5, qwen2, phi3
+    python examples/transformers_demo.py --family mixtral    # or qwen3_moe: MoE experts on fxfuse's grouped kernels
     python examples/transformers_demo.py --layers 8 --hidden 2048 --batch 4 --seq 512
 
 The model is built from a config with random weights (nothing is downloaded). On a GPU it runs in
@@ -42,6 +43,13 @@ def build(family: str, layers: int, hidden: int, inter: int, heads: int, vocab: 
         return T.Qwen2ForCausalLM(T.Qwen2Config(**common, num_key_value_heads=max(1, heads // 4)))
     if family == "phi3":
         return T.Phi3ForCausalLM(T.Phi3Config(**common, num_key_value_heads=max(1, heads // 4), pad_token_id=0))
+    if family == "mixtral":  # every MLP a mixture of 8 experts, 2 per token
+        return T.MixtralForCausalLM(T.MixtralConfig(**common, num_key_value_heads=max(1, heads // 4),
+                                                    num_local_experts=8, num_experts_per_tok=2))
+    if family == "qwen3_moe":  # 32 narrow experts, 4 per token
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**common, num_key_value_heads=max(1, heads // 4),
+                                                      moe_intermediate_size=max(16, inter // 8), num_experts=32,
+                                                      num_experts_per_tok=4))
     if family == "bert":
         return T.BertModel(T.BertConfig(**{**common, "max_position_embeddings": 1024}))
     if family == "gpt2":
@@ -103,7 +111,8 @@ def count_fused_calls(fn) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "phi3", "gpt2", "bert", "bart", "t5"])
+    p.add_argument("--family", default="llama",
+                   choices=["llama", "qwen2", "phi3", "gpt2", "bert", "bart", "t5", "mixtral", "qwen3_moe"])
     p.add_argument("--layers", type=int, default=4 if GPU else 2)
     p.add_argument("--hidden", type=int, default=2048 if GPU else 64)
     p.add_argument("--intermediate", type=int, default=None, help="default: 2.75x hidden (gated) or 4x")
@@ -112,7 +121,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4 if GPU else 2)
     p.add_argument("--seq", type=int, default=512 if GPU else 8)
     args = p.parse_args()
-    gated = args.family in ("llama", "qwen2", "phi3")
+    gated = args.family in ("llama", "qwen2", "phi3", "mixtral", "qwen3_moe")
     inter = args.intermediate or (int(args.hidden * 2.75) // 64 * 64 if gated else 4 * args.hidden)
     device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
 
@@ -134,8 +143,14 @@ def main() -> None:
         out = first_tensor(fast(**inputs)).float()
     rel = ((out - ref).norm() / ref.norm()).item()
     print(f"\nfused calls per forward: {calls}; relative difference to the original model: {rel:.2e}")
+    experts = [m for m in fast.modules() if "_fxfuse_moe" in vars(m)]
+    if experts:  # (the MoE kernels run inside the experts modules' forward, not as fxfuse ops)
+        print(f"experts modules on fxfuse's MoE kernels: {sum(vars(m)['_fxfuse_moe'] for m in experts)} of "
+              f"{len(experts)} (each checked against its own forward at its first call)")
     reference64 = copy.deepcopy(model).double() if not GPU else None
     if reference64 is not None:
+        if args.family in ("mixtral", "qwen3_moe"):
+            reference64.set_experts_implementation("eager")  # (grouped_mm takes no float64)
         with torch.no_grad():
             ref64 = first_tensor(reference64(**inputs))
         print(f"  (vs float64: original {((ref.double() - ref64).norm() / ref64.norm()).item():.2e}, "
