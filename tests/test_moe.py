@@ -304,3 +304,27 @@ def test_other_families_experts_are_recognized_and_run_as_their_forward(family, 
         out = forward(module, x, index, weights)
         assert module.__dict__["_fxfuse_moe"] is True  # the kernels agreed with the module's forward
         assert rel_err(out, type(module).forward(module, x, index, weights)) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+def test_gpu_moe_model_under_cuda_graphs_replays_the_kernels():
+    from real_models import tiny
+
+    import fxfuse
+
+    model, inputs, _ = tiny("mixtral")
+    model = model.to("cuda", torch.bfloat16)
+    with torch.no_grad():  # decisive routing: bf16's rounding then flips no expert choice between the two paths
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(20)
+    inputs = {k: v.to("cuda") for k, v in inputs.items()}
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    with torch.no_grad():
+        ref = model(**inputs, use_cache=False).logits
+        outs = [fast(**inputs, use_cache=False).logits.clone() for _ in range(3)]  # plan, capture, replay
+    for out in outs:
+        assert rel_err(out, ref) < 5e-2
+    assert fast.forward.num_graphs == 1
+    experts = [m for m in fast.modules() if "_fxfuse_moe" in vars(m)]
+    assert experts and all(vars(m)["_fxfuse_moe"] for m in experts)
