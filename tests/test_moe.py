@@ -328,3 +328,25 @@ def test_gpu_moe_model_under_cuda_graphs_replays_the_kernels():
     assert fast.forward.num_graphs == 1
     experts = [m for m in fast.modules() if "_fxfuse_moe" in vars(m)]
     assert experts and all(vars(m)["_fxfuse_moe"] for m in experts)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_calls_under_autocast_or_of_another_dtype_run_the_module_forward(monkeypatch):
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+
+    def kernels_not_expected(*args):
+        raise AssertionError("the kernels ran on a call they do not take")
+
+    monkeypatch.setattr(moe, "run_moe", kernels_not_expected)
+    x = torch.randn(5, 32)
+    index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(module, x, index, weights)
+            assert torch.equal(out, type(module).forward(module, x, index, weights))
+        with pytest.raises(RuntimeError, match="same dtype"):  # float64 into float32 experts: eager's error
+            forward(module, x.double(), index, weights.double())
+        assert torch.equal(forward(module, x[None], index, weights), type(module).forward(module, x[None], index,
+                                                                                              weights))
+    assert "_fxfuse_moe" not in vars(module)  # nothing was checked: no call the kernels take
