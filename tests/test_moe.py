@@ -3,6 +3,8 @@ reference: fp32/fp16 in the interpreter on the CPU, bf16/fp16/fp32 on the GPU.""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from test_ops import rel_err
@@ -351,3 +353,15 @@ def test_calls_under_autocast_or_of_another_dtype_run_the_module_forward(monkeyp
             with pytest.raises(IndexError):
                 run(module, x[None], index, weights)
     assert "_fxfuse_moe" not in vars(module)  # nothing was checked: no call the kernels take
+
+
+def test_the_timed_choice_keeps_the_faster_and_says_so(monkeypatch, caplog):
+    module = experts("silu", torch.float32, "cpu")
+    times = {"kernels": iter([90.0, 80.0, 85.0]), "original": iter([70.0, 75.0, 72.0])}
+    monkeypatch.setattr(moe, "_us_per_call", lambda run: next(times[run()]))
+    key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, torch.device("cpu"), "silu", False, 16)
+    with caplog.at_level(logging.INFO, logger="fxfuse.moe"):
+        choice = moe._timed_choice(module, lambda: "kernels", lambda: "original", key)
+    assert choice == "original"  # the best of each: 80 against 70
+    assert "9-16 tokens" in caplog.text and "80.0 µs" in caplog.text and "70.0 µs" in caplog.text
+    assert "runs its own forward" in caplog.text
