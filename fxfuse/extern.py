@@ -58,6 +58,9 @@ _lib.define("mlp_graphed" + _SCHEMA)
 
 def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
     """The region by fxfuse's runtime on real tensors, as ``torch.ops.fxfuse.mlp`` runs it."""
+    if not ops.on_its_device(x):  # (another GPU's input: under that GPU, as the op does)
+        with torch.cuda.device(x.device):
+            return _run(x, weights, biases, operands, spec)
     if ops._autocast_on(x) or (x.is_cpu and not ops._interpreting()):
         return ops.reference_mlp(x, weights, biases, operands, spec)
     # (every path returns a fresh tensor, as an op must: kernels, replays and the original ops' last linear)

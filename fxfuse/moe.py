@@ -41,6 +41,7 @@ from .install import Install
 from .kernels.moe_launch import run_moe
 from .kernels.template import interpreting
 from .kernels.tuning import TuningDuringCapture
+from .ops import on_its_device
 from .strategy import for_cuda_graphs
 
 __all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "token_bucket",
@@ -178,6 +179,9 @@ def moe_forward(orig: Any, act: str) -> Any:
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
         if state is False or not _usable(self, hidden_states, top_k_index, top_k_weights):
             return orig(self, hidden_states, top_k_index, top_k_weights)
+        if not on_its_device(hidden_states):  # another GPU's layer (device_map="auto"): launch on that GPU
+            with torch.cuda.device(hidden_states.device):
+                return forward(self, hidden_states, top_k_index, top_k_weights)
         key = _choice_key(self, hidden_states, top_k_index, act)
         choice = _CHOICES.get(key)
         if choice == "original":

@@ -9,6 +9,8 @@ Registered with ``torch.library.triton_op`` so torch.compile and torch.export un
 * Inputs the kernels do not take (float64, mixed dtypes or devices, a shape eager would reject): the
   reference composite too, logged once per reason, so the result (or the error) is eager's.
 * Fake: the output's shape and dtype, without running anything.
+* An input on another GPU than the current one (a model split across GPUs, ``device_map="auto"``): the call runs
+  under that GPU (:func:`on_its_device`), since Triton launches on the current device.
 * Autograd: a narrow chain's gradients come from one fused backward kernel that recomputes the forward on
   chip (:mod:`fxfuse.backward`); any other region's are the vjp of the reference composite, so gradients
   are always those of the original ops. A region of the second kind that has been trained runs its
@@ -72,6 +74,21 @@ from .strategy import (
 __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
 
 log = logging.getLogger(__name__)
+
+# The current CUDA device, without ``torch.cuda.current_device``'s Python frame (its lazy init is done once a CUDA
+# tensor exists).
+current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def on_its_device(x: Tensor) -> bool:
+    """Whether ``x`` is a CUDA tensor on the current device, or a tensor of another kind: what a Triton launch on
+    its data needs (Triton launches on the current device; Liger-Kernel guards its launches the same way).
+
+    Example:
+        >>> on_its_device(torch.zeros(2))
+        True
+    """
+    return not x.is_cuda or x.get_device() == current_cuda_device()
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _logged_fallbacks: set[str] = set()
@@ -360,6 +377,9 @@ def mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[T
 
     ``biases`` holds only the biases that exist, in the order of ``spec``'s bias flags.
     """
+    if not on_its_device(x):
+        with torch.cuda.device(x.device):
+            return mlp(x, weights, biases, operands, spec)
     if _autocast_on(x):
         return reference_mlp(x, weights, biases, operands, spec)
     return _not_a_view(_dispatch(x, weights, biases, operands, spec))
@@ -414,6 +434,9 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     """
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
+    if not on_its_device(x):  # another GPU's input: launches, streams and replays under that GPU
+        with torch.cuda.device(x.device):
+            return fused_mlp(x, weights, biases, operands, spec)
     if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on cast tensors, or eager's ops
         if spec in _trained and records_grad(x, weights, biases, operands):
             # A trained region runs its original ops (see below): autocast casts their inputs itself, in C++ and

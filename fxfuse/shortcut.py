@@ -42,7 +42,7 @@ from torch import Tensor
 from . import replay
 from .autocast import any_autocast, weight_casts
 from .kernels.fastlaunch import _raw_stream
-from .ops import _traced_or_watched, fused_mlp
+from .ops import _traced_or_watched, current_cuda_device, fused_mlp
 
 try:  # dynamo's C++ tensor check (torch >= 2.1); without it there are no shortcuts
     from torch._C._dynamo.guards import TensorGuards
@@ -111,6 +111,7 @@ def _entry(call: RegionCall, get: Callable[[Sequence[Tensor]], tuple], x: Tensor
     device = x.get_device()
     on_gpu = device >= 0  # (CPU tensors: the tests' stand-in replays; no streams, no capture)
     stream_of = _raw_stream if on_gpu else (lambda device: 0)
+    current = current_cuda_device if on_gpu else (lambda: device)  # (another GPU current: the full path guards)
     stream = stream_of(device)
     # (the C query itself: ``torch.cuda.is_current_stream_capturing`` is a Python frame around it)
     capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing) \
@@ -126,7 +127,7 @@ def _entry(call: RegionCall, get: Callable[[Sequence[Tensor]], tuple], x: Tensor
     def take(x: Tensor, extra: Sequence[Tensor]) -> Optional[Tensor]:
         ts = get(extra)
         if replays.generation != learned or not check(x, *ts) or tuple(map(_data_ptr, ts)) != ptrs \
-                or (x.data_ptr() % 16 == 0) is not aligned or stream_of(device) != stream:
+                or (x.data_ptr() % 16 == 0) is not aligned or current() != device or stream_of(device) != stream:
             return None
         if (needs_no_grad and is_grad_enabled()) or _traced_or_watched(x) or casts \
                 or (autocast_free and any_autocast()) or capturing():
