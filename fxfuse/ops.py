@@ -75,9 +75,8 @@ __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reaso
 
 log = logging.getLogger(__name__)
 
-# The current CUDA device, without ``torch.cuda.current_device``'s Python frame (its lazy init is done once a CUDA
-# tensor exists).
-current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# The current CUDA device (the public call: its lazy-init check costs well under a microsecond once CUDA is up).
+current_cuda_device = torch.cuda.current_device
 
 
 def on_its_device(x: Tensor) -> bool:
