@@ -187,8 +187,8 @@ def moe_forward(orig: Any, act: str) -> Any:
         if choice == "original":
             return orig(self, hidden_states, top_k_index, top_k_weights)
         on_gpu = hidden_states.device.type == "cuda"
-        if choice is None and on_gpu and torch.cuda.is_current_stream_capturing():
-            return orig(self, hidden_states, top_k_index, top_k_weights)  # no timing inside a capture
+        if (choice is None or not state) and on_gpu and torch.cuda.is_current_stream_capturing():
+            return orig(self, hidden_states, top_k_index, top_k_weights)  # no timing or check inside a capture
 
         def kernels():
             return run_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
