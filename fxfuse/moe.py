@@ -29,23 +29,20 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import time
 from typing import Any, Optional
 
 import torch
-import triton.testing
 from torch import nn
 
 from .autocast import any_autocast
 from .install import Install
 from .kernels.moe_launch import run_moe
-from .kernels.template import interpreting
+from .kernels.template import interpreting, next_pow2
 from .kernels.tuning import TuningDuringCapture
 from .ops import on_its_device
-from .strategy import for_cuda_graphs
+from .strategy import for_cuda_graphs, time_candidates
 
-__all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "token_bucket",
-           "why_not_experts"]
+__all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "why_not_experts"]
 
 log = logging.getLogger(__name__)
 
@@ -120,54 +117,28 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
     return not any_autocast()
 
 
-def token_bucket(tokens: int) -> int:
-    """The power of two at or above ``tokens``: calls in one bucket share a timed choice.
-
-    Example:
-        >>> [token_bucket(t) for t in (1, 2, 3, 16, 17, 4096)]
-        [1, 2, 4, 16, 32, 4096]
-    """
-    return 1 << max(tokens - 1, 0).bit_length()
-
-
-# (class, experts implementation, E, H, I, top_k, dtype, device, activation, for a CUDA graph, token bucket) ->
-# "kernels" or
-# "original": shared by every layer of a model (a Mixtral's 32 experts modules time once per bucket).
+# (class, experts implementation, E, 2I, H, top_k, dtype, device, activation, for a CUDA graph, token bucket: the
+# power of two at or above the call's tokens) -> "kernels" or "original", shared by every layer of a model (a
+# Mixtral's 32 experts modules time once per bucket).
 _CHOICES: dict[tuple, str] = {}
-_TIMING_ROUNDS, _TIMING_CALLS = 3, 3
 
 
 def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, act: str) -> tuple:
     config = getattr(module, "config", None)
     return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
-            index.shape[1], hidden.dtype, hidden.device, act, for_cuda_graphs(), token_bucket(hidden.shape[0]))
-
-
-def _us_per_call(run: Any) -> float:
-    """Wall µs per call of ``run`` over a few back-to-back calls ended by a synchronization: the larger of its
-    host and GPU time, as a model's forward pays it; its GPU median alone (``do_bench``) where the call is
-    planned for a CUDA graph (:func:`fxfuse.strategy.scoring_for_cuda_graphs`: a replay pays no host time)."""
-    if for_cuda_graphs():
-        return triton.testing.do_bench(run, warmup=2, rep=10, return_mode="median") * 1e3
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(_TIMING_CALLS):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / _TIMING_CALLS * 1e6
+            index.shape[1], hidden.dtype, hidden.device, act, for_cuda_graphs(), next_pow2(hidden.shape[0]))
 
 
 def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple) -> str:
-    """Time the kernels and the module's own forward on this call's routing (interleaved rounds, the best of
-    each) and keep the faster for the key's token bucket, logged with both times."""
-    best = {"kernels": float("inf"), "original": float("inf")}
-    for _ in range(_TIMING_ROUNDS):
-        for name, run in (("kernels", kernels), ("original", original)):
-            best[name] = min(best[name], _us_per_call(run))
-    choice = min(best, key=best.get)
+    """Time the kernels and the module's own forward on this call's routing as the planner times its candidates
+    (:func:`fxfuse.strategy.time_candidates`: the larger of GPU and host time per call, the GPU time alone when
+    planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times."""
+    what = f"{type(module).__name__} experts"
+    times = time_candidates(what, key[-1], {"kernels": kernels, "original": original})
+    choice = min(times, key=times.get)
     log.info("fxfuse: %s at %d-%d tokens: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
-             "runs %s", type(module).__name__, key[-1] // 2 + 1, key[-1], best["kernels"], key[1] or "its forward",
-             best["original"], "the kernels" if choice == "kernels" else "its own forward")
+             "runs %s", type(module).__name__, key[-1] // 2 + 1, key[-1], times.get("kernels", float("inf")),
+             key[1] or "its forward", times["original"], "the kernels" if choice == "kernels" else "its own forward")
     return choice
 
 
