@@ -7,11 +7,12 @@ import logging
 
 import pytest
 import torch
+import triton
 from test_ops import rel_err
 
 from fxfuse import moe
 from fxfuse.kernels import moe_launch
-from fxfuse.kernels.moe_launch import run_moe, sort_pairs
+from fxfuse.kernels.moe_launch import PairLayout, run_moe
 from fxfuse.kernels.template import interpreting
 
 transformers = pytest.importorskip("transformers")
@@ -58,9 +59,28 @@ def reference(module: MixtralExperts, x, index, weights, act: str) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("one_hot_cells", [moe_launch._ONE_HOT_CELLS, 0], ids=["one-hot ranks", "sorted ranks"])
-def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
-    monkeypatch.setattr(moe_launch, "_ONE_HOT_CELLS", one_hot_cells)
+def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
+    """The pair layout (``fxfuse.kernels.moe_launch.PairLayout``) in torch ops: the reference of the routing
+    kernels. A stable sort by expert; experts outside ``[0, num_experts)`` go to a dummy expert ``num_experts``."""
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    expert = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    counts = torch.bincount(expert, minlength=num_experts + 1)
+    order = torch.sort(expert, stable=True).indices
+    sorted_expert = expert[order]
+    rank = torch.arange(pairs) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+    padded = (counts + block_m - 1) // block_m * block_m
+    seg_end = torch.cumsum(padded, 0)
+    blocks = triton.cdiv(pairs, block_m) + num_experts + 1
+    rows = torch.full((blocks * block_m,), -1, dtype=torch.int32)
+    rows[(seg_end - padded)[sorted_expert] + rank] = order.to(torch.int32)
+    block_expert = torch.searchsorted(seg_end, torch.arange(blocks) * block_m, right=True).to(torch.int32)
+    block_expert = torch.where(block_expert == num_experts, moe_launch.ELSEWHERE_BLOCK, block_expert)
+    block_expert = torch.where(block_expert > num_experts, moe_launch.UNUSED_BLOCK, block_expert)
+    return PairLayout(rows, block_expert, block_m)
+
+
+def test_the_reference_sorts_pairs_into_blocks_of_one_expert():
     index = torch.tensor([[3, 0], [0, 1], [3, 3], [4, 0]])  # 4 is an expert held elsewhere
     layout = sort_pairs(index, num_experts=4, block_m=2)
     rows, owner = layout.rows.tolist(), layout.block_expert.tolist()
@@ -76,6 +96,9 @@ def test_pairs_are_sorted_into_blocks_of_one_expert(one_hot_cells, monkeypatch):
             seen += block
     assert seen == [1, 2, 7, 3, 0, 4, 5]  # every routed pair once, expert by expert, in order within an expert
     assert elsewhere == [6]
+    small = sort_pairs(torch.tensor([[1, 0], [1, 5]]), num_experts=3, block_m=2)
+    assert (small.rows.tolist(), small.block_expert.tolist()) == \
+        ([1, -1, 0, 2, 3, -1, -1, -1, -1, -1, -1, -1], [0, 1, -2, -1, -1, -1])
 
 
 def used_layout(layout):

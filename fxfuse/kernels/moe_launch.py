@@ -2,8 +2,9 @@
 
 :func:`run_moe` computes what transformers' ``MixtralExperts.forward(hidden_states, top_k_index, top_k_weights)``
 computes, in three or four launches and an add: the pairs sorted by expert (:func:`route_pairs`, no host sync),
-the gate/up kernel, the down kernel, and the sum of each token's ``top_k`` rows. :func:`sort_pairs` builds the same
-layout in torch ops: the reference the routing kernels are tested against.
+the gate/up kernel, the down kernel, and the sum of each token's ``top_k`` rows. (``tests/test_moe.py`` builds the
+same layout in torch ops, the reference the routing kernels are tested against; those ops cost ~400 µs of host
+time per call on an H100's host, and ``torch.bincount`` among them waits for the GPU.)
 
 Example:
     >>> out = run_moe(x, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, "silu")  # doctest: +SKIP
@@ -27,14 +28,12 @@ from .moe_template import (
 )
 from .template import interpreting
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "PairLayout", "block_rows", "route_pairs", "run_moe", "sort_pairs"]
+__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "PairLayout", "block_rows", "route_pairs", "run_moe"]
 
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
 UNUSED_BLOCK = -1  # past the last expert's blocks: the kernels return at once
 ELSEWHERE_BLOCK = -2  # pairs routed to an expert outside [0, E): the down kernel writes their rows as zeros
-# Up to this many (pair, expert) cells, ranks come from a one-hot cumulative sum; beyond, from a stable sort.
-_ONE_HOT_CELLS = 1 << 24
 # The one-program routing kernel: one-hot cells per step (registers of its one program), and the most steps it
 # takes per pass over the pairs; above, a program per expert (H100, 129 experts' one-hot, 32 pairs a step: 4 steps
 # ran 24 µs, 32 steps 142 µs). _PLACE_CHUNK: pairs per step of the program-per-expert kernels.
@@ -45,71 +44,19 @@ _PLACE_CHUNK = 1024
 
 @dataclass(frozen=True)
 class PairLayout:
-    """The (token, expert) pairs sorted by expert, in blocks of ``block_m`` rows that each belong to one expert."""
+    """The (token, expert) pairs sorted by expert, in blocks of ``block_m`` rows that each belong to one expert:
+    each expert's rows padded to whole blocks, pairs in their original order within an expert. The number of blocks
+    is the bound ``cdiv(T * top_k, block_m) + num_experts + 1`` (no host sync to learn the real count); blocks past
+    the last expert's are marked :data:`UNUSED_BLOCK`. An index outside ``[0, num_experts)`` (transformers' marker
+    of an expert held elsewhere) goes to blocks marked :data:`ELSEWHERE_BLOCK`, whose rows come out as zeros."""
 
     rows: torch.Tensor  # int32 [blocks * block_m]: the pair (token * top_k + slot) of each row, -1 for padding
     block_expert: torch.Tensor  # int32 [blocks]: each block's expert, UNUSED_BLOCK or ELSEWHERE_BLOCK
     block_m: int
 
 
-def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
-    """The pair layout in torch ops (the reference of :func:`route_pairs`, which :func:`run_moe` uses: these ops
-    cost ~400 µs of host time per call on an H100's host). Sort the ``[T, top_k]`` expert choices by expert into
-    blocks of ``block_m`` rows, each expert's rows padded to whole blocks, pairs in their original order within an
-    expert. The number of blocks is the bound ``cdiv(T * top_k, block_m) + num_experts + 1`` (no host sync to learn
-    the real count); blocks past the last expert's are marked :data:`UNUSED_BLOCK`. An index outside ``[0,
-    num_experts)`` (transformers' marker of an expert held elsewhere) goes to blocks marked :data:`ELSEWHERE_BLOCK`,
-    whose rows come out as zeros.
-
-    All torch ops on the index's device, none of which waits for the GPU (``torch.bincount`` would: it reads the
-    index's maximum on the host). A pair's rank within its expert is a cumulative sum over a one-hot
-    ``[E + 1, pairs]`` matrix (a radix sort of int64 keys took ~440 µs at 8192 pairs on an H100), or a stable sort
-    when that matrix would pass 2^24 cells.
-
-    Example:
-        >>> layout = sort_pairs(torch.tensor([[1, 0], [1, 5]]), num_experts=3, block_m=2)
-        >>> layout.rows.tolist(), layout.block_expert.tolist()
-        ([1, -1, 0, 2, 3, -1, -1, -1, -1, -1, -1, -1], [0, 1, -2, -1, -1, -1])
-    """
-    flat = top_k_index.reshape(-1).to(torch.int64)
-    pairs = flat.numel()
-    device = flat.device
-    # Experts outside [0, E) go to a dummy expert E.
-    expert = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
-    if pairs * (num_experts + 1) <= _ONE_HOT_CELLS:
-        # [E + 1, pairs], scanned along its rows: torch's scan of the inner dimension runs a row per thread block
-        # (over the outer one it ran 1.5 ms at 8192 pairs on an H100, one thread per column).
-        one_hot = torch.zeros(num_experts + 1, pairs, dtype=torch.int32, device=device)
-        one_hot.scatter_(0, expert[None, :], 1)
-        running = one_hot.cumsum(1, dtype=torch.int32)  # pairs of each expert up to each pair
-        counts = running[:, -1] if pairs else one_hot.sum(1, dtype=torch.int32)
-        rank = running.gather(0, expert[None, :]).squeeze(0) - 1
-        pair_of_rank = None
-    else:
-        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
-        order = torch.sort(expert.to(torch.int32), stable=True).indices
-        first_of_expert = torch.cumsum(counts, 0) - counts  # where each expert's pairs begin in ``order``
-        sorted_expert = expert[order]
-        rank = torch.arange(pairs, device=device) - first_of_expert[sorted_expert]
-        pair_of_rank, expert = order, sorted_expert
-    padded = (counts + block_m - 1) // block_m * block_m
-    seg_end = torch.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    position = seg_start[expert] + rank
-    blocks = triton.cdiv(pairs, block_m) + num_experts + 1  # bound: every expert (and the dummy) may pad a block
-    rows = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=device)
-    pair = torch.arange(pairs, device=device) if pair_of_rank is None else pair_of_rank
-    rows[position] = pair.to(torch.int32)
-    block_start = torch.arange(blocks, device=device) * block_m
-    block_expert = torch.searchsorted(seg_end, block_start, right=True).to(torch.int32)
-    block_expert = torch.where(block_expert == num_experts, ELSEWHERE_BLOCK, block_expert)
-    block_expert = torch.where(block_expert > num_experts, UNUSED_BLOCK, block_expert)
-    return PairLayout(rows, block_expert, block_m)
-
-
 def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
-    """:func:`sort_pairs`' layout (the same rows and blocks where kernels read them) from Triton kernels: up to
+    """The :class:`PairLayout` of ``top_k_index`` ``[T, top_k]`` from Triton kernels: up to
     ``_ROUTE_MAX_STEPS`` steps over the pairs, one launch of :func:`~fxfuse.kernels.moe_template.
     moe_route_kernel` (one program: a one-hot of every expert per step); above, :func:`~fxfuse.kernels.
     moe_template.moe_count_kernel` then :func:`~fxfuse.kernels.moe_template.moe_place_kernel`, a program per

@@ -5,7 +5,7 @@ expert ``e`` computes ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``, scaled by 
 the token's output is the sum over its experts. Eager PyTorch loops over the experts (gather, three GEMMs, the
 pointwise ops, index_add per expert: ~10 launches each). Here the (token, expert) pairs are sorted by expert into
 blocks of ``BLOCK_M`` rows that each belong to ONE expert (an expert's rows padded to whole blocks; the layout is
-built on the GPU by :func:`fxfuse.kernels.moe_launch.sort_pairs`, with no host sync), and two kernels run every
+built on the GPU by :func:`fxfuse.kernels.moe_launch.route_pairs`, with no host sync), and two kernels run every
 block of every expert in one launch each:
 
 * :func:`moe_gate_up_kernel`: gathers the block's token rows of x, multiplies them with its expert's gate and up
@@ -217,8 +217,8 @@ def moe_route_kernel(
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """The pair layout of :func:`fxfuse.kernels.moe_launch.sort_pairs` in one launch of one program (its torch
-    ops cost ~400 µs of host time per call on an H100's host).
+    """The :class:`~fxfuse.kernels.moe_launch.PairLayout` in one launch of one program (the same layout in torch
+    ops costs ~400 µs of host time per call on an H100's host).
 
     index_ptr:        the ``[pairs]`` expert of each (token, slot) pair (any integer dtype); outside
                       ``[0, num_experts)``: an expert held elsewhere.
