@@ -129,13 +129,16 @@ case "$mode" in
             "$(existing tests/test_tma_stage.py tests/test_decode.py tests/test_planner.py tests/test_tuning_cache.py tests/test_cost.py tests/test_gemv.py tests/test_autocast.py | xargs)"
             "$(echo $CORE_TESTS | tr ' ' '\n' | grep -vE 'test_(kernels|ops|chain|chain_backward|tma_stage|decode|planner|tuning_cache|cost|gemv|autocast|moe)\.py' | xargs)"
             "$(echo $MODEL_TESTS | xargs)" "$(existing tests/test_chain_backward.py tests/test_moe.py | xargs)")
-    pids=(); started=()
+    # On a machine of several GPUs the groups are spread over them (group i on GPU i mod n), each seeing one
+    # GPU; the two-GPU tests (tests/test_devices.py) then skip here: run them on their own.
+    pids=(); started=(); ngpu=$(nvidia-smi -L | wc -l); ((ngpu > 0)) || ngpu=1
     for i in "${!groups[@]}"; do
       [[ -n ${groups[$i]// /} ]] || continue  # an empty group would make pytest collect everything
       echo "group $i: ${groups[$i]}"
+      gpu_env=(); ((ngpu > 1)) && gpu_env=(env CUDA_VISIBLE_DEVICES=$((i % ngpu)))
       # shellcheck disable=SC2086
-      timeout -s INT -k 20 "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider ${groups[$i]} \
-        > "$OUT/tests_$i.log" 2>&1 &
+      "${gpu_env[@]}" timeout -s INT -k 20 "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        ${groups[$i]} > "$OUT/tests_$i.log" 2>&1 &
       pids+=($!); started+=("$i")
     done
     for j in "${!pids[@]}"; do
