@@ -16,7 +16,8 @@
 #                                                #   and with StaticCache + reduce-overhead -> decode_model_static.md;
 #                                                #   model.generate() with CompileConfig(backend="fxfuse") -> generate.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
-#   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py -> moe_*.log
+#   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py (gpt-oss, Mixtral,
+#                                                #   Qwen3-MoE shapes) -> moe_*.log
 #   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE shapes)
 #                                                #   -> decode_mixtral.md, decode_qwen3_moe.md
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
@@ -178,12 +179,15 @@ case "$mode" in
     tail -9 "$OUT/generate_console.log"
     ;;
   moe)
-    # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' loop and grouped_mm at
-    # Mixtral's and Qwen3-MoE's shapes -> moe*.log
+    # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' own forward at
+    # gpt-oss-20b's (its eager loop), Mixtral's and Qwen3-MoE's shapes (the loop and grouped_mm) -> moe*.log
     step moe-tests "${TEST_TIMEOUT:-300}" moe_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_moe.py tests/test_real_models.py -k "moe or Moe or mixtral"
+      tests/test_moe.py tests/test_real_models.py -k "moe or Moe or mixtral or gpt_oss"
     grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
-    step moe-probe "${PROBE_TIMEOUT:-170}" moe_probe.log python3 benchmarks/probes/probe_moe.py
+    step moe-probe-gpt-oss "${PROBE_TIMEOUT:-170}" moe_probe_gpt_oss.log python3 benchmarks/probes/probe_moe.py \
+      --family gpt_oss ${GPT_OSS_ARGS:-}
+    cat "$OUT/moe_probe_gpt_oss.log"
+    step moe-probe "${PROBE_TIMEOUT:-170}" moe_probe.log python3 benchmarks/probes/probe_moe.py ${MIXTRAL_ARGS:-}
     cat "$OUT/moe_probe.log"
     step moe-probe-qwen3 "${PROBE_TIMEOUT:-170}" moe_probe_qwen3.log python3 benchmarks/probes/probe_moe.py \
       --experts 128 --hidden 2048 --inter 768 --top-k 8

@@ -2,13 +2,16 @@
 
 transformers keeps a MoE layer's experts as ONE module with stacked 3-D weights (``MixtralExperts`` and ~50 classes
 with the same forward: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, ``act_fn``, and
-``forward(hidden_states, top_k_index, top_k_weights)``). Its forward loops over the experts behind data-dependent
-routing, which no tracer captures; fxfuse installs, on the optimized copy, a forward that runs
-:func:`fxfuse.kernels.moe_launch.run_moe` instead (two grouped kernels), guarded:
+``forward(hidden_states, top_k_index, top_k_weights)``; gpt-oss's ``GptOssExperts``: ``gate_up_proj [E, H, 2I]``,
+``down_proj [E, I, H]``, a bias for each, and a clamped SwiGLU in ``_apply_gate``). Its forward loops over the
+experts behind data-dependent routing, which no tracer captures; fxfuse installs, on the optimized copy, a forward
+that runs :func:`fxfuse.kernels.moe_launch.run_moe` instead (two grouped kernels), guarded:
 
-* the module is recognized by structure: the two weights' shapes agree, the forward takes those three arguments,
-  the module has no other parameters (a bias, as gpt-oss's experts have, is another computation), and ``act_fn``
-  equals SiLU, tanh-GELU or erf-GELU on a probe of values (:func:`activation_of`);
+* the module is recognized by structure (:func:`experts_form`): the weights' shapes agree, the forward takes three
+  arguments of known names, the module has no other parameters or submodules, and the gate is known on a probe of
+  values: ``act_fn`` equals SiLU, tanh-GELU or erf-GELU (:func:`activation_of`), or, for biased ``[E, in, out]``
+  experts, ``_apply_gate`` equals ``act(gate) * up`` with the columns interleaved or in halves, the act one of
+  those or gpt-oss's clamped SwiGLU with the module's ``alpha`` and ``limit`` (:func:`gate_form`);
 * a call runs the kernels only without gradients to record, without autocast, on a 2-D input of the weights'
   dtype on a GPU (or the interpreter); other calls run the original forward;
 * the first call that could run them runs both and compares: a module whose original forward computes something
@@ -22,6 +25,19 @@ Example:
     >>> from torch import nn
     >>> activation_of(nn.SiLU()), activation_of(nn.GELU(approximate="tanh")), activation_of(nn.ReLU())
     ('silu', 'gelu_pytorch_tanh', None)
+    >>> class Biased(nn.Module):  # gpt-oss's layout: [E, in, out] weights, biases, gate/up interleaved
+    ...     alpha, limit = 1.702, 7.0
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gate_up_proj = nn.Parameter(torch.ones(4, 8, 6))
+    ...         self.gate_up_proj_bias = nn.Parameter(torch.ones(4, 6))
+    ...         self.down_proj, self.down_proj_bias = nn.Parameter(torch.ones(4, 3, 8)), nn.Parameter(torch.ones(4, 8))
+    ...     def _apply_gate(self, gate_up):
+    ...         gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+    ...         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+    ...     def forward(self, hidden_states, router_indices=None, routing_weights=None): ...
+    >>> str(experts_form(Biased()))
+    'clamped_swiglu(alpha=1.702, limit=7), [E, in, out] weights, gate/up interleaved'
 """
 
 from __future__ import annotations
@@ -29,26 +45,34 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from .autocast import any_autocast
 from .install import Install
-from .kernels.moe_launch import run_moe
+from .kernels.moe_launch import ExpertsForm, run_moe
 from .kernels.template import interpreting, next_pow2
 from .kernels.tuning import TuningDuringCapture
 from .ops import on_its_device
 from .strategy import for_cuda_graphs, time_candidates
 
-__all__ = ["MOE_PATTERN", "activation_of", "experts_installs", "experts_modules", "moe_forward", "why_not_experts"]
+__all__ = ["MOE_PATTERN", "activation_of", "experts_form", "experts_installs", "experts_modules", "gate_form",
+           "moe_forward", "why_not_experts"]
 
 log = logging.getLogger(__name__)
 
 MOE_PATTERN = "moe_experts"
-_FORWARD_ARGS = ["hidden_states", "top_k_index", "top_k_weights"]
+# The experts forwards' argument names: transformers' common one, and gpt-oss's.
+_FORWARD_ARGS = (["hidden_states", "top_k_index", "top_k_weights"], ["hidden_states", "router_indices",
+                                                                    "routing_weights"])
 _PROBE = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
+# A gate_up row probe for _apply_gate: 16 rows of 2 x 12 columns from -12 to 12, in a fixed shuffled order (halves
+# and interleaved columns then differ; |values| above gpt-oss's limit of 7 exercise its clamps).
+_GATE_PROBE = torch.linspace(-12.0, 12.0, 16 * 24, dtype=torch.float64)[
+    torch.randperm(16 * 24, generator=torch.Generator().manual_seed(0))].reshape(16, 24)
+_BIASED = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
 _ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
@@ -71,35 +95,88 @@ def activation_of(act_fn: Any) -> Optional[str]:
     return None
 
 
-def why_not_experts(module: nn.Module) -> Optional[str]:
-    """Why ``module`` is not an experts module the kernels can run, or None when it is."""
+def gate_form(module: nn.Module) -> Optional[ExpertsForm]:
+    """The :class:`ExpertsForm` (transposed) whose gate equals ``module._apply_gate(gate_up)`` on a probe of values,
+    or None: ``act(gate) * up`` with gate and up interleaved or in halves, ``act`` SiLU, tanh-GELU, erf-GELU or the
+    clamped SwiGLU with the module's float ``alpha`` and ``limit``."""
+    apply_gate = getattr(module, "_apply_gate", None)
+    if not callable(apply_gate):
+        return None
+    try:
+        with torch.no_grad():
+            got = apply_gate(_GATE_PROBE.clone())
+    except Exception:
+        return None
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    clamped = isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and not isinstance(alpha, bool)
+    acts = {name: (lambda g, u, f=fn: f(g) * u) for name, fn in _ACTIVATIONS.items()}
+    if clamped:
+        acts["clamped_swiglu"] = functools.partial(_clamped_swiglu, alpha=float(alpha), limit=float(limit))
+    for interleaved in (True, False):
+        g, u = (_GATE_PROBE[..., ::2], _GATE_PROBE[..., 1::2]) if interleaved else _GATE_PROBE.chunk(2, -1)
+        for name, act in acts.items():
+            if isinstance(got, torch.Tensor) and got.shape == g.shape \
+                    and torch.allclose(got.double(), act(g, u), rtol=1e-5, atol=1e-6):
+                return ExpertsForm(name, transposed=True, interleaved=interleaved,
+                                   **(dict(alpha=float(alpha), limit=float(limit)) if name == "clamped_swiglu" else {}))
+    return None
+
+
+def _clamped_swiglu(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gate on float64 values (the kernels' ACT 3)."""
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (u + 1) * g * torch.sigmoid(g * alpha)
+
+
+def experts_form(module: nn.Module) -> Union[ExpertsForm, str]:
+    """The :class:`ExpertsForm` of an experts module the kernels can run, or why ``module`` is not one."""
     params = dict(module.named_parameters(recurse=False))
     gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         return "no stacked gate_up_proj / down_proj"
-    others = [name for name, _ in module.named_children() if name != "act_fn"]
-    if set(params) != {"gate_up_proj", "down_proj"} or others:
-        return "other parameters or submodules besides gate_up_proj, down_proj and act_fn"
-    e, two_i, h = gate_up.shape
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
-        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not pair"
+    biased = set(params) == _BIASED
+    children = [name for name, _ in module.named_children() if name != "act_fn" or biased]
+    if not (set(params) == {"gate_up_proj", "down_proj"} or biased) or children:
+        return ("other parameters or submodules besides gate_up_proj, down_proj (their biases) and act_fn: "
+                + ", ".join(sorted(set(params) - _BIASED) + children))
+    if biased:  # gpt-oss's layout: [E, in, out] weights
+        e, h, two_i = gate_up.shape
+        shapes_pair = tuple(down.shape) == (e, two_i // 2, h) and tuple(params["gate_up_proj_bias"].shape) == (
+            e, two_i) and tuple(params["down_proj_bias"].shape) == (e, h)
+    else:
+        e, two_i, h = gate_up.shape
+        shapes_pair = tuple(down.shape) == (e, h, two_i // 2)
+    if two_i % 2 or not shapes_pair:
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not pair"
+                + (" (with their biases, as [E, in, out])" if biased else ""))
     try:
         names = list(inspect.signature(type(module).forward).parameters)[1:]
     except (TypeError, ValueError):
         return "forward has no signature"
-    if names != _FORWARD_ARGS:
-        return f"forward takes {names}, not {_FORWARD_ARGS}"
-    if activation_of(getattr(module, "act_fn", None)) is None:
-        return "act_fn is not SiLU, tanh-GELU or erf-GELU"
-    return None
+    if names not in _FORWARD_ARGS:
+        return f"forward takes {names}, not {' or '.join(map(str, _FORWARD_ARGS))}"
+    if biased:
+        form = gate_form(module)
+        return form if form is not None else (
+            "_apply_gate is not act(gate) * up (interleaved or halves) for a known act or gpt-oss's clamped SwiGLU")
+    act = activation_of(getattr(module, "act_fn", None))
+    return ExpertsForm(act) if act is not None else "act_fn is not SiLU, tanh-GELU or erf-GELU"
 
 
-def experts_modules(model: nn.Module) -> dict[str, str]:
-    """Path -> activation of every experts module in ``model`` the kernels can run."""
+def why_not_experts(module: nn.Module) -> Optional[str]:
+    """Why ``module`` is not an experts module the kernels can run, or None when it is."""
+    form = experts_form(module)
+    return form if isinstance(form, str) else None
+
+
+def experts_modules(model: nn.Module) -> dict[str, ExpertsForm]:
+    """Path -> form of every experts module in ``model`` the kernels can run."""
     found = {}
     for path, module in model.named_modules():
-        if "gate_up_proj" in module._parameters and why_not_experts(module) is None:
-            found[path] = activation_of(module.act_fn)
+        if "gate_up_proj" in module._parameters:
+            form = experts_form(module)
+            if isinstance(form, ExpertsForm):
+                found[path] = form
     return found
 
 
@@ -111,22 +188,22 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
         return False
     if hidden.device != gate_up.device or (hidden.device.type != "cuda" and not interpreting()):
         return False
-    if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad or gate_up.requires_grad
-                                    or module.down_proj.requires_grad):
+    if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad
+                                    or any(p.requires_grad for p in module._parameters.values())):
         return False
     return not any_autocast()
 
 
-# (class, experts implementation, E, 2I, H, top_k, dtype, device, activation, for a CUDA graph, token bucket: the
+# (class, experts implementation, E, 2I, H, top_k, dtype, device, form, for a CUDA graph, token bucket: the
 # power of two at or above the call's tokens) -> "kernels" or "original", shared by every layer of a model (a
 # Mixtral's 32 experts modules time once per bucket).
 _CHOICES: dict[tuple, str] = {}
 
 
-def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, act: str) -> tuple:
+def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, form: ExpertsForm) -> tuple:
     config = getattr(module, "config", None)
     return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
-            index.shape[1], hidden.dtype, hidden.device, act, for_cuda_graphs(), next_pow2(hidden.shape[0]))
+            index.shape[1], hidden.dtype, hidden.device, form, for_cuda_graphs(), next_pow2(hidden.shape[0]))
 
 
 def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple) -> str:
@@ -142,30 +219,43 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple) ->
     return choice
 
 
-def moe_forward(orig: Any, act: str) -> Any:
+def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
     """The experts module's forward: the kernels where they apply, agreed with ``orig`` at their first call and
-    were the faster of the two at this call's token bucket (timed on a GPU at its first call), else ``orig``."""
+    were the faster of the two at this call's token bucket (timed on a GPU at its first call), else ``orig``.
+    ``form``: the module's :class:`ExpertsForm` (an activation name for Mixtral's layout)."""
+    form = ExpertsForm(form) if isinstance(form, str) else form
+    signature = inspect.signature(orig)
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, *args, **kwargs):
+        if kwargs or len(args) != 3:  # (gpt-oss's MLP passes them by position; others may name them)
+            try:
+                args = tuple(signature.bind(self, *args, **kwargs).arguments.values())[1:]
+            except TypeError:
+                return orig(self, *args, **kwargs)  # its own error
+            if len(args) != 3:
+                return orig(self, *args)
+        hidden_states, top_k_index, top_k_weights = args
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
         if state is False or not _usable(self, hidden_states, top_k_index, top_k_weights):
-            return orig(self, hidden_states, top_k_index, top_k_weights)
+            return orig(self, *args)
         if not on_its_device(hidden_states):  # another GPU's layer (device_map="auto"): launch on that GPU
             with torch.cuda.device(hidden_states.device):
-                return forward(self, hidden_states, top_k_index, top_k_weights)
-        key = _choice_key(self, hidden_states, top_k_index, act)
+                return forward(self, *args)
+        key = _choice_key(self, hidden_states, top_k_index, form)
         choice = _CHOICES.get(key)
         if choice == "original":
-            return orig(self, hidden_states, top_k_index, top_k_weights)
+            return orig(self, *args)
         on_gpu = hidden_states.device.type == "cuda"
         if (choice is None or not state) and on_gpu and torch.cuda.is_current_stream_capturing():
-            return orig(self, hidden_states, top_k_index, top_k_weights)  # no timing or check inside a capture
+            return orig(self, *args)  # no timing or check inside a capture
 
         def kernels():
-            return run_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
+            params = self._parameters
+            return run_moe(hidden_states, top_k_index, top_k_weights, params["gate_up_proj"], params["down_proj"],
+                           form, gate_up_bias=params.get("gate_up_proj_bias"), down_bias=params.get("down_proj_bias"))
 
         def original():
-            return orig(self, hidden_states, top_k_index, top_k_weights)
+            return orig(self, *args)
 
         try:
             fused = kernels()
@@ -198,12 +288,12 @@ def moe_forward(orig: Any, act: str) -> Any:
     return forward
 
 
-def experts_installs(model: nn.Module) -> tuple[dict[str, Install], dict[str, str]]:
+def experts_installs(model: nn.Module) -> tuple[dict[str, Install], dict[str, ExpertsForm]]:
     """What :func:`fxfuse.install.assemble` installs on the experts modules of ``model`` (path -> Install), and
-    their activations (path -> name)."""
+    their forms (path -> :class:`ExpertsForm`)."""
     found = experts_modules(model)
     installs = {}
-    for path, act in found.items():
+    for path, form in found.items():
         orig = type(model.get_submodule(path)).forward
-        installs[path] = Install({"forward": (("fxfuse.moe", act), moe_forward(orig, act))})
+        installs[path] = Install({"forward": (("fxfuse.moe", form), moe_forward(orig, form))})
     return installs, found

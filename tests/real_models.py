@@ -135,6 +135,8 @@ _DECODERS = {
     "qwen3_moe": ("Qwen3MoeModel", 1, dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0])),
     "mixtral": ("MixtralModel", 0, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    # gpt-oss: experts of another layout ([E, in, out], biases, gate/up interleaved, a clamped SwiGLU)
+    "gpt_oss": ("GptOssModel", 0, dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

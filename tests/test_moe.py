@@ -12,7 +12,7 @@ from test_ops import rel_err
 
 from fxfuse import moe
 from fxfuse.kernels import moe_launch
-from fxfuse.kernels.moe_launch import PairLayout, run_moe
+from fxfuse.kernels.moe_launch import ExpertsForm, PairLayout, run_moe
 from fxfuse.kernels.template import interpreting
 
 transformers = pytest.importorskip("transformers")
@@ -202,7 +202,7 @@ def test_structure_and_activation_are_recognized_and_the_reasons_named():
     assert "other parameters" in why_not_experts(module)
     relu = experts("relu", torch.float32, "cpu")
     assert "act_fn" in why_not_experts(relu)
-    assert experts_modules(nn.Sequential(experts("silu", torch.float32, "cpu"), relu)) == {"0": "silu"}
+    assert experts_modules(nn.Sequential(experts("silu", torch.float32, "cpu"), relu)) == {"0": ExpertsForm("silu")}
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
@@ -267,7 +267,7 @@ def test_a_bucket_where_the_module_was_faster_runs_its_forward(monkeypatch):
     forward = moe.moe_forward(type(module).forward, "silu")
     x = torch.randn(5, 32)
     index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
-    monkeypatch.setitem(moe._CHOICES, moe._choice_key(module, x, index, "silu"), "original")
+    monkeypatch.setitem(moe._CHOICES, moe._choice_key(module, x, index, ExpertsForm("silu")), "original")
 
     def kernels_not_expected(*args):
         raise AssertionError("the kernels ran in a bucket timed slower")
@@ -276,7 +276,7 @@ def test_a_bucket_where_the_module_was_faster_runs_its_forward(monkeypatch):
     with torch.no_grad():
         assert torch.equal(forward(module, x, index, weights), type(module).forward(module, x, index, weights))
         x3 = torch.randn(3, 32)  # another module's bucket (8 tokens): not the one timed slower
-        assert moe._choice_key(module, x3, index[:3], "silu") not in moe._CHOICES
+        assert moe._choice_key(module, x3, index[:3], ExpertsForm("silu")) not in moe._CHOICES
 
 
 @pytest.mark.gpu
@@ -408,3 +408,97 @@ def test_gpu_an_unchecked_module_inside_a_capture_runs_its_forward():
         graph.replay()
     assert "_fxfuse_moe" not in vars(module)
     assert rel_err(out, reference(module, x, index, weights, "silu")) < TOL[torch.bfloat16]
+
+
+# gpt-oss's experts: weights [E, in, out], biases, gate/up interleaved, a clamped SwiGLU; OpenAI's privacy filter:
+# the same with gate/up in halves.
+def biased_experts(family: str, dtype: torch.dtype, device: str, hidden: int = 32, inter: int = 48, num: int = 4):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssExperts
+    from transformers.models.openai_privacy_filter.modeling_openai_privacy_filter import OpenAIPrivacyFilterExperts
+
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num)
+    module = (GptOssExperts if family == "gpt_oss" else OpenAIPrivacyFilterExperts)(config)
+    with torch.no_grad():  # wide enough that some gate/up values pass the limit of 7 (for inputs of std 2)
+        module.gate_up_proj.normal_(0, 2.5 * hidden ** -0.5)
+        module.gate_up_proj_bias.normal_(0, 1.0)
+        module.down_proj.normal_(0, inter ** -0.5)
+        module.down_proj_bias.normal_(0, 0.5)
+    return module.to(device=device, dtype=dtype)
+
+
+def float64_forward(module, x, index, weights):
+    """The module's own forward on a float64 copy (gpt-oss's loop takes experts in [0, E) only)."""
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(module).double()(x.double(), index, weights.double())
+
+
+def test_biased_experts_forms_are_read_from_their_gate():
+    from torch import nn
+
+    gpt_oss, halves = biased_experts("gpt_oss", torch.float32, "cpu"), biased_experts("privacy", torch.float32, "cpu")
+    assert moe.experts_form(gpt_oss) == ExpertsForm("clamped_swiglu", transposed=True, interleaved=True, alpha=1.702,
+                                                    limit=7.0)
+    assert moe.experts_form(halves) == ExpertsForm("clamped_swiglu", transposed=True, interleaved=False,
+                                                   alpha=1.702, limit=7.0)
+    gpt_oss.limit = 3.0  # the module's constants, not gpt-oss's defaults
+    assert moe.experts_form(gpt_oss).limit == 3.0
+    gpt_oss._apply_gate = lambda gate_up: torch.relu(gate_up[..., ::2]) * gate_up[..., 1::2]
+    assert "_apply_gate" in moe.why_not_experts(gpt_oss)
+    gpt_oss._apply_gate = lambda gate_up: torch.nn.functional.silu(gate_up[..., ::2]) * gate_up[..., 1::2]
+    assert moe.experts_form(gpt_oss) == ExpertsForm("silu", transposed=True, interleaved=True)
+    halves._apply_gate = None  # no gate to read
+    assert "_apply_gate" in moe.why_not_experts(halves)
+    halves.extra = nn.Parameter(torch.zeros(3))
+    assert "extra" in moe.why_not_experts(halves)
+    with torch.no_grad():  # shapes that do not pair as [E, in, out]
+        biased = biased_experts("gpt_oss", torch.float32, "cpu")
+        biased.down_proj = nn.Parameter(biased.down_proj.transpose(1, 2).contiguous())
+    assert "do not pair" in moe.why_not_experts(biased)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("family", ["gpt_oss", "privacy"])
+def test_biased_experts_match_their_forward_in_the_interpreter(family, dtype):
+    torch.manual_seed(4)
+    module = biased_experts(family, dtype, "cpu")
+    form = moe.experts_form(module)
+    x = 2 * torch.randn(9, 32, dtype=dtype)
+    index, weights = local_routing(9, 3, 4, "cpu", dtype)
+    ref = float64_forward(module, x, index, weights)
+    gate_up = x.double() @ module.gate_up_proj.double()[0] + module.gate_up_proj_bias.double()[0]
+    assert gate_up.abs().max() > module.limit  # the clamps are exercised
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, form,
+                  gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias)
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
+    forward = moe.moe_forward(type(module).forward, form)
+    with torch.no_grad():  # as gpt-oss's MLP calls it, and by the forward's own keywords
+        for out in (forward(module, x, index, weights), forward(module, x, router_indices=index,
+                                                                routing_weights=weights)):
+            assert rel_err(out, ref) < TOL[dtype]
+    assert module.__dict__["_fxfuse_moe"] is True
+
+
+def test_biased_experts_bad_bias_raises_clearly():
+    module = biased_experts("gpt_oss", torch.float32, "cpu")
+    x = torch.randn(3, 32)
+    index, weights = local_routing(3, 2, 4, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="gate_up_bias"):
+        run_moe(x, index, weights, module.gate_up_proj, module.down_proj, moe.experts_form(module),
+                gate_up_bias=module.gate_up_proj_bias[:, :10], down_bias=module.down_proj_bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 7, 300, 3000])
+@pytest.mark.parametrize("family", ["gpt_oss", "privacy"])
+def test_gpu_biased_experts_match_float64(family, tokens, dtype):
+    torch.manual_seed(0)
+    module = biased_experts(family, dtype, "cuda", hidden=256, inter=384, num=8)
+    x = 2 * torch.randn(tokens, 256, dtype=dtype, device="cuda")
+    index, weights = local_routing(tokens, 4, 8, "cuda", dtype)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, moe.experts_form(module),
+                  gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias)
+    assert rel_err(out, float64_forward(module, x, index, weights)) < TOL[dtype]

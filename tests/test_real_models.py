@@ -52,6 +52,7 @@ FAMILIES = {
     "wav2vec2": ["encoder.layers.0.feed_forward"],
     "qwen3_moe": ["layers.0.mlp"],  # the dense layer (the sparse layer's experts: test_moe_experts_...)
     "mixtral": [],  # experts only
+    "gpt_oss": [],  # experts only
 }
 
 
@@ -96,7 +97,8 @@ def test_report_says_what_was_left_out_and_why():
 
 
 @pytest.mark.parametrize("family, experts", [("mixtral", ["layers.0.mlp.experts", "layers.1.mlp.experts"]),
-                                             ("qwen3_moe", ["layers.1.mlp.experts"])])
+                                             ("qwen3_moe", ["layers.1.mlp.experts"]),
+                                             ("gpt_oss", ["layers.0.mlp.experts", "layers.1.mlp.experts"])])
 def test_moe_experts_run_the_grouped_kernels_after_a_first_checked_call(family, experts):
     model, inputs, _ = tiny(family)
     fast = fxfuse.optimize(model)

@@ -2,9 +2,12 @@
 fxfuse's two grouped kernels (``run_moe``), Mixtral-8x7B shapes by default, bf16, at several token counts;
 correctness against float32, GPU µs (do_bench, L2 flushed), wall µs per call (50 back-to-back calls) and GPU µs
 replayed from a CUDA graph; 'installed' = the forward fxfuse.optimize installs (the faster of the kernels and
-grouped_mm, timed at each token bucket's first call).
+grouped_mm, timed at each token bucket's first call). ``--family gpt_oss``: transformers' GptOssExperts instead
+(gpt-oss-20b's shapes by default: 32 experts of 2880 -> 2880, top 4; biases, a clamped SwiGLU; its forward is an
+eager loop only).
 
     python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
+    python3 benchmarks/probes/probe_moe.py --family gpt_oss [--tokens ...]
 """
 
 from __future__ import annotations
@@ -22,35 +25,57 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from fxfuse.kernels.moe_launch import run_moe  # noqa: E402
-from fxfuse.moe import moe_forward  # noqa: E402
+from fxfuse.moe import experts_form, moe_forward  # noqa: E402
+
+GPT_OSS_20B = dict(hidden=2880, inter=2880, experts=32, top_k=4)
+
+
+def build(args):
+    """(bf16 module on the GPU, its float32 copy on the GPU, the kernels' form) of the family's experts class."""
+    if args.family == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as Experts
+
+        config = GptOssConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts)
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts as Experts
+
+        config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts)
+    module = Experts(config)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            fan_in = args.inter if name.startswith("down") else args.hidden
+            param.normal_(0, 0.1 if name.endswith("bias") else fan_in ** -0.5)
+    reference = Experts(config).to("cuda")  # float32 copy of the same weights
+    reference.load_state_dict(module.state_dict())
+    return module.to("cuda", torch.bfloat16), reference, experts_form(module)
 
 
 def main() -> None:
-    from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralExperts
-
     ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=["mixtral", "gpt_oss"], default="mixtral")
     ap.add_argument("--tokens", default="1,16,128,512,4096")
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--inter", type=int, default=14336)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--inter", type=int)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--top-k", type=int)
     ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time (torch.profiler) and config")
     args = ap.parse_args()
+    defaults = GPT_OSS_20B if args.family == "gpt_oss" else dict(hidden=4096, inter=14336, experts=8, top_k=2)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     logging.basicConfig(format="    %(message)s")
     logging.getLogger("fxfuse.moe").setLevel(logging.INFO)  # the installed forward's choice per token bucket
     torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_local_experts=args.experts)
-    module = MixtralExperts(config)
-    with torch.no_grad():
-        module.gate_up_proj.normal_(0, args.hidden ** -0.5)
-        module.down_proj.normal_(0, args.inter ** -0.5)
-    reference = MixtralExperts(config).to("cuda")  # float32 copy of the same weights
-    reference.load_state_dict(module.state_dict())
-    module = module.to("cuda", torch.bfloat16)
-    forward = moe_forward(type(module).forward, "silu")
-    weight_mb = (module.gate_up_proj.numel() + module.down_proj.numel()) * 2 / 1e6
-    print(f"{torch.cuda.get_device_name()}: E={args.experts} H={args.hidden} I={args.inter} top_k={args.top_k}, "
-          f"weights {weight_mb:.0f} MB (bf16)")
+    module, reference, form = build(args)
+    forward = moe_forward(type(module).forward, form)
+    biases = dict(gate_up_bias=module._parameters.get("gate_up_proj_bias"),
+                  down_bias=module._parameters.get("down_proj_bias"))
+    weight_mb = sum(p.numel() for p in module.parameters()) * 2 / 1e6
+    print(f"{torch.cuda.get_device_name()}: {type(module).__name__} ({form}) E={args.experts} H={args.hidden} "
+          f"I={args.inter} top_k={args.top_k}, weights {weight_mb:.0f} MB (bf16)")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, args.experts, device="cuda")
@@ -60,18 +85,22 @@ def main() -> None:
             ref = reference(x.float(), index, weights.float())
 
             def original(implementation, x=x, index=index, weights=weights):
-                module.config._experts_implementation = implementation
+                if hasattr(module, "config"):
+                    module.config._experts_implementation = implementation
                 return module(x, index, weights)
 
             def installed(x=x, index=index, weights=weights):  # what fxfuse.optimize installs: timed per bucket
-                module.config._experts_implementation = "grouped_mm"
+                if hasattr(module, "config"):
+                    module.config._experts_implementation = "grouped_mm"
                 return forward(module, x, index, weights)
 
             variants = {"eager loop": functools.partial(original, "eager"),
                         "grouped_mm": functools.partial(original, "grouped_mm"),
                         "fxfuse": lambda x=x, index=index, weights=weights: run_moe(
-                            x, index, weights, module.gate_up_proj, module.down_proj, "silu"),
+                            x, index, weights, module.gate_up_proj, module.down_proj, form, **biases),
                         "installed": installed}
+            if args.family == "gpt_oss":  # (one implementation: its loop)
+                del variants["grouped_mm"]
             cells = []
             for name, fn in variants.items():
                 try:

@@ -1,18 +1,25 @@
 """Launcher of the mixture-of-experts kernels (:mod:`fxfuse.kernels.moe_template`).
 
 :func:`run_moe` computes what transformers' ``MixtralExperts.forward(hidden_states, top_k_index, top_k_weights)``
-computes, in three or four launches and an add: the pairs sorted by expert (:func:`route_pairs`, no host sync),
-the gate/up kernel, the down kernel, and the sum of each token's ``top_k`` rows. (``tests/test_moe.py`` builds the
+computes (or ``GptOssExperts.forward``: weights ``[E, in, out]``, biases, gate and up interleaved, a clamped
+SwiGLU; :class:`ExpertsForm` says which), in three or four launches and an add: the pairs sorted by expert
+(:func:`route_pairs`, no host sync), the gate/up kernel, the down kernel, and the sum of each token's ``top_k``
+rows. (``tests/test_moe.py`` builds the
 same layout in torch ops, the reference the routing kernels are tested against; those ops cost ~400 µs of host
 time per call on an H100's host, and ``torch.bincount`` among them waits for the GPU.)
 
 Example:
     >>> out = run_moe(x, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, "silu")  # doctest: +SKIP
+    >>> gpt_oss = ExpertsForm("clamped_swiglu", transposed=True, interleaved=True, alpha=1.702, limit=7.0)
+    >>> out = run_moe(x, index, weights, experts.gate_up_proj, experts.down_proj, gpt_oss,  # doctest: +SKIP
+    ...               gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import triton
@@ -28,7 +35,7 @@ from .moe_template import (
 )
 from .template import interpreting
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "PairLayout", "block_rows", "route_pairs", "run_moe"]
+__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "PairLayout", "block_rows", "route_pairs", "run_moe"]
 
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
@@ -40,6 +47,29 @@ ELSEWHERE_BLOCK = -2  # pairs routed to an expert outside [0, E): the down kerne
 _ROUTE_CELLS = 8192
 _ROUTE_MAX_STEPS = 8
 _PLACE_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class ExpertsForm:
+    """How an experts module stores its weights and what its gate computes.
+
+    Example:
+        >>> ExpertsForm("silu")  # Mixtral, Qwen3-MoE, DeepSeek-V3, ...: gate_up [E, 2I, H], gate rows first
+        ExpertsForm(act='silu', transposed=False, interleaved=False, alpha=1.0, limit=inf)
+        >>> str(ExpertsForm("clamped_swiglu", transposed=True, interleaved=True, alpha=1.702, limit=7.0))
+        'clamped_swiglu(alpha=1.702, limit=7), [E, in, out] weights, gate/up interleaved'
+    """
+
+    act: str  # the gate activation: a key of fxfuse.kernels.moe_template.ACTIVATIONS
+    transposed: bool = False  # weights [E, in, out] (``x @ W``, gpt-oss) instead of [E, out, in] (``F.linear``)
+    interleaved: bool = False  # gate and up columns alternate (``[..., ::2]``, ``[..., 1::2]``) instead of halves
+    alpha: float = 1.0  # clamped_swiglu: the sigmoid's scale
+    limit: float = math.inf  # clamped_swiglu: gate clamped above, up on both sides
+
+    def __str__(self) -> str:
+        act = f"{self.act}(alpha={self.alpha:g}, limit={self.limit:g})" if self.act == "clamped_swiglu" else self.act
+        layout = ["[E, in, out] weights"] * self.transposed + ["gate/up interleaved"] * self.interleaved
+        return ", ".join([act] + layout)
 
 
 @dataclass(frozen=True)
@@ -96,46 +126,63 @@ def block_rows(pairs: int, num_experts: int) -> int:
 
 
 def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, act: str) -> torch.Tensor:
+            down: torch.Tensor, form: Union[str, ExpertsForm], *, gate_up_bias: Optional[torch.Tensor] = None,
+            down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The experts' output ``[T, H]`` for ``hidden`` ``[T, H]`` routed to ``top_k_index`` ``[T, top_k]`` with
-    ``top_k_weights``, experts ``gate_up`` ``[E, 2I, H]`` (gate rows first) and ``down`` ``[E, H, I]``, gate
-    activation ``act`` (a key of :data:`fxfuse.kernels.moe_template.ACTIVATIONS`).
+    ``top_k_weights``, experts ``gate_up`` ``[E, 2I, H]`` (gate rows first) and ``down`` ``[E, H, I]`` with the
+    gate activation ``form`` (a key of :data:`fxfuse.kernels.moe_template.ACTIVATIONS`), or as ``form`` says
+    (:class:`ExpertsForm`: ``[E, H, 2I]`` / ``[E, I, H]`` when transposed); biases ``[E, 2I]`` and ``[E, H]``.
 
     Raises:
         ValueError: shapes, dtypes or the activation do not fit.
     """
+    form = ExpertsForm(form) if isinstance(form, str) else form
     if hidden.dim() == 2 and hidden.shape[0] == 0:
         return hidden.new_zeros(hidden.shape)
-    if act not in ACTIVATIONS:
-        raise ValueError(f"fxfuse.moe: activation {act!r} is not one of {sorted(ACTIVATIONS)}")
+    if form.act not in ACTIVATIONS:
+        raise ValueError(f"fxfuse.moe: activation {form.act!r} is not one of {sorted(ACTIVATIONS)}")
     if hidden.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError("fxfuse.moe: expects hidden [T, H], gate_up [E, 2I, H] and down [E, H, I]")
+        raise ValueError("fxfuse.moe: expects hidden [T, H], gate_up [E, 2I, H] and down [E, H, I] (or both "
+                         "transposed)")
     T, H = hidden.shape
-    E, two_i, H_w = gate_up.shape
+    # As [E, out, in] views: the kernels read either layout through the strides.
+    w1, w2 = (gate_up.transpose(1, 2), down.transpose(1, 2)) if form.transposed else (gate_up, down)
+    E, two_i, H_w = w1.shape
     inter = two_i // 2
-    if H_w != H or two_i % 2 or down.shape != (E, H, inter) or top_k_index.shape[0] != T \
-            or top_k_weights.shape != top_k_index.shape:
+    if H_w != H or two_i % 2 or w2.shape != (E, H, inter) or top_k_index.shape[0] != T \
+            or top_k_weights.shape != top_k_index.shape \
+            or (gate_up_bias is not None and gate_up_bias.shape != (E, two_i)) \
+            or (down_bias is not None and down_bias.shape != (E, H)):
         raise ValueError(f"fxfuse.moe: shapes do not fit: hidden {tuple(hidden.shape)}, gate_up "
                          f"{tuple(gate_up.shape)}, down {tuple(down.shape)}, top_k_index {tuple(top_k_index.shape)}, "
-                         f"top_k_weights {tuple(top_k_weights.shape)}")
+                         f"top_k_weights {tuple(top_k_weights.shape)}"
+                         + (f", gate_up_bias {tuple(gate_up_bias.shape)}" if gate_up_bias is not None else "")
+                         + (f", down_bias {tuple(down_bias.shape)}" if down_bias is not None else "")
+                         + (" (transposed: [E, in, out])" if form.transposed else ""))
     if not (hidden.dtype == gate_up.dtype == down.dtype):
         raise ValueError("fxfuse.moe: hidden, gate_up and down must share a dtype")
     top_k = top_k_index.shape[1]
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    w1 = gate_up if gate_up.stride(2) == 1 else gate_up.contiguous()
-    w2 = down if down.stride(2) == 1 else down.contiguous()
+    w1, w2 = _strided(w1), _strided(w2)
+    b1, b2 = _bias(gate_up_bias), _bias(down_bias)
     bm = block_rows(T * top_k, E)
     layout = route_pairs(top_k_index, E, bm)
     blocks = layout.block_expert.numel()
+    precision = _input_precision(hidden.dtype)
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
-    moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
-        x, w1, h, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1),
-        h.stride(0), ACT=ACTIVATIONS[act], INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_M=bm)
+    # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
+    columns = 2 * inter if form.interleaved else inter
+    moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(columns, meta["BLOCK_N"]))](
+        x, w1, b1 if b1 is not None else w1, h, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0),
+        w1.stride(0), w1.stride(1), w1.stride(2), b1.stride(0) if b1 is not None else 0, h.stride(0), form.alpha,
+        form.limit if math.isfinite(form.limit) else 3.0e38, ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved,
+        HAS_BIAS=b1 is not None, INPUT_PRECISION=precision, BLOCK_M=bm)
     pairs_out = torch.empty(T * top_k, H, dtype=hidden.dtype, device=hidden.device)  # every row written
     routing = top_k_weights.reshape(-1)
     moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
-        h, w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H, h.stride(0), w2.stride(0),
-        w2.stride(1), pairs_out.stride(0), INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_M=bm)
+        h, w2, b2 if b2 is not None else w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2.stride(0) if b2 is not None else 0,
+        pairs_out.stride(0), HAS_BIAS=b2 is not None, INPUT_PRECISION=precision, BLOCK_M=bm)
     # Each token's top_k rows, summed in fp32 and rounded once (eager adds them one expert at a time in the hidden
     # dtype). Two rows: one elementwise add (fp32 inside, one rounding: the same bits), ~2.5x faster than a
     # reduction over the middle dimension.
@@ -143,3 +190,12 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     if top_k == 2:
         return per_token[:, 0] + per_token[:, 1]
     return per_token.sum(1)  # (torch accumulates 16-bit sums in fp32: one rounding, no fp32 copy)
+
+
+def _strided(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[E, out, in]`` as is when one of its last two dims is contiguous (either layout), else a copy."""
+    return w if w.stride(2) == 1 or w.stride(1) == 1 else w.contiguous()
+
+
+def _bias(b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return b if b is None or b.stride(-1) == 1 else b.contiguous()

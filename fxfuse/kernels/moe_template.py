@@ -9,10 +9,14 @@ built on the GPU by :func:`fxfuse.kernels.moe_launch.route_pairs`, with no host 
 block of every expert in one launch each:
 
 * :func:`moe_gate_up_kernel`: gathers the block's token rows of x, multiplies them with its expert's gate and up
-  weights (``gate_up[e]``: gate rows first, then up, as ``chunk(2)`` splits it), applies ``act(g) * u`` to the
-  fp32 accumulators and writes the block's rows of h (``[padded rows, I]``) once;
-* :func:`moe_down_kernel`: multiplies h's block with its expert's down weight, scales each row by its routing
-  weight in fp32, casts once and writes the row of its (token, expert) pair.
+  weights (``gate_up[e]``: gate first, then up, as ``chunk(2)`` splits it; or interleaved, gate and up columns
+  alternating, as gpt-oss stores them), adds the bias if any, applies ``act(g) * u`` to the fp32 accumulators and
+  writes the block's rows of h (``[padded rows, I]``) once;
+* :func:`moe_down_kernel`: multiplies h's block with its expert's down weight, adds the bias if any, scales each
+  row by its routing weight in fp32, casts once and writes the row of its (token, expert) pair.
+
+The weights are ``[E, out, in]`` (``F.linear``'s layout, Mixtral's) or ``[E, in, out]`` (``x @ W``, gpt-oss's):
+the kernels take both through their strides.
 
 The caller sums each token's ``top_k`` rows (one reduction, deterministic: no atomics).
 
@@ -32,8 +36,9 @@ from .tuning import autotune
 __all__ = ["ACTIVATIONS", "moe_configs", "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel",
            "moe_place_kernel", "moe_route_kernel"]
 
-# The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names.
-ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
+# The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names, and gpt-oss's clamped
+# SwiGLU, ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
+ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2, "clamped_swiglu": 3}
 
 
 def moe_configs() -> list[triton.Config]:
@@ -53,22 +58,29 @@ def moe_configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _activate(g, ACT: tl.constexpr):
-    """``act(g)`` on fp32 values: 0 SiLU, 1 tanh-GELU, 2 erf GELU."""
+def _gate(g, u, alpha, limit, ACT: tl.constexpr):
+    """``act(g) * u`` on fp32 values: ACT 0 SiLU, 1 tanh-GELU, 2 erf GELU, 3 gpt-oss's clamped SwiGLU (``alpha``
+    and ``limit`` are read only there)."""
     if ACT == 0:
-        return g / (1.0 + tl.exp(-g))
+        return g / (1.0 + tl.exp(-g)) * u
     elif ACT == 1:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        return g / (1.0 + tl.exp(-2.0 * inner))  # 0.5 * g * (1 + tanh(inner))
+        return g / (1.0 + tl.exp(-2.0 * inner)) * u  # 0.5 * g * (1 + tanh(inner))
+    elif ACT == 2:
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
     else:
-        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
 
 
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M"])
+# Tuned per shape, rows per block, gate/up arrangement and weight layout (stride_wk: 1 for [E, out, in]).
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk"])
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr,
     w_ptr,
+    b_ptr,
     h_ptr,
     rows_ptr,
     block_expert_ptr,
@@ -78,18 +90,28 @@ def moe_gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    stride_wk,
+    stride_be,
     stride_hm,
+    alpha,
+    limit,
     ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``h[r, n] = act(x[t] @ gate[e, n]) * (x[t] @ up[e, n])`` for the rows r of one block of one expert.
+    """``h[r, n] = act(x[t] @ gate[e, n] + bg[e, n]) * (x[t] @ up[e, n] + bu[e, n])`` for the rows r of one block
+    of one expert.
 
     x_ptr:            hidden states ``[T, K]`` (last dim contiguous, row stride ``stride_xm``).
-    w_ptr:            stacked gate/up weights ``[E, 2N, K]`` (strides ``stride_we``, ``stride_wn``, 1): rows
-                      ``[0, N)`` of expert e are its gate, ``[N, 2N)`` its up projection.
+    w_ptr:            stacked gate/up weights, ``2N`` output columns of ``K`` inputs per expert: element (e, column
+                      c, input k) at ``e * stride_we + c * stride_wn + k * stride_wk`` (``[E, 2N, K]``: stride_wk
+                      1; ``[E, K, 2N]``: stride_wn 1). Columns ``[0, N)`` are the gate, ``[N, 2N)`` the up
+                      projection; INTERLEAVED: column ``2n`` is gate n, ``2n + 1`` up n.
+    b_ptr:            biases ``[E, 2N]`` in the columns' order (row stride ``stride_be``), read if HAS_BIAS.
     h_ptr:            output ``[padded rows, N]`` (row stride ``stride_hm``), x's dtype; rows of padding are not
                       written.
     rows_ptr:         int32 ``[padded rows]``: the (token, expert) pair of each sorted row (``token * TOP_K +
@@ -97,10 +119,12 @@ def moe_gate_up_kernel(
     block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, or -1 (unused) or -2
                       (pairs routed to an expert held elsewhere): no work here.
     K, N:             hidden size and intermediate size; TOP_K: experts per token.
+    alpha, limit:     the clamped SwiGLU's constants (ACT 3).
     ACT:              the gate activation (:data:`ACTIVATIONS`).
     INPUT_PRECISION:  ``tl.dot`` precision: "ieee" for fp32 (as eager) unless the user allows TF32, else "tf32".
-    BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`); the
-                      grid is (blocks, cdiv(N, BLOCK_N)).
+    BLOCK_M:          rows per block (the pair layout's); BLOCK_N, BLOCK_K: tuned (:func:`moe_configs`). A program
+                      computes BLOCK_N columns of h (INTERLEAVED: BLOCK_N // 2, from BLOCK_N adjacent columns of
+                      the weights, one ``tl.dot``); the grid is (blocks, cdiv(N, columns of h per program)).
     """
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -111,33 +135,56 @@ def moe_gate_up_kernel(
     pairs = tl.load(rows_ptr + offs_m)
     valid = pairs >= 0
     tokens = tl.where(valid, pairs // TOP_K, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
-                     other=0.0)
-        wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + k[:, None],
-                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g, input_precision=INPUT_PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=INPUT_PRECISION)
-    h = _activate(acc_g, ACT) * acc_u  # on the fp32 accumulators; cast once
+    if INTERLEAVED:
+        # BLOCK_N adjacent columns, gate and up alternating: one dot, then the pairs split apart.
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_mask = cols < 2 * N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=valid[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None] * stride_wk,
+                        mask=c_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + cols, mask=c_mask, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=valid[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[None, :] & k_mask[:, None]
+            wg = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + k[:, None] * stride_wk, mask=w_mask,
+                         other=0.0)
+            g = tl.dot(x, wg, g, input_precision=INPUT_PRECISION)
+            u = tl.dot(x, wu, u, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            g += tl.load(b_base + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            u += tl.load(b_base + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    h = _gate(g, u, alpha, limit, ACT)  # on the fp32 accumulators; cast once
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_mask[None, :])
+             mask=valid[:, None] & (offs_n < N)[None, :])
 
 
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M"])
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "stride_wk"])
 @triton.jit
 def moe_down_kernel(
     h_ptr,
     w_ptr,
+    b_ptr,
     out_ptr,
     rows_ptr,
     block_expert_ptr,
@@ -147,16 +194,22 @@ def moe_down_kernel(
     stride_hm,
     stride_we,
     stride_wn,
+    stride_wk,
+    stride_be,
     stride_om,
+    HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``out[p, n] = routing[p] * (h[r] @ down[e, n])`` for the rows r (pairs p) of one block of one expert.
+    """``out[p, n] = routing[p] * (h[r] @ down[e, n] + b[e, n])`` for the rows r (pairs p) of one block of one
+    expert.
 
     h_ptr:            the gate/up kernel's output ``[padded rows, K]`` (row stride ``stride_hm``).
-    w_ptr:            stacked down weights ``[E, N, K]`` (strides ``stride_we``, ``stride_wn``, 1).
+    w_ptr:            stacked down weights: element (e, column n, input k) at ``e * stride_we + n * stride_wn +
+                      k * stride_wk`` (``[E, N, K]`` or ``[E, K, N]``).
+    b_ptr:            biases ``[E, N]`` (row stride ``stride_be``), read if HAS_BIAS.
     out_ptr:          ``[pairs, N]`` (row stride ``stride_om``): one row per (token, expert) pair; the rows of
                       a block marked -2 (routed to an expert held elsewhere) are written as zeros.
     rows_ptr, block_expert_ptr: as in :func:`moe_gate_up_kernel`.
@@ -189,9 +242,11 @@ def moe_down_kernel(
         k_mask = k < K
         h = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + k[None, :],
                     mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
-                    other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
     out = acc * scale[:, None]
     tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
