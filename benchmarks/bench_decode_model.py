@@ -18,10 +18,10 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
   positions and ``mode="reduce-overhead"`` (one CUDA graph per step).
 
     python3 benchmarks/bench_decode_model.py --out DIR [--layers 4] [--steps 64] [--rounds 3] [--batch 1] \
-        [--compile] [--static] [--family llama|mixtral|qwen3_moe]
+        [--compile] [--static] [--family llama|mixtral|qwen3_moe|gpt_oss]
 
-With ``--family mixtral`` / ``qwen3_moe`` the model is ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` with that
-model's layer shapes (every MLP a MoE layer run by transformers' default ``grouped_mm`` experts; routers scaled up so
+With ``--family mixtral`` / ``qwen3_moe`` / ``gpt_oss`` the model is ``MixtralForCausalLM`` /
+``Qwen3MoeForCausalLM`` / ``GptOssForCausalLM`` with that model's layer shapes (every MLP a MoE layer run by transformers' default ``grouped_mm`` experts; routers scaled up so
 that routing is decisive, ``ROUTER_SCALE``), and the prefill's ms are a column too: the prompt's tokens go through
 the experts at once.
 
@@ -65,6 +65,11 @@ FAMILIES = {
                   dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32,
                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
                   dict(TINY_LAYER, moe_intermediate_size=48, head_dim=16, num_experts=8, num_experts_per_tok=2)),
+    # gpt-oss-20b's layers: 32 experts of 2880 -> 2880 (biases, gate/up interleaved, a clamped SwiGLU), top 4
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                     head_dim=64, num_local_experts=32, num_experts_per_tok=4),
+                dict(TINY_LAYER, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 ROUTER_SCALE = 20.0  # MoE families: the routers' weights times this (see build)
@@ -95,7 +100,7 @@ def build(layers: int, vocab: int, tiny: bool, device: str, dtype: torch.dtype,
         # logits' error measures the layers' arithmetic.
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
+                if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                     param.mul_(ROUTER_SCALE)
     return model.eval()
 

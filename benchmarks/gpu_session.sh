@@ -18,8 +18,8 @@
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 #   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py (gpt-oss, Mixtral,
 #                                                #   Qwen3-MoE shapes) -> moe_*.log
-#   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE shapes)
-#                                                #   -> decode_mixtral.md, decode_qwen3_moe.md
+#   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE, gpt-oss
+#                                                #   shapes; MOE_FAMILIES picks) -> decode_<family>.md
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
 # default 10 here), BENCH_ARGS, and a *_TIMEOUT per step (see below).
@@ -180,7 +180,7 @@ case "$mode" in
     ;;
   moe)
     # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' own forward at
-    # gpt-oss-20b's (its eager loop), Mixtral's and Qwen3-MoE's shapes (the loop and grouped_mm) -> moe*.log
+    # gpt-oss-20b's, Mixtral's and Qwen3-MoE's shapes (transformers' loop and grouped_mm) -> moe*.log
     step moe-tests "${TEST_TIMEOUT:-300}" moe_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_moe.py tests/test_real_models.py -k "moe or Moe or mixtral or gpt_oss"
     grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
@@ -194,9 +194,9 @@ case "$mode" in
     cat "$OUT/moe_probe_qwen3.log"
     ;;
   decode-moe)
-    # Whole MoE models (4 layers of Mixtral-8x7B's / Qwen3-30B-A3B's shapes): a 512-token prefill and greedy decode,
-    # eager (transformers' grouped_mm experts) against fxfuse -> decode_mixtral.md, decode_qwen3_moe.md
-    for family in mixtral qwen3_moe; do
+    # Whole MoE models (4 layers of Mixtral-8x7B's / Qwen3-30B-A3B's / gpt-oss-20b's shapes): a 512-token prefill
+    # and greedy decode, eager (transformers' grouped_mm experts) against fxfuse -> decode_<family>.md
+    for family in ${MOE_FAMILIES:-mixtral qwen3_moe gpt_oss}; do
       step "decode-$family" "${DECODE_MODEL_TIMEOUT:-240}" "decode_${family}_console.log" \
         python3 benchmarks/bench_decode_model.py --out "$OUT" --family "$family" --layers 4 --steps 32 --rounds 5 \
         --prompt 512

@@ -3,8 +3,8 @@ fxfuse's two grouped kernels (``run_moe``), Mixtral-8x7B shapes by default, bf16
 correctness against float32, GPU µs (do_bench, L2 flushed), wall µs per call (50 back-to-back calls) and GPU µs
 replayed from a CUDA graph; 'installed' = the forward fxfuse.optimize installs (the faster of the kernels and
 grouped_mm, timed at each token bucket's first call). ``--family gpt_oss``: transformers' GptOssExperts instead
-(gpt-oss-20b's shapes by default: 32 experts of 2880 -> 2880, top 4; biases, a clamped SwiGLU; its forward is an
-eager loop only).
+(gpt-oss-20b's shapes by default: 32 experts of 2880 -> 2880, top 4; weights [E, in, out], biases, gate/up
+interleaved, a clamped SwiGLU; transformers runs it by the same two implementations).
 
     python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
     python3 benchmarks/probes/probe_moe.py --family gpt_oss [--tokens ...]
@@ -85,13 +85,11 @@ def main() -> None:
             ref = reference(x.float(), index, weights.float())
 
             def original(implementation, x=x, index=index, weights=weights):
-                if hasattr(module, "config"):
-                    module.config._experts_implementation = implementation
+                module.config._experts_implementation = implementation
                 return module(x, index, weights)
 
             def installed(x=x, index=index, weights=weights):  # what fxfuse.optimize installs: timed per bucket
-                if hasattr(module, "config"):
-                    module.config._experts_implementation = "grouped_mm"
+                module.config._experts_implementation = "grouped_mm"
                 return forward(module, x, index, weights)
 
             variants = {"eager loop": functools.partial(original, "eager"),
@@ -99,8 +97,6 @@ def main() -> None:
                         "fxfuse": lambda x=x, index=index, weights=weights: run_moe(
                             x, index, weights, module.gate_up_proj, module.down_proj, form, **biases),
                         "installed": installed}
-            if args.family == "gpt_oss":  # (one implementation: its loop)
-                del variants["grouped_mm"]
             cells = []
             for name, fn in variants.items():
                 try:
