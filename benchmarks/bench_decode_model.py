@@ -21,9 +21,9 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
         [--compile] [--static] [--family llama|mixtral|qwen3_moe|gpt_oss]
 
 With ``--family mixtral`` / ``qwen3_moe`` / ``gpt_oss`` the model is ``MixtralForCausalLM`` /
-``Qwen3MoeForCausalLM`` / ``GptOssForCausalLM`` with that model's layer shapes (every MLP a MoE layer run by transformers' default ``grouped_mm`` experts; routers scaled up so
-that routing is decisive, ``ROUTER_SCALE``), and the prefill's ms are a column too: the prompt's tokens go through
-the experts at once.
+``Qwen3MoeForCausalLM`` / ``GptOssForCausalLM`` with that model's layer shapes (every MLP a MoE layer run by
+transformers' default ``grouped_mm`` experts; routers scaled up so that routing is decisive, ``ROUTER_SCALE``), and
+the prefill's ms are a column too: the prompt's tokens go through the experts at once.
 
 Writes ``DIR/decode_model.md`` (``decode_model_static.md`` with ``--static``; ``decode_<family>.md`` for a MoE
 family) and prints it. On a CPU

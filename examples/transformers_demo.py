@@ -2,7 +2,8 @@
 
     python examples/transformers_demo.py                     # Llama-style decoder (random weights)
     python examples/transformers_demo.py --family gpt2       # or bert, bart, t5, qwen2, phi3
-    python examples/transformers_demo.py --family mixtral    # or qwen3_moe: MoE experts on fxfuse's grouped kernels
+    python examples/transformers_demo.py --family mixtral    # or qwen3_moe, gpt_oss: MoE experts on fxfuse's grouped
+                                                             # kernels
     python examples/transformers_demo.py --layers 8 --hidden 2048 --batch 4 --seq 512
 
 The model is built from a config with random weights (nothing is downloaded). On a GPU it runs in
@@ -50,6 +51,9 @@ def build(family: str, layers: int, hidden: int, inter: int, heads: int, vocab: 
         return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**common, num_key_value_heads=max(1, heads // 4),
                                                       moe_intermediate_size=max(16, inter // 8), num_experts=32,
                                                       num_experts_per_tok=4))
+    if family == "gpt_oss":  # 8 experts, 2 per token: biases, gate/up interleaved, a clamped SwiGLU
+        return T.GptOssForCausalLM(T.GptOssConfig(**common, num_key_value_heads=max(1, heads // 4),
+                                                  head_dim=hidden // heads, num_local_experts=8, num_experts_per_tok=2))
     if family == "bert":
         return T.BertModel(T.BertConfig(**{**common, "max_position_embeddings": 1024}))
     if family == "gpt2":
@@ -112,7 +116,7 @@ def count_fused_calls(fn) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="llama",
-                   choices=["llama", "qwen2", "phi3", "gpt2", "bert", "bart", "t5", "mixtral", "qwen3_moe"])
+                   choices=["llama", "qwen2", "phi3", "gpt2", "bert", "bart", "t5", "mixtral", "qwen3_moe", "gpt_oss"])
     p.add_argument("--layers", type=int, default=4 if GPU else 2)
     p.add_argument("--hidden", type=int, default=2048 if GPU else 64)
     p.add_argument("--intermediate", type=int, default=None, help="default: 2.75x hidden (gated) or 4x")
@@ -121,18 +125,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4 if GPU else 2)
     p.add_argument("--seq", type=int, default=512 if GPU else 8)
     args = p.parse_args()
-    gated = args.family in ("llama", "qwen2", "phi3", "mixtral", "qwen3_moe")
+    moe = args.family in ("mixtral", "qwen3_moe", "gpt_oss")
+    gated = moe or args.family in ("llama", "qwen2", "phi3")
     inter = args.intermediate or (int(args.hidden * 2.75) // 64 * 64 if gated else 4 * args.hidden)
     device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
 
     torch.manual_seed(0)
     model = build(args.family, args.layers, args.hidden, inter, args.heads, args.vocab).to(device, dtype).eval()
-    if args.family in ("mixtral", "qwen3_moe"):
+    if moe:
         # Random routers give near-ties between experts, which bf16's rounding flips between any two
         # implementations; scaled up, each token's experts are clear (a trained router's usually are).
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
+                if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                     param.mul_(20)
     inputs = inputs_for(args.family, args.batch, args.seq, args.vocab, device)
     print(f"{type(model).__name__}: {args.layers} layers, hidden {args.hidden}, intermediate {inter}, "
@@ -156,7 +161,7 @@ def main() -> None:
               f"{len(experts)} (each checked against its own forward at its first call)")
     reference64 = copy.deepcopy(model).double() if not GPU else None
     if reference64 is not None:
-        if args.family in ("mixtral", "qwen3_moe"):
+        if moe:
             reference64.set_experts_implementation("eager")  # (grouped_mm takes no float64)
         with torch.no_grad():
             ref64 = first_tensor(reference64(**inputs))

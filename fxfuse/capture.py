@@ -369,8 +369,10 @@ def _join(*parts: str) -> str:
 def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: set[int]) -> None:
     if id(module) in seen:
         return
-    if weight_count(module) < 2:
-        if _holds_stacked_experts(module):  # say why a mixture of experts stays as it is
+    # (an experts module's own 2-D parameters are its biases, gpt-oss's: not weights of a chain to capture)
+    experts = sum(1 for p in module.parameters(recurse=False) if p.dim() == 3) >= 2
+    if experts or weight_count(module) < 2:
+        if experts or _holds_stacked_experts(module):  # say why a mixture of experts stays as it is
             seen.add(id(module))
             out.failures.append(CaptureFailure(path, MOE_NOTE))
         return
