@@ -17,7 +17,7 @@
 #                                                #   model.generate() with CompileConfig(backend="fxfuse") -> generate.md
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 #   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py (gpt-oss, Mixtral,
-#                                                #   Qwen3-MoE shapes) -> moe_*.log
+#                                                #   Qwen3-MoE shapes; training steps) -> moe_*.log
 #   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE, gpt-oss
 #                                                #   shapes; MOE_FAMILIES picks) -> decode_<family>.md
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
@@ -192,6 +192,12 @@ case "$mode" in
     step moe-probe-qwen3 "${PROBE_TIMEOUT:-170}" moe_probe_qwen3.log python3 benchmarks/probes/probe_moe.py \
       --experts 128 --hidden 2048 --inter 768 --top-k 8
     cat "$OUT/moe_probe_qwen3.log"
+    # Training (FXFUSE_MOE_TRAINING=1's autograd node): forward + backward against grouped_mm under autograd
+    for family in gpt_oss mixtral; do
+      step "moe-train-$family" "${PROBE_TIMEOUT:-170}" "moe_train_$family.log" python3 benchmarks/probes/probe_moe.py \
+        --family "$family" --train --tokens "${TRAIN_TOKENS:-16,512,4096}"
+      cat "$OUT/moe_train_$family.log"
+    done
     ;;
   decode-moe)
     # Whole MoE models (4 layers of Mixtral-8x7B's / Qwen3-30B-A3B's / gpt-oss-20b's shapes): a 512-token prefill

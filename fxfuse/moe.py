@@ -12,8 +12,11 @@ that runs :func:`fxfuse.kernels.moe_launch.run_moe` instead (two grouped kernels
   values: ``act_fn`` equals SiLU, tanh-GELU or erf-GELU (:func:`activation_of`), or, for biased ``[E, in, out]``
   experts, ``_apply_gate`` equals ``act(gate) * up`` with the columns interleaved or in halves, the act one of
   those or gpt-oss's clamped SwiGLU with the module's ``alpha`` and ``limit`` (:func:`gate_form`);
-* a call runs the kernels only without gradients to record, without autocast, on a 2-D input of the weights'
-  dtype on a GPU (or the interpreter); other calls run the original forward;
+* a call runs the kernels only without autocast, on a 2-D input of the weights' dtype on a GPU (or the
+  interpreter), and without gradients to record unless ``FXFUSE_MOE_TRAINING=1`` (opt-in while its GPU
+  measurements are pending: then one autograd node, :class:`fxfuse.kernels.moe_backward_launch.MoEExpertsFunction`,
+  with gradients for the input, the routing weights, the weights and the biases); other calls run the original
+  forward;
 * the first call that could run them runs both and compares: a module whose original forward computes something
   else (a clamp, another gate/up layout) keeps its original forward for good (logged at WARNING), never a wrong
   answer;
@@ -45,6 +48,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -52,6 +56,7 @@ from torch import nn
 
 from .autocast import any_autocast
 from .install import Install
+from .kernels.moe_backward_launch import MoEExpertsFunction
 from .kernels.moe_launch import ExpertsForm, run_moe
 from .kernels.template import interpreting, next_pow2
 from .kernels.tuning import TuningDuringCapture
@@ -180,6 +185,17 @@ def experts_modules(model: nn.Module) -> dict[str, ExpertsForm]:
     return found
 
 
+def training_enabled() -> bool:
+    """``FXFUSE_MOE_TRAINING=1``: calls with gradients to record run the kernels and their backward (read on
+    every call, so tests and users can flip it)."""
+    return os.environ.get("FXFUSE_MOE_TRAINING", "0") == "1"
+
+
+def _records_grad(module: nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad
+                                        or any(p.requires_grad for p in module._parameters.values()))
+
+
 def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
     gate_up = module.gate_up_proj
     if not (type(hidden) is torch.Tensor and type(index) is torch.Tensor and type(weights) is torch.Tensor):
@@ -188,8 +204,7 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
         return False
     if hidden.device != gate_up.device or (hidden.device.type != "cuda" and not interpreting()):
         return False
-    if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad
-                                    or any(p.requires_grad for p in module._parameters.values())):
+    if _records_grad(module, hidden, weights) and not training_enabled():
         return False
     return not any_autocast()
 
@@ -241,13 +256,8 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         if not on_its_device(hidden_states):  # another GPU's layer (device_map="auto"): launch on that GPU
             with torch.cuda.device(hidden_states.device):
                 return forward(self, *args)
-        key = _choice_key(self, hidden_states, top_k_index, form)
-        choice = _CHOICES.get(key)
-        if choice == "original":
-            return orig(self, *args)
         on_gpu = hidden_states.device.type == "cuda"
-        if (choice is None or not state) and on_gpu and torch.cuda.is_current_stream_capturing():
-            return orig(self, *args)  # no timing or check inside a capture
+        capturing = on_gpu and torch.cuda.is_current_stream_capturing()
 
         def kernels():
             params = self._parameters
@@ -257,26 +267,26 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         def original():
             return orig(self, *args)
 
-        try:
-            fused = kernels()
-        except TuningDuringCapture:  # a CUDA graph being captured: it records the original forward
-            return original()
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as err:  # never fail the user's forward: the original runs from now on
-            log.warning("fxfuse: the experts kernels of %s failed (%s: %s); it keeps its forward",
-                        type(self).__name__, type(err).__name__, err)
-            self.__dict__["_fxfuse_moe"] = False
-            return original()
+        if _records_grad(self, hidden_states, top_k_weights):  # (FXFUSE_MOE_TRAINING=1)
+            return original() if not state and capturing else _train(self, form, args, state, kernels, original)
+        key = _choice_key(self, hidden_states, top_k_index, form)
+        choice = _CHOICES.get(key)
+        if choice == "original" or ((choice is None or not state) and capturing):
+            return original()  # (no timing or check inside a capture)
         if not state:
-            out = original()
-            err = ((fused.double() - out.double()).norm() / out.double().norm().clamp_min(1e-30)).item()
-            ok = err <= _CHECK_TOL.get(hidden_states.dtype, 3e-2)
-            self.__dict__["_fxfuse_moe"] = ok
-            if not ok:
-                log.warning("fxfuse: %s's experts kernels differ from its forward (rel err %.1e); it keeps its "
-                            "forward", type(self).__name__, err)
-                return out
+            fused, out = _first_check(self, kernels, original, hidden_states.dtype)
+            if fused is None:
+                return out if out is not None else original()
+        else:
+            try:
+                fused = kernels()
+            except TuningDuringCapture:  # a CUDA graph being captured: it records the original forward
+                return original()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # never fail the user's forward: the original runs from now on
+                _kernels_failed(self, err)
+                return original()
         if choice is None:
             # The interpreter has no GPU time to compare: there the kernels run (what its tests check).
             choice = _CHOICES[key] = _timed_choice(self, kernels, original, key) if on_gpu else "kernels"
@@ -286,6 +296,49 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
 
     functools.update_wrapper(forward, orig)
     return forward
+
+
+def _train(module: nn.Module, form: ExpertsForm, args: tuple, state: Optional[bool], kernels: Any,
+           original: Any) -> torch.Tensor:
+    """A call with gradients to record: the kernels as one autograd node once their forward agreed with the
+    module's (checked here without gradients if no call has checked it yet), else the module's own forward."""
+    if not state:
+        with torch.no_grad():
+            _first_check(module, kernels, original, args[0].dtype)
+        if not module.__dict__["_fxfuse_moe"]:
+            return original()
+    hidden_states, top_k_index, top_k_weights = args
+    params = module._parameters
+    return MoEExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, params["gate_up_proj"],
+                                    params["down_proj"], params.get("gate_up_proj_bias"),
+                                    params.get("down_proj_bias"), form)
+
+
+def _first_check(module: nn.Module, kernels: Any, original: Any,
+                 dtype: torch.dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Run the kernels and the module's forward and record whether they agree (``_fxfuse_moe``): ``(the kernels'
+    output or None where they disagree or failed, the forward's output or None where it did not run)``."""
+    try:
+        fused = kernels()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # never fail the user's forward: the original runs from now on
+        _kernels_failed(module, err)
+        return None, None
+    out = original()
+    err = ((fused.double() - out.double()).norm() / out.double().norm().clamp_min(1e-30)).item()
+    ok = err <= _CHECK_TOL.get(dtype, 3e-2)
+    module.__dict__["_fxfuse_moe"] = ok
+    if not ok:
+        log.warning("fxfuse: %s's experts kernels differ from its forward (rel err %.1e); it keeps its forward",
+                    type(module).__name__, err)
+    return (fused if ok else None), out
+
+
+def _kernels_failed(module: nn.Module, err: Exception) -> None:
+    log.warning("fxfuse: the experts kernels of %s failed (%s: %s); it keeps its forward", type(module).__name__,
+                type(err).__name__, err)
+    module.__dict__["_fxfuse_moe"] = False
 
 
 def experts_installs(model: nn.Module) -> tuple[dict[str, Install], dict[str, ExpertsForm]]:

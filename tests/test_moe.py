@@ -502,3 +502,134 @@ def test_gpu_biased_experts_match_float64(family, tokens, dtype):
     out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, moe.experts_form(module),
                   gate_up_bias=module.gate_up_proj_bias, down_bias=module.down_proj_bias)
     assert rel_err(out, float64_forward(module, x, index, weights)) < TOL[dtype]
+
+
+# Training (FXFUSE_MOE_TRAINING=1): the kernels as one autograd node, gradients for the input, the routing weights,
+# the weights and the biases, against float64 autograd through the module's own forward or the reference.
+GRAD_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def gradients(module, x, index, weights, dout, forward):
+    """The output and the gradients of (x, routing weights, every parameter) of ``forward(module, x, index,
+    weights)`` for ``dout``."""
+    x = x.detach().requires_grad_()
+    weights = weights.detach().requires_grad_()
+    out = forward(module, x, index, weights)
+    return out, torch.autograd.grad(out, [x, weights, *module.parameters()], dout)
+
+
+def kernels_forward(module, x, index, weights):
+    from fxfuse.kernels.moe_backward_launch import MoEExpertsFunction
+
+    params = module._parameters
+    return MoEExpertsFunction.apply(x, index, weights, params["gate_up_proj"], params["down_proj"],
+                                    params.get("gate_up_proj_bias"), params.get("down_proj_bias"),
+                                    moe.experts_form(module))
+
+
+def check_gradients(module, x, index, weights, reference_forward, tol):
+    import copy
+
+    dout = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+    out, grads = gradients(module, x, index, weights, dout, kernels_forward)
+    module64 = copy.deepcopy(module).double()
+    ref, ref_grads = gradients(module64, x.double(), index, weights.double(), dout.double(), reference_forward)
+    assert rel_err(out, ref) < tol
+    names = ["x", "routing weights", *(name for name, _ in module.named_parameters())]
+    for name, got, want in zip(names, grads, ref_grads):
+        assert got.shape == want.shape and got.dtype == (x.dtype if name != "routing weights" else weights.dtype)
+        assert rel_err(got, want) < tol, name
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_moe_gradients_match_float64_in_the_interpreter(act, dtype):
+    torch.manual_seed(5)
+    module = experts(act, dtype, "cpu")
+    x = torch.randn(10, 32, dtype=dtype)
+    index, weights = routing(10, 3, 4, "cpu", dtype)  # (a pair held elsewhere: no gradient through it)
+
+    def reference_forward(m, x, index, weights):  # (reference()'s loop, differentiable)
+        rows = []
+        for t in range(x.shape[0]):
+            row = torch.zeros(x.shape[1], dtype=x.dtype)
+            for slot, e in enumerate(index[t].tolist()):
+                if e < m.gate_up_proj.shape[0]:
+                    g, u = (m.gate_up_proj[e] @ x[t]).chunk(2)
+                    row = row + weights[t, slot] * (m.down_proj[e] @ (ACT2FN[act](g) * u))
+            rows.append(row)
+        return torch.stack(rows)
+
+    check_gradients(module, x, index, weights, reference_forward, GRAD_TOL[dtype])
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("family", ["gpt_oss", "privacy"])
+def test_biased_experts_gradients_match_float64_in_the_interpreter(family, dtype):
+    torch.manual_seed(6)
+    module = biased_experts(family, dtype, "cpu")
+    x = 2 * torch.randn(9, 32, dtype=dtype)
+    index, weights = local_routing(9, 3, 4, "cpu", dtype)
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[dtype])
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_training_calls_run_the_kernels_only_when_asked(monkeypatch):
+    from fxfuse.kernels import moe_backward_launch
+
+    runs = []
+    monkeypatch.setattr(moe, "MoEExpertsFunction", type("Counted", (), {"apply": staticmethod(
+        lambda *a: runs.append(1) or moe_backward_launch.MoEExpertsFunction.apply(*a))}))
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+    x = torch.randn(6, 32, requires_grad=True)
+    index, weights = local_routing(6, 2, 4, "cpu", torch.float32)
+    monkeypatch.delenv("FXFUSE_MOE_TRAINING", raising=False)
+    forward(module, x, index, weights).sum().backward()
+    assert runs == [] and "_fxfuse_moe" not in vars(module)  # the module's own forward and autograd
+    expected = x.grad.clone()
+    x.grad = None
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    forward(module, x, index, weights).sum().backward()
+    assert runs == [1] and vars(module)["_fxfuse_moe"] is True  # checked without gradients, then one node
+    assert rel_err(x.grad, expected) < TOL[torch.float32]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_moe_model_trains_as_the_original(family, monkeypatch):
+    from real_models import main_output, tiny
+
+    import fxfuse
+
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    model, inputs, _ = tiny(family)
+    model.train()
+    fast = fxfuse.optimize(model)
+    grads = []
+    for run in (model, fast):
+        model.zero_grad()
+        main_output(run(**inputs, use_cache=False)).square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert [m for m in fast.modules() if vars(m).get("_fxfuse_moe")]  # the experts ran the kernels
+    assert grads[0].keys() == grads[1].keys() and any("experts" in name for name in grads[0])
+    for name in grads[0]:  # the routers' gradients included: they flow through the routing weights
+        assert rel_err(grads[1][name], grads[0][name]) < 1e-4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [7, 300, 3000])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_gpu_moe_gradients_match_float64(family, tokens, dtype):
+    torch.manual_seed(0)
+    if family == "mixtral":
+        module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)
+    else:
+        module = biased_experts("gpt_oss", dtype, "cuda", hidden=256, inter=384, num=8)
+    x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
+    index, weights = local_routing(tokens, 4, 8, "cuda", dtype)
+    module.config._experts_implementation = "eager"  # (the float64 reference: its loop)
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[dtype])

@@ -8,6 +8,11 @@ interleaved, a clamped SwiGLU; transformers runs it by the same two implementati
 
     python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
     python3 benchmarks/probes/probe_moe.py --family gpt_oss [--tokens ...]
+    python3 benchmarks/probes/probe_moe.py --train [...]   # a training step's forward + backward instead
+
+``--train``: forward + backward (gradients of the input, the routing weights and every parameter) of transformers'
+grouped_mm under autograd against fxfuse's autograd node (``MoEExpertsFunction``, what ``FXFUSE_MOE_TRAINING=1``
+runs), GPU µs (do_bench) and the gradients' error against the float32 copy's.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time (torch.profiler) and config")
+    ap.add_argument("--train", action="store_true", help="time forward + backward instead (see the doc)")
     args = ap.parse_args()
     defaults = GPT_OSS_20B if args.family == "gpt_oss" else dict(hidden=4096, inter=14336, experts=8, top_k=2)
     for name, value in defaults.items():
@@ -76,6 +82,8 @@ def main() -> None:
     weight_mb = sum(p.numel() for p in module.parameters()) * 2 / 1e6
     print(f"{torch.cuda.get_device_name()}: {type(module).__name__} ({form}) E={args.experts} H={args.hidden} "
           f"I={args.inter} top_k={args.top_k}, weights {weight_mb:.0f} MB (bf16)")
+    if args.train:
+        return train(args, module, reference, form)
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, args.experts, device="cuda")
@@ -116,6 +124,41 @@ def main() -> None:
         print(f"  T={tokens:5d}  " + "  ".join(cells), flush=True)
         if args.profile:
             profile(variants["fxfuse"], tokens)
+
+
+def train(args, module, reference, form) -> None:
+    """Forward + backward of grouped_mm under autograd and of fxfuse's autograd node, per token count."""
+    module.config._experts_implementation = "grouped_mm"
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        print(f"  T={tokens:5d} fwd+bwd  " + "  ".join(train_row(args, module, reference, form, tokens)), flush=True)
+
+
+def train_row(args, module, reference, form, tokens: int) -> list[str]:
+    from fxfuse.kernels.moe_backward_launch import MoEExpertsFunction
+
+    params = module._parameters
+    x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weights, index = torch.topk(torch.softmax(torch.randn(tokens, args.experts, device="cuda"), -1), args.top_k, -1)
+    weights = weights.to(torch.bfloat16).requires_grad_()
+    dout = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+    inputs = [x, weights, *module.parameters()]
+
+    def step(run):
+        return torch.autograd.grad(run(), inputs, dout)
+
+    variants = {"grouped_mm": lambda: module(x, index, weights),
+                "fxfuse": lambda: MoEExpertsFunction.apply(
+                    x, index, weights, params["gate_up_proj"], params["down_proj"],
+                    params.get("gate_up_proj_bias"), params.get("down_proj_bias"), form)}
+    x32, w32 = x.detach().float().requires_grad_(), weights.detach().float().requires_grad_()
+    ref = torch.autograd.grad(reference(x32, index, w32), [x32, w32, *reference.parameters()], dout.float())
+    cells = []
+    for name, run in variants.items():
+        grads = step(run)
+        err = max(((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(grads, ref))
+        gpu = do_bench(lambda run=run: step(run), warmup=10, rep=50, return_mode="median") * 1e3
+        cells.append(f"{name} {gpu:8.1f} us (worst grad err {err:.1e})")
+    return cells
 
 
 def graphed_us(fn) -> str:

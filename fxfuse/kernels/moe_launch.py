@@ -35,7 +35,8 @@ from .moe_template import (
 )
 from .template import interpreting
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "PairLayout", "block_rows", "route_pairs", "run_moe"]
+__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "moe_forward_pass",
+           "route_pairs", "run_moe"]
 
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
@@ -136,9 +137,28 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     Raises:
         ValueError: shapes, dtypes or the activation do not fit.
     """
+    return moe_forward_pass(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias, down_bias)[0]
+
+
+@dataclass(frozen=True)
+class MoESaved:
+    """What a training forward keeps for :func:`fxfuse.kernels.moe_backward_launch.run_moe_backward`."""
+
+    layout: PairLayout
+    x: torch.Tensor  # the input [T, H] (last dim contiguous)
+    h: torch.Tensor  # act(g) * u [padded rows, I]
+    gu: torch.Tensor  # pre-activation gate and up [padded rows, 2I]: gate columns first
+    w1: torch.Tensor  # gate_up as an [E, 2I, H] view (either layout)
+    w2: torch.Tensor  # down as an [E, H, I] view
+    form: ExpertsForm
+
+
+def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     gate_up: torch.Tensor, down: torch.Tensor, form: Union[str, ExpertsForm],
+                     gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
+                     save: bool = False) -> tuple[torch.Tensor, Optional[MoESaved]]:
+    """:func:`run_moe`'s output, and with ``save`` (training) what its backward needs."""
     form = ExpertsForm(form) if isinstance(form, str) else form
-    if hidden.dim() == 2 and hidden.shape[0] == 0:
-        return hidden.new_zeros(hidden.shape)
     if form.act not in ACTIVATIONS:
         raise ValueError(f"fxfuse.moe: activation {form.act!r} is not one of {sorted(ACTIVATIONS)}")
     if hidden.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
@@ -161,6 +181,8 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
                          + (" (transposed: [E, in, out])" if form.transposed else ""))
     if not (hidden.dtype == gate_up.dtype == down.dtype):
         raise ValueError("fxfuse.moe: hidden, gate_up and down must share a dtype")
+    if T == 0:
+        return hidden.new_zeros(hidden.shape), None
     top_k = top_k_index.shape[1]
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w1, w2 = _strided(w1), _strided(w2)
@@ -170,26 +192,33 @@ def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     blocks = layout.block_expert.numel()
     precision = _input_precision(hidden.dtype)
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
+    gu = torch.empty(layout.rows.numel(), 2 * inter, dtype=hidden.dtype, device=hidden.device) if save else h
     # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
     columns = 2 * inter if form.interleaved else inter
     moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(columns, meta["BLOCK_N"]))](
-        x, w1, b1 if b1 is not None else w1, h, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0),
+        x, w1, b1 if b1 is not None else w1, h, gu, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0),
         w1.stride(0), w1.stride(1), w1.stride(2), b1.stride(0) if b1 is not None else 0, h.stride(0), form.alpha,
-        form.limit if math.isfinite(form.limit) else 3.0e38, ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved,
-        HAS_BIAS=b1 is not None, INPUT_PRECISION=precision, BLOCK_M=bm)
+        _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
+        STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm)
     pairs_out = torch.empty(T * top_k, H, dtype=hidden.dtype, device=hidden.device)  # every row written
     routing = top_k_weights.reshape(-1)
     moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
         h, w2, b2 if b2 is not None else w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2.stride(0) if b2 is not None else 0,
         pairs_out.stride(0), HAS_BIAS=b2 is not None, INPUT_PRECISION=precision, BLOCK_M=bm)
+    saved = MoESaved(layout, x, h, gu, w1, w2, form) if save else None
     # Each token's top_k rows, summed in fp32 and rounded once (eager adds them one expert at a time in the hidden
     # dtype). Two rows: one elementwise add (fp32 inside, one rounding: the same bits), ~2.5x faster than a
     # reduction over the middle dimension.
     per_token = pairs_out.view(T, top_k, H)
     if top_k == 2:
-        return per_token[:, 0] + per_token[:, 1]
-    return per_token.sum(1)  # (torch accumulates 16-bit sums in fp32: one rounding, no fp32 copy)
+        return per_token[:, 0] + per_token[:, 1], saved
+    return per_token.sum(1), saved  # (torch accumulates 16-bit sums in fp32: one rounding, no fp32 copy)
+
+
+def _finite(limit: float) -> float:
+    """The clamp's limit as a kernel argument (an unclamped form's inf as fp32's largest)."""
+    return limit if math.isfinite(limit) else 3.0e38
 
 
 def _strided(w: torch.Tensor) -> torch.Tensor:

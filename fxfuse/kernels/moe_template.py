@@ -75,13 +75,14 @@ def _gate(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 # Tuned per shape, rows per block, gate/up arrangement and weight layout (stride_wk: 1 for [E, out, in]).
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk"])
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk", "STORE_GU"])
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
     h_ptr,
+    gu_ptr,
     rows_ptr,
     block_expert_ptr,
     K,
@@ -98,6 +99,7 @@ def moe_gate_up_kernel(
     ACT: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STORE_GU: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -114,6 +116,9 @@ def moe_gate_up_kernel(
     b_ptr:            biases ``[E, 2N]`` in the columns' order (row stride ``stride_be``), read if HAS_BIAS.
     h_ptr:            output ``[padded rows, N]`` (row stride ``stride_hm``), x's dtype; rows of padding are not
                       written.
+    gu_ptr:           if STORE_GU (training), output ``[padded rows, 2N]`` (contiguous), x's dtype: the
+                      pre-activation gate (columns ``[0, N)``) and up (``[N, 2N)``, whatever the weights'
+                      arrangement) that the backward needs.
     rows_ptr:         int32 ``[padded rows]``: the (token, expert) pair of each sorted row (``token * TOP_K +
                       slot``), -1 for padding.
     block_expert_ptr: int32 ``[blocks]``: the expert of each block of ``BLOCK_M`` rows, or -1 (unused) or -2
@@ -175,8 +180,13 @@ def moe_gate_up_kernel(
             g += tl.load(b_base + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             u += tl.load(b_base + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     h = _gate(g, u, alpha, limit, ACT)  # on the fp32 accumulators; cast once
+    out_mask = valid[:, None] & (offs_n < N)[None, :]
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n < N)[None, :])
+             mask=out_mask)
+    if STORE_GU:
+        gu_rows = gu_ptr + offs_m[:, None].to(tl.int64) * (2 * N) + offs_n[None, :]
+        tl.store(gu_rows, g.to(gu_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(gu_rows + N, u.to(gu_ptr.dtype.element_ty), mask=out_mask)
 
 
 @autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "stride_wk"])

@@ -1,0 +1,208 @@
+"""Backward kernels of the mixture-of-experts layer (:mod:`fxfuse.kernels.moe_template`'s forward), over the same
+pair layout: rows sorted by expert in blocks of ``BLOCK_M`` rows of one expert.
+
+With ``dout`` the gradient of the layer's output ``[T, H]``, each pair ``p`` (token ``t``, routing weight ``r``,
+expert ``e``) gets ``G = dout[t] @ down[e]`` (``[I]``), and:
+
+* :func:`moe_down_backward_kernel`: ``G`` for a block's rows, then in its epilogue ``dh = r * G`` through the
+  gate's derivative into ``dgate`` and ``dup`` (``dgu``, in the weights' column order), and this tile's part of the
+  routing weight's gradient ``dr = G . h`` (+ ``dout[t] . down_bias[e]``, added by the caller);
+* ``dx``: ``dgu @ gate_up[e]`` per pair, the forward's down kernel over the weights read transposed, summed per
+  token by the caller;
+* :func:`moe_weight_grad_kernel`: ``dW[e] = sum over e's rows of A[row]^T B[row]``, for ``down`` (A = ``r *
+  dout[t]``, B = ``h``) and for ``gate_up`` (A = ``dgu``, B = ``x[t]``): one program per expert and output tile,
+  looping over the expert's blocks (no atomics: deterministic).
+
+Example:
+    >>> "moe_down_backward_kernel" in globals() and "moe_weight_grad_kernel" in globals()
+    True
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .moe_template import moe_configs
+from .tuning import autotune
+
+__all__ = ["moe_down_backward_kernel", "moe_weight_grad_kernel"]
+
+
+@triton.jit
+def _gate_backward(g, u, dh, alpha, limit, ACT: tl.constexpr):
+    """``(d gate, d up)`` of ``act(g) * u`` (:func:`fxfuse.kernels.moe_template._gate`) given ``dh``, on fp32
+    values. The clamped SwiGLU passes no gradient where its clamps hold (as ``torch.clamp``: none outside the
+    closed range)."""
+    if ACT == 0:
+        s = 1.0 / (1.0 + tl.exp(-g))
+        return dh * u * s * (1.0 + g * (1.0 - s)), dh * g * s
+    elif ACT == 1:
+        t = 2.0 / (1.0 + tl.exp(-2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g))) - 1.0  # tanh(inner)
+        d_act = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        return dh * u * d_act, dh * 0.5 * g * (1.0 + t)
+    elif ACT == 2:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        d_act = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+        return dh * u * d_act, dh * g * cdf
+    else:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = 1.0 / (1.0 + tl.exp(-alpha * gc))
+        dg = dh * (uc + 1.0) * (s + gc * alpha * s * (1.0 - s))
+        du = dh * gc * s
+        return tl.where(g <= limit, dg, 0.0), tl.where((u >= -limit) & (u <= limit), du, 0.0)
+
+
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk"])
+@triton.jit
+def moe_down_backward_kernel(
+    dout_ptr,
+    w_ptr,
+    gu_ptr,
+    h_ptr,
+    routing_ptr,
+    dgu_ptr,
+    dr_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    K,
+    N,
+    TOP_K,
+    pairs,
+    stride_dm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """For the rows r (pairs p, tokens t) of one block of one expert e and BLOCK_N columns n of the intermediate:
+    ``G = dout[t] @ down[e][:, n]``; ``dgate, dup`` of ``act(g) * u`` at ``dh = routing[p] * G``; ``dr[n-tile, p]
+    = sum_n G * h[r, n]``.
+
+    dout_ptr:         the output's gradient ``[T, K]`` (last dim contiguous, row stride ``stride_dm``).
+    w_ptr:            the down weights as in the forward's down kernel: element (e, column k of the hidden size,
+                      input n of the intermediate) at ``e * stride_we + k * stride_wn + n * stride_wk``.
+    gu_ptr:           the forward's pre-activation gate and up ``[padded rows, 2N]`` (gate columns first).
+    h_ptr:            the forward's ``act(g) * u`` ``[padded rows, N]``.
+    routing_ptr:      the routing weight of each pair ``[pairs]``.
+    dgu_ptr:          out ``[padded rows, 2N]``: d gate and d up in the gate/up weights' column order (INTERLEAVED:
+                      column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``).
+    dr_ptr:           out fp32 ``[cdiv(N, BLOCK_N), pairs]``: each column tile's part of the routing gradient
+                      (zeros expected where no valid row writes: pairs of experts held elsewhere).
+    rows_ptr, block_expert_ptr: the pair layout (:func:`fxfuse.kernels.moe_template.moe_gate_up_kernel`).
+    K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token; pairs: T * TOP_K.
+    alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`).
+    INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The
+                      grid is (blocks, cdiv(N, BLOCK_N)).
+    """
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:  # unused, or pairs held elsewhere: no gradient through them
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + offs_m)
+    valid = pair >= 0
+    tokens = tl.where(valid, pair // TOP_K, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        d = tl.load(dout_ptr + tokens[:, None].to(tl.int64) * stride_dm + k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + k[:, None] * stride_wn + offs_n[None, :] * stride_wk,
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(d.to(w.dtype), w, acc, input_precision=INPUT_PRECISION)
+    mask = valid[:, None] & n_mask[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    h = tl.load(h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(dr_ptr + pid_n * pairs + tl.where(valid, pair, 0), tl.sum(acc * h, axis=1), mask=valid)
+    scale = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    dg, du = _gate_backward(g, u, acc * scale[:, None], alpha, limit, ACT)
+    out = dgu_ptr + rows * (2 * N)
+    dtype = dgu_ptr.dtype.element_ty
+    if INTERLEAVED:
+        tl.store(out + 2 * offs_n[None, :], dg.to(dtype), mask=mask)
+        tl.store(out + 2 * offs_n[None, :] + 1, du.to(dtype), mask=mask)
+    else:
+        tl.store(out + offs_n[None, :], dg.to(dtype), mask=mask)
+        tl.store(out + N + offs_n[None, :], du.to(dtype), mask=mask)
+
+
+@autotune(configs=moe_configs(), key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on"])
+@triton.jit
+def moe_weight_grad_kernel(
+    a_ptr,
+    b_ptr,
+    routing_ptr,
+    out_ptr,
+    rows_ptr,
+    seg_ptr,
+    N,
+    K,
+    TOP_K,
+    stride_am,
+    stride_bm,
+    stride_oe,
+    stride_on,
+    stride_ok,
+    A_BY_TOKEN: tl.constexpr,
+    B_BY_TOKEN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[e, n, k] = sum over the rows r of expert e of A[r, n] * B[r, k]``, every element of ``out`` written.
+
+    a_ptr, b_ptr:     A ``[*, N]`` and B ``[*, K]`` (last dims contiguous, row strides ``stride_am``, ``stride_bm``).
+                      A_BY_TOKEN: A's row of a pair is its token's (``pair // TOP_K``), times the pair's routing
+                      weight (``routing_ptr``); else the sorted row itself. B_BY_TOKEN: B's row is its token's.
+    routing_ptr:      the routing weight of each pair (read if A_BY_TOKEN).
+    out_ptr:          the gradient: element (e, n, k) at ``e * stride_oe + n * stride_on + k * stride_ok`` (either
+                      weight layout), the weights' dtype.
+    rows_ptr:         the pair of each sorted row, -1 for padding (the forward's layout).
+    seg_ptr:          int32 ``[E + 1]``: the first block of each expert, and the end of the last.
+    N, K:             the gradient's two dims; TOP_K: experts per token.
+    INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The grid
+                      is (E, cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)).
+    """
+    expert = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    first = tl.load(seg_ptr + expert)
+    last = tl.load(seg_ptr + expert + 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for b in range(first, last):
+        offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(rows_ptr + offs_m)
+        valid = pair >= 0
+        safe = tl.where(valid, pair, 0)
+        a_rows = (safe // TOP_K) if A_BY_TOKEN else offs_m
+        b_rows = (safe // TOP_K) if B_BY_TOKEN else offs_m
+        a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_n[None, :],
+                    mask=valid[:, None] & n_mask[None, :], other=0.0)
+        bb = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_k[None, :],
+                     mask=valid[:, None] & k_mask[None, :], other=0.0)
+        if A_BY_TOKEN:
+            scale = tl.load(routing_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * scale[:, None]).to(bb.dtype)
+        acc = tl.dot(tl.trans(a.to(bb.dtype)), bb, acc, input_precision=INPUT_PRECISION)
+    tl.store(out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on + offs_k[None, :] * stride_ok,
+             acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
