@@ -56,7 +56,7 @@ from . import epilogue as ep
 from .spec import MLPSpec
 
 __all__ = ["AUTOCAST_NEUTRAL_OPS", "FUSED_AUTOCAST_DEVICES", "REFERENCE", "WeightCasts", "any_autocast",
-           "autocast_args", "records_grad", "weight_casts"]
+           "autocast_args", "cast_params", "records_grad", "weight_casts"]
 
 # Whether autocast is on for any device type (one C call; checked on every call of a fused graph).
 any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
@@ -160,7 +160,7 @@ def records_grad(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
     return x.requires_grad
 
 
-def _cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, training: bool) -> Optional[Sequence[Tensor]]:
+def cast_params(tensors: Sequence[Tensor], dtype: torch.dtype, training: bool) -> Optional[Sequence[Tensor]]:
     """``tensors`` (the weights or the biases) with every one not in ``dtype`` replaced by its cast, or None when the
     original ops must run (a tensor autocast leaves, autocast's cache off for a call without gradients).
 
@@ -201,8 +201,8 @@ def autocast_args(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     if device not in FUSED_AUTOCAST_DEVICES or operands or x.dtype not in _CAST_DTYPES or not _neutral(spec):
         return REFERENCE
     training = records_grad(x, weights, biases)  # (once: the casts and the input's decision all depend on it)
-    cast_weights = _cast_params(weights, dtype, training)
-    cast_biases = None if cast_weights is None else _cast_params(biases, dtype, training)
+    cast_weights = cast_params(weights, dtype, training)
+    cast_biases = None if cast_weights is None else cast_params(biases, dtype, training)
     if cast_biases is None:
         return REFERENCE
     if x.dtype is dtype or (x.dtype is torch.float32 and not training):

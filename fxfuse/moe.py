@@ -12,8 +12,10 @@ that runs :func:`fxfuse.kernels.moe_launch.run_moe` instead (two grouped kernels
   values: ``act_fn`` equals SiLU, tanh-GELU or erf-GELU (:func:`activation_of`), or, for biased ``[E, in, out]``
   experts, ``_apply_gate`` equals ``act(gate) * up`` with the columns interleaved or in halves, the act one of
   those or gpt-oss's clamped SwiGLU with the module's ``alpha`` and ``limit`` (:func:`gate_form`);
-* a call runs the kernels only without autocast, on a 2-D input of the weights' dtype on a GPU (or the
-  interpreter), and without gradients to record unless ``FXFUSE_MOE_TRAINING=1`` (opt-in while its GPU
+* a call runs the kernels on a 2-D input of the weights' dtype on a GPU (or the interpreter); under CUDA autocast
+  to fp16 / bf16, on the input, weights and biases cast to that dtype as autocast casts a Linear's (fp32 weights'
+  casts kept as :mod:`fxfuse.autocast` keeps a region's; with autograd in a call that records gradients), the
+  output in the input's dtype; and without gradients to record unless ``FXFUSE_MOE_TRAINING=1`` (opt-in while its GPU
   measurements are pending: then one autograd node, :class:`fxfuse.kernels.moe_backward_launch.MoEExpertsFunction`,
   with gradients for the input, the routing weights, the weights and the biases); other calls run the original
   forward;
@@ -54,7 +56,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .autocast import any_autocast
+from . import autocast as fx_autocast
 from .install import Install
 from .kernels.moe_backward_launch import MoEExpertsFunction
 from .kernels.moe_launch import ExpertsForm, run_moe
@@ -78,6 +80,8 @@ _PROBE = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
 _GATE_PROBE = torch.linspace(-12.0, 12.0, 16 * 24, dtype=torch.float64)[
     torch.randperm(16 * 24, generator=torch.Generator().manual_seed(0))].reshape(16, 24)
 _BIASED = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (the kernels' order)
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 _ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
@@ -196,20 +200,48 @@ def _records_grad(module: nn.Module, hidden: torch.Tensor, weights: torch.Tensor
                                         or any(p.requires_grad for p in module._parameters.values()))
 
 
+def _autocast_dtype(hidden: torch.Tensor) -> Optional[torch.dtype]:
+    """The autocast dtype for ``hidden``'s device type, or None where autocast is off for it."""
+    device = "cuda" if hidden.is_cuda else hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
     gate_up = module.gate_up_proj
     if not (type(hidden) is torch.Tensor and type(index) is torch.Tensor and type(weights) is torch.Tensor):
         return False  # (FakeTensor, a tracer's proxy: the original forward)
-    if hidden.dim() != 2 or index.dim() != 2 or hidden.dtype is not gate_up.dtype or index.dtype.is_floating_point:
+    if hidden.dim() != 2 or index.dim() != 2 or index.dtype.is_floating_point:
         return False
     if hidden.device != gate_up.device or (hidden.device.type != "cuda" and not interpreting()):
         return False
     if _records_grad(module, hidden, weights) and not training_enabled():
         return False
-    return not any_autocast()
+    autocast = _autocast_dtype(hidden)
+    if autocast is None:
+        return hidden.dtype is gate_up.dtype
+    return (autocast in _AUTOCAST_DTYPES and hidden.device.type in fx_autocast.FUSED_AUTOCAST_DEVICES
+            and hidden.dtype in (torch.float32, autocast))
 
 
-# (class, experts implementation, E, 2I, H, top_k, dtype, device, form, for a CUDA graph, token bucket: the
+def _kernel_inputs(module: nn.Module, hidden: torch.Tensor, training: bool) -> Optional[tuple[torch.Tensor, list]]:
+    """``(hidden, [gate_up, down, gate_up_bias, down_bias])`` as the kernels take them: as they are without
+    autocast; under it, cast to the autocast dtype as :func:`fxfuse.autocast.cast_params` casts a region's
+    (kept casts of fp32 parameters, or casts with autograd in a call that records gradients), or None when the
+    module's forward must run (a parameter autocast would leave alone)."""
+    params = [module._parameters.get(name) for name in _PARAMS]
+    dtype = _autocast_dtype(hidden)
+    if dtype is None:
+        return hidden, params
+    present = [p for p in params if p is not None]
+    cast = fx_autocast.cast_params(present, dtype, training)
+    if cast is None or any(c.dtype is not dtype for c in cast):
+        return None
+    it = iter(cast)
+    return hidden.to(dtype), [next(it) if p is not None else None for p in params]
+
+
+# (class, experts implementation, E, 2I, H, top_k, dtype, autocast dtype, device, form, for a CUDA graph, token
+# bucket: the
 # power of two at or above the call's tokens) -> "kernels" or "original", shared by every layer of a model (a
 # Mixtral's 32 experts modules time once per bucket).
 _CHOICES: dict[tuple, str] = {}
@@ -218,7 +250,8 @@ _CHOICES: dict[tuple, str] = {}
 def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, form: ExpertsForm) -> tuple:
     config = getattr(module, "config", None)
     return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
-            index.shape[1], hidden.dtype, hidden.device, form, for_cuda_graphs(), next_pow2(hidden.shape[0]))
+            index.shape[1], hidden.dtype, _autocast_dtype(hidden), hidden.device, form, for_cuda_graphs(),
+            next_pow2(hidden.shape[0]))
 
 
 def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple) -> str:
@@ -258,23 +291,31 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                 return forward(self, *args)
         on_gpu = hidden_states.device.type == "cuda"
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
-
-        def kernels():
-            params = self._parameters
-            return run_moe(hidden_states, top_k_index, top_k_weights, params["gate_up_proj"], params["down_proj"],
-                           form, gate_up_bias=params.get("gate_up_proj_bias"), down_bias=params.get("down_proj_bias"))
+        training = _records_grad(self, hidden_states, top_k_weights)  # (FXFUSE_MOE_TRAINING=1)
 
         def original():
             return orig(self, *args)
 
-        if _records_grad(self, hidden_states, top_k_weights):  # (FXFUSE_MOE_TRAINING=1)
-            return original() if not state and capturing else _train(self, form, args, state, kernels, original)
-        key = _choice_key(self, hidden_states, top_k_index, form)
-        choice = _CHOICES.get(key)
-        if choice == "original" or ((choice is None or not state) and capturing):
-            return original()  # (no timing or check inside a capture)
+        # (a training call is not timed: its bucket's choice is the forward's alone)
+        key = None if training else _choice_key(self, hidden_states, top_k_index, form)
+        choice = None if training else _CHOICES.get(key)
+        unready = not state if training else (choice is None or not state)
+        if choice == "original" or (capturing and unready):
+            return original()  # (the faster in this bucket; or no timing or check inside a capture)
+        inputs = _kernel_inputs(self, hidden_states, training)
+        if inputs is None:
+            return original()
+        x, params = inputs
+
+        def kernels():
+            return run_moe(x, top_k_index, top_k_weights, *params[:2], form, gate_up_bias=params[2],
+                           down_bias=params[3], out_dtype=hidden_states.dtype)
+
+        if training:
+            return _train(self, state, kernels, original, x.dtype, lambda: MoEExpertsFunction.apply(
+                x, top_k_index, top_k_weights, *params, form, hidden_states.dtype))
         if not state:
-            fused, out = _first_check(self, kernels, original, hidden_states.dtype)
+            fused, out = _first_check(self, kernels, original, x.dtype)
             if fused is None:
                 return out if out is not None else original()
         else:
@@ -298,20 +339,17 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
     return forward
 
 
-def _train(module: nn.Module, form: ExpertsForm, args: tuple, state: Optional[bool], kernels: Any,
-           original: Any) -> torch.Tensor:
-    """A call with gradients to record: the kernels as one autograd node once their forward agreed with the
-    module's (checked here without gradients if no call has checked it yet), else the module's own forward."""
+def _train(module: nn.Module, state: Optional[bool], kernels: Any, original: Any, dtype: torch.dtype,
+           node: Any) -> torch.Tensor:
+    """A call with gradients to record: ``node()`` (the kernels as one autograd node) once their forward agreed
+    with the module's (checked here without gradients if no call has checked it yet), else the module's own
+    forward."""
     if not state:
         with torch.no_grad():
-            _first_check(module, kernels, original, args[0].dtype)
+            _first_check(module, kernels, original, dtype)
         if not module.__dict__["_fxfuse_moe"]:
             return original()
-    hidden_states, top_k_index, top_k_weights = args
-    params = module._parameters
-    return MoEExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, params["gate_up_proj"],
-                                    params["down_proj"], params.get("gate_up_proj_bias"),
-                                    params.get("down_proj_bias"), form)
+    return node()
 
 
 def _first_check(module: nn.Module, kernels: Any, original: Any,

@@ -633,3 +633,66 @@ def test_gpu_moe_gradients_match_float64(family, tokens, dtype):
     index, weights = local_routing(tokens, 4, 8, "cuda", dtype)
     module.config._experts_implementation = "eager"  # (the float64 reference: its loop)
     check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[dtype])
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_fp32_experts_under_autocast_run_the_kernels_on_casts(family, monkeypatch):
+    from fxfuse import autocast as fx_autocast
+
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})  # (the interpreter's autocast)
+    monkeypatch.setattr(fx_autocast, "weight_casts", fx_autocast.WeightCasts())
+    torch.manual_seed(7)
+    module = experts("silu", torch.float32, "cpu") if family == "mixtral" else \
+        biased_experts("gpt_oss", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, moe.experts_form(module))
+    x = torch.randn(8, 32)
+    index, weights = local_routing(8, 2, 4, "cpu", torch.float32)
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+        out = forward(module, x, index, weights)
+        eager = type(module).forward(module, x, index, weights)
+    assert vars(module)["_fxfuse_moe"] is True and len(fx_autocast.weight_casts) == len(list(module.parameters()))
+    assert out.dtype == eager.dtype == torch.float32  # (the input's dtype, as transformers returns it)
+    ref = float64_forward(module, x, index, weights)
+    assert rel_err(out, ref) < TOL[torch.float16] and rel_err(eager, ref) < TOL[torch.float16]
+    # Mixed-precision training: fp32 parameters, their casts with autograd; gradients reach the fp32 tensors.
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    nodes = []
+    node = moe.MoEExpertsFunction
+    monkeypatch.setattr(moe, "MoEExpertsFunction", type("Counted", (), {"apply": staticmethod(
+        lambda *a: nodes.append(a[0].dtype) or node.apply(*a))}))
+    dout = torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, grads = gradients(module, x, index, weights, dout, forward)
+    assert nodes == [torch.float16]  # the kernels' node, on the input's cast
+    _, ref_grads = gradients(module, x, index, weights, dout, lambda m, *a: type(m).forward(m, *a))  # fp32 eager
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.float32 and rel_err(got, want) < GRAD_TOL[torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_gpu_fp32_experts_under_bf16_autocast_infer_and_train(family, monkeypatch):
+    torch.manual_seed(0)
+    module = experts("silu", torch.float32, "cuda", hidden=256, inter=512, num=8) if family == "mixtral" else \
+        biased_experts("gpt_oss", torch.float32, "cuda", hidden=256, inter=384, num=8)
+    module.config._experts_implementation = "eager"  # (the float64 reference: its loop)
+    forward = moe.moe_forward(type(module).forward, moe.experts_form(module))
+    x = torch.randn(300, 256, device="cuda")
+    index, weights = local_routing(300, 4, 8, "cuda", torch.float32)
+    ref = float64_forward(module, x, index, weights)
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        out = forward(module, x, index, weights)
+    assert vars(module)["_fxfuse_moe"] is True and out.dtype == torch.float32
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    dout = torch.randn_like(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, grads = gradients(module, x, index, weights, dout, forward)
+    import copy
+
+    module64 = copy.deepcopy(module).double()
+    _, ref_grads = gradients(module64, x.double(), index, weights.double(), dout.double(),
+                             lambda m, *a: type(m).forward(m, *a))
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.float32 and rel_err(got, want) < GRAD_TOL[torch.bfloat16]

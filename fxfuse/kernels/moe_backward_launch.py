@@ -109,12 +109,14 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
 class MoEExpertsFunction(torch.autograd.Function):
     """The experts layer as one autograd node: the forward kernels (keeping the pre-activations), and
     :func:`run_moe_backward`. Arguments as :func:`~fxfuse.kernels.moe_launch.moe_forward_pass`'s (biases may be
-    None); gradients for the input, the routing weights, both weights and both biases."""
+    None, then the form and the output's dtype); gradients for the input, the routing weights, both weights and
+    both biases."""
 
     @staticmethod
-    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, form: ExpertsForm):
+    def forward(ctx, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, form: ExpertsForm,
+                out_dtype=None):
         out, saved = moe_forward_pass(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias,
-                                      down_bias, save=True)
+                                      down_bias, save=True, out_dtype=out_dtype)
         if saved is None:  # no tokens
             ctx.empty = True
             return out
@@ -129,11 +131,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4],
                  ctx.needs_input_grad[5], ctx.needs_input_grad[6])
         if ctx.empty:
-            return (None,) * 8
+            return (None,) * 9
         x, h, gu, rows, block_expert, top_k_index, top_k_weights, gate_up, down, down_bias = ctx.saved_tensors
         block_m, form, _, _ = ctx.meta
         w1, w2 = (gate_up.transpose(1, 2), down.transpose(1, 2)) if form.transposed else (gate_up, down)
         w1, w2 = _strided(w1), _strided(w2)  # (as the forward read them)
         saved = MoESaved(PairLayout(rows, block_expert, block_m), x, h, gu, w1, w2, form)
         dx, dr, d_w1, d_w2, d_b1, d_b2 = run_moe_backward(saved, dout, top_k_index, top_k_weights, down_bias, needs)
-        return dx, None, dr, d_w1, d_w2, d_b1, d_b2, None
+        return dx, None, dr, d_w1, d_w2, d_b1, d_b2, None, None

@@ -128,16 +128,19 @@ def block_rows(pairs: int, num_experts: int) -> int:
 
 def run_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, form: Union[str, ExpertsForm], *, gate_up_bias: Optional[torch.Tensor] = None,
-            down_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+            down_bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The experts' output ``[T, H]`` for ``hidden`` ``[T, H]`` routed to ``top_k_index`` ``[T, top_k]`` with
     ``top_k_weights``, experts ``gate_up`` ``[E, 2I, H]`` (gate rows first) and ``down`` ``[E, H, I]`` with the
     gate activation ``form`` (a key of :data:`fxfuse.kernels.moe_template.ACTIVATIONS`), or as ``form`` says
     (:class:`ExpertsForm`: ``[E, H, 2I]`` / ``[E, I, H]`` when transposed); biases ``[E, 2I]`` and ``[E, H]``.
+    ``out_dtype`` (default: hidden's): the dtype each pair's scaled row is written in and the per-token sum is
+    taken in (autocast: the fp32 input's dtype, as transformers sums in it).
 
     Raises:
         ValueError: shapes, dtypes or the activation do not fit.
     """
-    return moe_forward_pass(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias, down_bias)[0]
+    return moe_forward_pass(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias, down_bias,
+                            out_dtype=out_dtype)[0]
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ class MoESaved:
 def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                      gate_up: torch.Tensor, down: torch.Tensor, form: Union[str, ExpertsForm],
                      gate_up_bias: Optional[torch.Tensor] = None, down_bias: Optional[torch.Tensor] = None,
-                     save: bool = False) -> tuple[torch.Tensor, Optional[MoESaved]]:
+                     save: bool = False, out_dtype: Optional[torch.dtype] = None
+                     ) -> tuple[torch.Tensor, Optional[MoESaved]]:
     """:func:`run_moe`'s output, and with ``save`` (training) what its backward needs."""
     form = ExpertsForm(form) if isinstance(form, str) else form
     if form.act not in ACTIVATIONS:
@@ -181,8 +185,9 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
                          + (" (transposed: [E, in, out])" if form.transposed else ""))
     if not (hidden.dtype == gate_up.dtype == down.dtype):
         raise ValueError("fxfuse.moe: hidden, gate_up and down must share a dtype")
+    out_dtype = out_dtype or hidden.dtype
     if T == 0:
-        return hidden.new_zeros(hidden.shape), None
+        return hidden.new_zeros(hidden.shape, dtype=out_dtype), None
     top_k = top_k_index.shape[1]
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w1, w2 = _strided(w1), _strided(w2)
@@ -200,7 +205,7 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         w1.stride(0), w1.stride(1), w1.stride(2), b1.stride(0) if b1 is not None else 0, h.stride(0), form.alpha,
         _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
         STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm)
-    pairs_out = torch.empty(T * top_k, H, dtype=hidden.dtype, device=hidden.device)  # every row written
+    pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
     routing = top_k_weights.reshape(-1)
     moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
         h, w2, b2 if b2 is not None else w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H,
