@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_template import moe_configs
+from .moe_template import _rows_dot, moe_configs
 from .tuning import autotune
 
 __all__ = ["moe_down_backward_kernel", "moe_weight_grad_kernel"]
@@ -114,17 +114,10 @@ def moe_down_backward_kernel(
     tokens = tl.where(valid, pair // TOP_K, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        d = tl.load(dout_ptr + tokens[:, None].to(tl.int64) * stride_dm + k[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + k[:, None] * stride_wn + offs_n[None, :] * stride_wk,
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(d.to(w.dtype), w, acc, input_precision=INPUT_PRECISION)
+    # (the down weights read transposed: the forward's input dim n is the output here, its columns k the sum)
+    acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), dout_ptr, tokens, stride_dm, valid, w_base,
+                    offs_n, n_mask, stride_wk, stride_wn, K, INPUT_PRECISION, BLOCK_K)
     mask = valid[:, None] & n_mask[None, :]
     rows = offs_m[:, None].to(tl.int64)
     h = tl.load(h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -74,6 +74,24 @@ def _gate(g, u, alpha, limit, ACT: tl.constexpr):
         return (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
 
 
+@triton.jit
+def _rows_dot(acc, a_ptr, a_rows, stride_am, valid, w_base, offs_n, n_mask, stride_wn, stride_wk, K,
+              INPUT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + A[a_rows, :K] @ W[:K, offs_n]`` over K in steps of BLOCK_K: the rows of A picked by ``a_rows``
+    (``valid`` ones; last dim contiguous, row stride ``stride_am``), W's element (k, n) at ``w_base + n *
+    stride_wn + k * stride_wk``; A's tile cast to W's dtype (a gradient may come wider than the weights)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows[:, None].to(tl.int64) * stride_am
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        a = tl.load(a_base + k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
 # Tuned per shape, rows per block, gate/up arrangement and weight layout (stride_wk: 1 for [E, out, in]).
 @autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk", "STORE_GU"])
 @triton.jit
@@ -146,15 +164,8 @@ def moe_gate_up_kernel(
         # BLOCK_N adjacent columns, gate and up alternating: one dot, then the pairs split apart.
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         c_mask = cols < 2 * N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            k_mask = k < K
-            x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
-                        mask=valid[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_base + cols[None, :] * stride_wn + k[:, None] * stride_wk,
-                        mask=c_mask[None, :] & k_mask[:, None], other=0.0)
-            acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptr, tokens, stride_xm, valid, w_base,
+                        cols, c_mask, stride_wn, stride_wk, K, INPUT_PRECISION, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + cols, mask=c_mask, other=0.0).to(tl.float32)
         g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
@@ -244,17 +255,9 @@ def moe_down_kernel(
         tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :],
                  tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
         return
-    offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        h = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + k[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
-                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+    acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, offs_m, stride_hm, valid, w_base, offs_n,
+                    n_mask, stride_wn, stride_wk, K, INPUT_PRECISION, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
