@@ -204,7 +204,9 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         return fused
 
     functools.update_wrapper(forward, orig)
-    return forward
+    # Opaque to torch.compile (of an optimized model): Dynamo breaks its graph here and this runs as written; traced,
+    # the kernels' launch would fail inside the trace and the module would keep its own forward from then on.
+    return torch.compiler.disable(forward, recursive=True)
 
 
 def _train(module: nn.Module, state: Optional[bool], kernels: Any, original: Any, dtype: torch.dtype,

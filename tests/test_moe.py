@@ -696,3 +696,20 @@ def test_gpu_fp32_experts_under_bf16_autocast_infer_and_train(family, monkeypatc
                              lambda m, *a: type(m).forward(m, *a))
     for got, want in zip(grads, ref_grads):
         assert got.dtype == torch.float32 and rel_err(got, want) < GRAD_TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_compiled_optimized_moe_model_keeps_the_kernels():
+    from real_models import main_output, tiny
+
+    import fxfuse
+
+    model, inputs, _ = tiny("gpt_oss")
+    fast = fxfuse.optimize(model)
+    compiled = torch.compile(fast, backend="eager")  # (Dynamo's tracing; no Inductor)
+    with torch.no_grad():
+        ref = main_output(model(**inputs))
+        outs = [main_output(compiled(**inputs)) for _ in range(2)]
+    experts = [m for m in fast.modules() if "_fxfuse_moe" in vars(m)]
+    assert len(experts) == 2 and all(vars(m)["_fxfuse_moe"] for m in experts)  # checked and kept, not traced
+    assert all(rel_err(out, ref) < 1e-4 for out in outs)
