@@ -58,9 +58,6 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         dout, w2, saved.gu, saved.h, routing, dgu, dr_parts, layout.rows, layout.block_expert, H, inter, top_k,
         pairs, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha, _finite(form.limit),
         ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, INPUT_PRECISION=precision, BLOCK_M=bm)
-    expert = top_k_index.reshape(-1)
-    local = (expert >= 0) & (expert < E)
-    safe_expert = torch.where(local, expert, torch.zeros_like(expert))
     dx = dr = d_w1 = d_w2 = d_b1 = d_b2 = None
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
@@ -70,39 +67,37 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
             w1.stride(2), w1.stride(1), 0, dx_pairs.stride(0), HAS_BIAS=False, INPUT_PRECISION=precision, BLOCK_M=bm)
         dx = dx_pairs.view(T, top_k, H).sum(1)
     if needs[1]:
-        dr = dr_parts.sum(0)
+        dr = dr_parts.sum(0).view(T, top_k)
         if down_bias is not None:  # the bias is inside the routing scale: dr += dout[t] . down_bias[e]
-            bias_rows = down_bias[safe_expert].float() * local[:, None]
-            dr = dr + (dout.repeat_interleave(top_k, 0).float() * bias_rows).sum(-1)
-        dr = dr.view(T, top_k).to(top_k_weights.dtype)
-    segments = _segments(layout, E) if needs[2] or needs[3] else None
+            expert = top_k_index.long()
+            local = (expert >= 0) & (expert < E)
+            per_expert = dout.float() @ down_bias.float().t()  # [T, E]
+            dr = dr + per_expert.gather(1, torch.where(local, expert, torch.zeros_like(expert))) * local
+        dr = dr.to(top_k_weights.dtype)
+
+    def expert_sums(out: torch.Tensor, a: torch.Tensor, a_by_token: bool, b: torch.Tensor, b_by_token: bool):
+        """``out[e] = sum over e's rows of A[row]^T B[row]`` (A by token: times the routing weight), ``out`` an
+        ``[E, N, K]`` view (K may be 1: a bias's sum against ones)."""
+        n, k = out.shape[1], out.shape[2]
+        moe_weight_grad_kernel[lambda meta: (E, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))](
+            a, b, routing, out, layout.rows, segments, n, k, top_k, a.stride(0), b.stride(0), out.stride(0),
+            out.stride(1), out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, INPUT_PRECISION=precision,
+            BLOCK_M=bm)
+
+    segments = _segments(layout, E) if any(needs[2:]) else None
+    ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[4] or needs[5] else None
     if needs[3]:  # 3. d down[e] = sum over e's rows of (r * dout[t])^T h
         d_w2 = torch.empty_like(w2.transpose(1, 2) if form.transposed else w2)
-        view = d_w2.transpose(1, 2) if form.transposed else d_w2
-        moe_weight_grad_kernel[lambda meta: (E, triton.cdiv(H, meta["BLOCK_N"]), triton.cdiv(inter, meta["BLOCK_K"]))](
-            dout, saved.h, routing, view, layout.rows, segments, H, inter, top_k, dout.stride(0), saved.h.stride(0),
-            view.stride(0), view.stride(1), view.stride(2), A_BY_TOKEN=True, B_BY_TOKEN=False,
-            INPUT_PRECISION=precision, BLOCK_M=bm)
+        expert_sums(d_w2.transpose(1, 2) if form.transposed else d_w2, dout, True, saved.h, False)
     if needs[2]:  # 4. d gate_up[e] = sum over e's rows of dgu^T x[t]
         d_w1 = torch.empty_like(w1.transpose(1, 2) if form.transposed else w1)
-        view = d_w1.transpose(1, 2) if form.transposed else d_w1
-        x = saved.x
-        moe_weight_grad_kernel[lambda meta: (E, triton.cdiv(two_i, meta["BLOCK_N"]), triton.cdiv(H, meta["BLOCK_K"]))](
-            dgu, x, routing, view, layout.rows, segments, two_i, H, top_k, dgu.stride(0), x.stride(0),
-            view.stride(0), view.stride(1), view.stride(2), A_BY_TOKEN=False, B_BY_TOKEN=True,
-            INPUT_PRECISION=precision, BLOCK_M=bm)
-    if needs[4]:  # the gate/up bias: each expert's sum of its rows of dgu
-        row_pair = layout.rows.long()
-        row_expert = layout.block_expert.repeat_interleave(bm).long()
-        kept = (row_pair >= 0) & (row_expert >= 0)
-        d_b1 = torch.zeros(E + 1, two_i, dtype=torch.float32, device=device)
-        d_b1.index_add_(0, torch.where(kept, row_expert, torch.full_like(row_expert, E)), dgu.float() * kept[:, None])
-        d_b1 = d_b1[:E].to(dtype)
-    if needs[5]:  # the down bias: each expert's sum of r * dout[t] over its pairs
-        d_b2 = torch.zeros(E + 1, H, dtype=torch.float32, device=device)
-        scaled = dout.repeat_interleave(top_k, 0).float() * (routing.float() * local)[:, None]
-        d_b2.index_add_(0, torch.where(local, expert.long(), torch.full_like(expert.long(), E)), scaled)
-        d_b2 = d_b2[:E].to(dtype)
+        expert_sums(d_w1.transpose(1, 2) if form.transposed else d_w1, dgu, False, saved.x, True)
+    if needs[4]:  # the biases: each expert's sum of its rows of dgu, of r * dout[t]
+        d_b1 = torch.empty(E, two_i, dtype=dtype, device=device)
+        expert_sums(d_b1.unsqueeze(2), dgu, False, ones, False)
+    if needs[5]:
+        d_b2 = torch.empty(E, H, dtype=dtype, device=device)
+        expert_sums(d_b2.unsqueeze(2), dout, True, ones, False)
     return dx, dr, d_w1, d_w2, d_b1, d_b2
 
 
