@@ -17,6 +17,8 @@ experts, guarded:
 * the first call in each power-of-two bucket of token counts times both on its routing and keeps the faster for
   that bucket, for every experts module of that class and shape (logged at INFO): transformers' default
   ``grouped_mm`` implementation is fast at some shapes, and fxfuse never makes a layer slower by replacing it.
+* while Dynamo traces it (``torch.compile`` of the optimized model), a checked module's call is one op,
+  :func:`fxfuse.moe_op.moe_experts`, in the graph; an unchecked one traces its own forward.
 
 Example:
     >>> from torch import nn
@@ -42,6 +44,7 @@ from .kernels.moe_launch import ExpertsForm, run_moe
 from .kernels.template import interpreting, next_pow2
 from .kernels.tuning import TuningDuringCapture
 from .moe_match import activation_of, experts_form, experts_modules, gate_form, why_not_experts
+from .moe_op import moe_experts
 from .ops import on_its_device
 from .strategy import for_cuda_graphs, time_candidates
 
@@ -150,13 +153,18 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                 return orig(self, *args, **kwargs)  # its own error
             if len(args) != 3:
                 return orig(self, *args)
+        if torch.compiler.is_compiling():
+            return _traced(self, orig, form, args)
+        return _eager(self, *args)
+
+    def _eager(self, *args):
         hidden_states, top_k_index, top_k_weights = args
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
         if state is False or not _usable(self, hidden_states, top_k_index, top_k_weights):
             return orig(self, *args)
         if not on_its_device(hidden_states):  # another GPU's layer (device_map="auto"): launch on that GPU
             with torch.cuda.device(hidden_states.device):
-                return forward(self, *args)
+                return _eager(self, *args)
         on_gpu = hidden_states.device.type == "cuda"
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
         training = _records_grad(self, hidden_states, top_k_weights)  # (FXFUSE_MOE_TRAINING=1)
@@ -204,9 +212,22 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         return fused
 
     functools.update_wrapper(forward, orig)
-    # Opaque to torch.compile (of an optimized model): Dynamo breaks its graph here and this runs as written; traced,
-    # the kernels' launch would fail inside the trace and the module would keep its own forward from then on.
-    return torch.compiler.disable(forward, recursive=True)
+    return forward
+
+
+def _traced(module: nn.Module, orig: Any, form: ExpertsForm, args: tuple) -> torch.Tensor:
+    """The forward as Dynamo traces it (``torch.compile`` of an optimized model): the kernels as one op
+    (:mod:`fxfuse.moe_op`) for a module an eager call checked, on a call the plain kernels take (no gradients, no
+    autocast, a 2-D input of the weights' dtype); else the module's own forward, traced as it is."""
+    hidden, index, weights = args
+    gate_up = module.gate_up_proj
+    if getattr(module, "_fxfuse_moe", None) is not True or torch.is_grad_enabled() and (
+            hidden.requires_grad or weights.requires_grad or gate_up.requires_grad) \
+            or torch.is_autocast_enabled(hidden.device.type) or hidden.dim() != 2 or hidden.dtype != gate_up.dtype:
+        return orig(module, *args)
+    return moe_experts(hidden, index, weights, gate_up, module.down_proj, getattr(module, "gate_up_proj_bias", None),
+                       getattr(module, "down_proj_bias", None), form.act, form.transposed, form.interleaved,
+                       form.alpha, form.limit)
 
 
 def _train(module: nn.Module, state: Optional[bool], kernels: Any, original: Any, dtype: torch.dtype,

@@ -699,17 +699,28 @@ def test_gpu_fp32_experts_under_bf16_autocast_infer_and_train(family, monkeypatc
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
-def test_a_compiled_optimized_moe_model_keeps_the_kernels():
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_compiled_optimized_moe_model_captures_the_kernels_as_one_op(family, monkeypatch):
     from real_models import main_output, tiny
 
     import fxfuse
+    from fxfuse import moe_op
 
-    model, inputs, _ = tiny("gpt_oss")
+    runs = []
+    monkeypatch.setattr(moe_op, "run_moe", lambda *a, **k: runs.append(1) or run_moe(*a, **k))
+    model, inputs, _ = tiny(family)
     fast = fxfuse.optimize(model)
-    compiled = torch.compile(fast, backend="eager")  # (Dynamo's tracing; no Inductor)
     with torch.no_grad():
         ref = main_output(model(**inputs))
+        unchecked = torch.compile(fxfuse.optimize(model), backend="eager")  # compiled before any eager call:
+        assert rel_err(main_output(unchecked(**inputs)), ref) < 1e-4 and runs == []  # its own forward, traced
+        fast(**inputs)  # an eager call checks the experts' kernels
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fast)(**inputs)
+        runs.clear()
+        compiled = torch.compile(fast, backend="eager")  # (Dynamo's tracing; no Inductor)
         outs = [main_output(compiled(**inputs)) for _ in range(2)]
-    experts = [m for m in fast.modules() if "_fxfuse_moe" in vars(m)]
-    assert len(experts) == 2 and all(vars(m)["_fxfuse_moe"] for m in experts)  # checked and kept, not traced
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert explained.graph_break_count == 0 and sum("fxfuse.moe_experts" in op for op in ops) == 2
+    assert len(runs) == 2 * 2  # both layers' op ran in each compiled call
     assert all(rel_err(out, ref) < 1e-4 for out in outs)
