@@ -13,7 +13,8 @@ greedy decode steps (``model(input_ids=next_token, past_key_values=cache)``), on
   since a profiler session slows later launches in the process); wall above GPU is host time the GPU waited for;
 * the MLPs' share of eager's GPU time, and the first step's logits against eager's.
 
-* with ``--compile``, ``torch.compile(model)`` and ``torch.compile(model, backend="fxfuse")`` beside them; with
+* with ``--compile``, ``torch.compile(model)`` and ``torch.compile(model, backend="fxfuse")`` beside them (for a
+  MoE family also ``torch.compile(fxfuse.optimize(model))``, its experts as fxfuse's op in the graph); with
   ``--static`` as well, the path transformers documents for fast decoding: a ``StaticCache`` with explicit cache
   positions and ``mode="reduce-overhead"`` (one CUDA graph per step).
 
@@ -252,6 +253,10 @@ def main() -> None:
         said = f", mode='{mode}'" if mode else ""
         variants[f"torch.compile({said[2:]})"] = torch.compile(model, mode=mode)
         variants[f"torch.compile(backend='fxfuse'{said})"] = torch.compile(model, backend="fxfuse", mode=mode)
+        if args.family != "llama":
+            # MoE: the optimized model compiled, its experts one op each in the graph (fxfuse.moe_op); the "fxfuse"
+            # variant's eager pass, which runs first, checks its experts' kernels.
+            variants[f"torch.compile(fxfuse.optimize(model){said})"] = torch.compile(variants["fxfuse"], mode=mode)
     caches = {name: static_cache(model) for name in variants}
     first_call, errors = {}, {}
     for name, m in list(variants.items()):

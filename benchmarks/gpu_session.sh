@@ -19,7 +19,8 @@
 #   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py (gpt-oss, Mixtral,
 #                                                #   Qwen3-MoE shapes; training steps) -> moe_*.log
 #   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE, gpt-oss
-#                                                #   shapes; MOE_FAMILIES picks) -> decode_<family>.md
+#                                                #   shapes; MOE_FAMILIES picks; DECODE_MOE_ARGS="--compile --static":
+#                                                #   the compiled variants too) -> decode_<family>.md
 # Everything lands in $OUT; at most 8 files come back from the device, so each mode writes few.
 # Knobs (env): SESSION_BUDGET (s, default 560), FXFUSE_HYPOTHESIS_EXAMPLES (GPU property examples per dtype,
 # default 10 here), BENCH_ARGS, and a *_TIMEOUT per step (see below).
@@ -207,8 +208,8 @@ case "$mode" in
     for family in ${MOE_FAMILIES:-mixtral qwen3_moe gpt_oss}; do
       step "decode-$family" "${DECODE_MODEL_TIMEOUT:-240}" "decode_${family}_console.log" \
         python3 benchmarks/bench_decode_model.py --out "$OUT" --family "$family" --layers 4 --steps 32 --rounds 5 \
-        --prompt 512
-      tail -8 "$OUT/decode_${family}_console.log"
+        --prompt 512 ${DECODE_MOE_ARGS:-}
+      tail -10 "$OUT/decode_${family}_console.log"
     done
     ;;
   probe)
