@@ -16,7 +16,8 @@ experts, guarded:
   answer;
 * the first call in each power-of-two bucket of token counts times both on its routing and keeps the faster for
   that bucket, for every experts module of that class and shape (logged at INFO): transformers' default
-  ``grouped_mm`` implementation is fast at some shapes, and fxfuse never makes a layer slower by replacing it.
+  ``grouped_mm`` implementation is fast at some shapes, and fxfuse never makes a layer slower by replacing it. A
+  call that records gradients has its own choice per bucket, a forward and its backward timed together.
 * while Dynamo traces it (``torch.compile`` of the optimized model), a checked module's call is one op,
   :func:`fxfuse.moe_op.moe_experts`, in the graph; an unchecked one traces its own forward.
 
@@ -111,29 +112,31 @@ def _kernel_inputs(module: nn.Module, hidden: torch.Tensor, training: bool) -> O
     return hidden.to(dtype), [next(it) if p is not None else None for p in params]
 
 
-# (class, experts implementation, E, 2I, H, top_k, dtype, autocast dtype, device, form, for a CUDA graph, token
-# bucket: the
-# power of two at or above the call's tokens) -> "kernels" or "original", shared by every layer of a model (a
-# Mixtral's 32 experts modules time once per bucket).
+# (class, experts implementation, E, 2I, H, top_k, dtype, autocast dtype, device, form, for a CUDA graph, a call
+# that records gradients, token bucket: the power of two at or above the call's tokens) -> "kernels" or
+# "original", shared by every layer of a model (a Mixtral's 32 experts modules time once per bucket).
 _CHOICES: dict[tuple, str] = {}
 
 
-def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, form: ExpertsForm) -> tuple:
+def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, form: ExpertsForm,
+                training: bool = False) -> tuple:
     config = getattr(module, "config", None)
     return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
-            index.shape[1], hidden.dtype, _autocast_dtype(hidden), hidden.device, form, for_cuda_graphs(),
+            index.shape[1], hidden.dtype, _autocast_dtype(hidden), hidden.device, form, for_cuda_graphs(), training,
             next_pow2(hidden.shape[0]))
 
 
-def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple) -> str:
+def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, what: str = "forward") -> str:
     """Time the kernels and the module's own forward on this call's routing as the planner times its candidates
     (:func:`fxfuse.strategy.time_candidates`: the larger of GPU and host time per call, the GPU time alone when
-    planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times."""
-    what = f"{type(module).__name__} experts"
-    times = time_candidates(what, key[-1], {"kernels": kernels, "original": original})
+    planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times. ``what``:
+    "forward", or "training step" when the runners are a forward and its backward."""
+    bucket = key[-1]
+    times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
+                            {"kernels": kernels, "original": original})
     choice = min(times, key=times.get)
-    log.info("fxfuse: %s at %d-%d tokens: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
-             "runs %s", type(module).__name__, key[-1] // 2 + 1, key[-1], times.get("kernels", float("inf")),
+    log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
+             "runs %s", type(module).__name__, bucket // 2 + 1, bucket, what, times.get("kernels", float("inf")),
              key[1] or "its forward", times["original"], "the kernels" if choice == "kernels" else "its own forward")
     return choice
 
@@ -172,11 +175,10 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         def original():
             return orig(self, *args)
 
-        # (a training call is not timed: its bucket's choice is the forward's alone)
-        key = None if training else _choice_key(self, hidden_states, top_k_index, form)
-        choice = None if training else _CHOICES.get(key)
-        unready = not state if training else (choice is None or not state)
-        if choice == "original" or (capturing and unready):
+        # (a training call's choice is its own: forward and backward timed together)
+        key = _choice_key(self, hidden_states, top_k_index, form, training)
+        choice = _CHOICES.get(key)
+        if choice == "original" or (capturing and (choice is None or not state)):
             return original()  # (the faster in this bucket; or no timing or check inside a capture)
         inputs = _kernel_inputs(self, hidden_states, training)
         if inputs is None:
@@ -188,8 +190,18 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                            down_bias=params[3], out_dtype=hidden_states.dtype)
 
         if training:
-            return _train(self, state, kernels, original, x.dtype, lambda: MoEExpertsFunction.apply(
-                x, top_k_index, top_k_weights, *params, form, hidden_states.dtype))
+            def node():
+                return MoEExpertsFunction.apply(x, top_k_index, top_k_weights, *params, form, hidden_states.dtype)
+
+            if not state:  # the kernels' forward against the module's, without gradients
+                with torch.no_grad():
+                    _first_check(self, kernels, original, x.dtype)
+                if not self.__dict__["_fxfuse_moe"]:
+                    return original()
+            if choice is None:
+                # (the interpreter has no GPU time to compare: there the kernels run)
+                choice = _CHOICES[key] = _timed_training(self, node, original, args, key) if on_gpu else "kernels"
+            return node() if choice == "kernels" else original()
         if not state:
             fused, out = _first_check(self, kernels, original, x.dtype)
             if fused is None:
@@ -230,17 +242,17 @@ def _traced(module: nn.Module, orig: Any, form: ExpertsForm, args: tuple) -> tor
                        form.alpha, form.limit)
 
 
-def _train(module: nn.Module, state: Optional[bool], kernels: Any, original: Any, dtype: torch.dtype,
-           node: Any) -> torch.Tensor:
-    """A call with gradients to record: ``node()`` (the kernels as one autograd node) once their forward agreed
-    with the module's (checked here without gradients if no call has checked it yet), else the module's own
-    forward."""
-    if not state:
-        with torch.no_grad():
-            _first_check(module, kernels, original, dtype)
-        if not module.__dict__["_fxfuse_moe"]:
-            return original()
-    return node()
+def _timed_training(module: nn.Module, node: Any, original: Any, args: tuple, key: tuple) -> str:
+    """:func:`_timed_choice` for a call that records gradients: each runner is a forward and its backward (the
+    gradients of every input and parameter that requires them, for one random output gradient)."""
+    hidden, _, weights = args
+    wanted = [t for t in (hidden, weights, *module._parameters.values()) if t is not None and t.requires_grad]
+    dout = torch.randn(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+
+    def step(run: Any) -> Any:
+        return lambda: torch.autograd.grad(run(), wanted, dout)
+
+    return _timed_choice(module, step(node), step(original), key, "training step")
 
 
 def _first_check(module: nn.Module, kernels: Any, original: Any,

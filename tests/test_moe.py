@@ -383,7 +383,7 @@ def test_the_timed_choice_keeps_the_faster_and_says_so(monkeypatch, caplog):
     # (the planner's timer: the best of each candidate's rounds, here 80 for the kernels and 70 for the module)
     monkeypatch.setattr(moe, "time_candidates",
                         lambda what, bucket, runners: {run(): us for run, us in zip(runners.values(), (80.0, 70.0))})
-    key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, torch.device("cpu"), "silu", False, 16)
+    key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, None, torch.device("cpu"), "silu", False, False, 16)
     with caplog.at_level(logging.INFO, logger="fxfuse.moe"):
         choice = moe._timed_choice(module, lambda: "kernels", lambda: "original", key)
     assert choice == "original"  # the best of each: 80 against 70
@@ -724,3 +724,25 @@ def test_a_compiled_optimized_moe_model_captures_the_kernels_as_one_op(family, m
     assert explained.graph_break_count == 0 and sum("fxfuse.moe_experts" in op for op in ops) == 2
     assert len(runs) == 2 * 2  # both layers' op ran in each compiled call
     assert all(rel_err(out, ref) < 1e-4 for out in outs)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_the_training_choice_times_forward_and_backward(monkeypatch, caplog):
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(5, 32, requires_grad=True)
+    index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
+    grads = {}
+
+    def timer(what, bucket, runners):  # (the planner's timer: here each runner once, and set times)
+        assert "training step" in what
+        grads.update({name: run() for name, run in runners.items()})
+        return {"kernels": 90.0, "original": 70.0}
+
+    monkeypatch.setattr(moe, "time_candidates", timer)
+    key = moe._choice_key(module, x, index, ExpertsForm("silu"), training=True)
+    with caplog.at_level(logging.INFO, logger="fxfuse.moe"):
+        choice = moe._timed_training(module, lambda: kernels_forward(module, x, index, weights),
+                                     lambda: type(module).forward(module, x, index, weights), (x, index, weights), key)
+    assert choice == "original" and "training step" in caplog.text
+    assert [len(g) for g in grads.values()] == [3, 3]  # x, gate_up, down: each runner a forward and its backward
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads["kernels"], grads["original"]))
