@@ -201,21 +201,15 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
             if choice is None:
                 # (the interpreter has no GPU time to compare: there the kernels run)
                 choice = _CHOICES[key] = _timed_training(self, node, original, args, key) if on_gpu else "kernels"
-            return node() if choice == "kernels" else original()
+            return _guarded(self, node, original) if choice == "kernels" else original()
         if not state:
             fused, out = _first_check(self, kernels, original, x.dtype)
             if fused is None:
                 return out if out is not None else original()
         else:
-            try:
-                fused = kernels()
-            except TuningDuringCapture:  # a CUDA graph being captured: it records the original forward
-                return original()
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # never fail the user's forward: the original runs from now on
-                _kernels_failed(self, err)
-                return original()
+            fused = _guarded(self, kernels, original)
+            if self.__dict__["_fxfuse_moe"] is False:
+                return fused  # (the original's output: the kernels failed)
         if choice is None:
             # The interpreter has no GPU time to compare: there the kernels run (what its tests check).
             choice = _CHOICES[key] = _timed_choice(self, kernels, original, key) if on_gpu else "kernels"
@@ -274,6 +268,20 @@ def _first_check(module: nn.Module, kernels: Any, original: Any,
         log.warning("fxfuse: %s's experts kernels differ from its forward (rel err %.1e); it keeps its forward",
                     type(module).__name__, err)
     return (fused if ok else None), out
+
+
+def _guarded(module: nn.Module, kernels: Any, original: Any) -> torch.Tensor:
+    """``kernels()``, or where they fail ``original()``: for good (logged), or for this call only when a CUDA graph
+    being captured would have tuned them (it records the original forward)."""
+    try:
+        return kernels()
+    except TuningDuringCapture:
+        return original()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # never fail the user's forward: the original runs from now on
+        _kernels_failed(module, err)
+        return original()
 
 
 def _kernels_failed(module: nn.Module, err: Exception) -> None:

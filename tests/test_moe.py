@@ -746,3 +746,20 @@ def test_the_training_choice_times_forward_and_backward(monkeypatch, caplog):
     assert choice == "original" and "training step" in caplog.text
     assert [len(g) for g in grads.values()] == [3, 3]  # x, gate_up, down: each runner a forward and its backward
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads["kernels"], grads["original"]))
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_training_node_that_fails_leaves_the_original_forward(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no backward today")
+
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    monkeypatch.setattr(moe, "MoEExpertsFunction", type("Broken", (), {"apply": staticmethod(broken)}))
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+    x = torch.randn(5, 32, requires_grad=True)
+    index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"):
+        out = forward(module, x, index, weights)  # checked (agrees), then the node fails: the module's forward
+    assert torch.equal(out, type(module).forward(module, x, index, weights)) and out.requires_grad
+    assert vars(module)["_fxfuse_moe"] is False and "no backward today" in caplog.text
