@@ -47,7 +47,7 @@ from .kernels.tuning import TuningDuringCapture
 from .moe_match import activation_of, experts_form, experts_modules, gate_form, why_not_experts
 from .moe_op import moe_experts
 from .ops import on_its_device
-from .strategy import for_cuda_graphs, time_candidates
+from .strategy import ORIGINAL_OPS, for_cuda_graphs, time_candidates
 
 __all__ = ["MOE_PATTERN", "activation_of", "experts_form", "experts_installs", "experts_modules", "gate_form",
            "moe_forward", "why_not_experts"]
@@ -132,12 +132,13 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, wh
     planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times. ``what``:
     "forward", or "training step" when the runners are a forward and its backward."""
     bucket = key[-1]
+    # (as ORIGINAL_OPS, the module's forward is never dropped: its error is the user's, raised)
     times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
-                            {"kernels": kernels, "original": original})
-    choice = min(times, key=times.get)
+                            {"kernels": kernels, ORIGINAL_OPS: original})
+    choice = "kernels" if times.get("kernels", float("inf")) < times[ORIGINAL_OPS] else "original"
     log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
              "runs %s", type(module).__name__, bucket // 2 + 1, bucket, what, times.get("kernels", float("inf")),
-             key[1] or "its forward", times["original"], "the kernels" if choice == "kernels" else "its own forward")
+             key[1] or "its forward", times[ORIGINAL_OPS], "the kernels" if choice == "kernels" else "its own forward")
     return choice
 
 
@@ -151,11 +152,12 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
     def forward(self, *args, **kwargs):
         if kwargs or len(args) != 3:  # (gpt-oss's MLP passes them by position; others may name them)
             try:
-                args = tuple(signature.bind(self, *args, **kwargs).arguments.values())[1:]
+                bound = tuple(signature.bind(self, *args, **kwargs).arguments.values())[1:]
             except TypeError:
-                return orig(self, *args, **kwargs)  # its own error
-            if len(args) != 3:
-                return orig(self, *args)
+                bound = ()
+            if len(bound) != 3:
+                return orig(self, *args, **kwargs)  # (as called: its own result, or its own error)
+            args = bound
         if torch.compiler.is_compiling():
             return _traced(self, orig, form, args)
         return _eager(self, *args)
@@ -227,10 +229,9 @@ def _traced(module: nn.Module, orig: Any, form: ExpertsForm, args: tuple) -> tor
     autocast, a 2-D input of the weights' dtype); else the module's own forward, traced as it is."""
     hidden, index, weights = args
     gate_up = module.gate_up_proj
-    if getattr(module, "_fxfuse_moe", None) is not True or torch.is_grad_enabled() and (
-            hidden.requires_grad or weights.requires_grad or gate_up.requires_grad) \
+    if getattr(module, "_fxfuse_moe", None) is not True or _records_grad(module, hidden, weights) \
             or torch.is_autocast_enabled(hidden.device.type) or hidden.dim() != 2 or hidden.dtype != gate_up.dtype:
-        return orig(module, *args)
+        return orig(module, *args)  # (the op has no backward: any parameter that trains takes this way)
     return moe_experts(hidden, index, weights, gate_up, module.down_proj, getattr(module, "gate_up_proj_bias", None),
                        getattr(module, "down_proj_bias", None), form.act, form.transposed, form.interleaved,
                        form.alpha, form.limit)
@@ -243,8 +244,8 @@ def _timed_training(module: nn.Module, node: Any, original: Any, args: tuple, ke
     wanted = [t for t in (hidden, weights, *module._parameters.values()) if t is not None and t.requires_grad]
     dout = torch.randn(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
-    def step(run: Any) -> Any:
-        return lambda: torch.autograd.grad(run(), wanted, dout)
+    def step(run: Any) -> Any:  # (allow_unused: a parameter the module's own forward leaves out of this call)
+        return lambda: torch.autograd.grad(run(), wanted, dout, allow_unused=True)
 
     return _timed_choice(module, step(node), step(original), key, "training step")
 

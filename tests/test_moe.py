@@ -382,7 +382,7 @@ def test_the_timed_choice_keeps_the_faster_and_says_so(monkeypatch, caplog):
     module = experts("silu", torch.float32, "cpu")
     # (the planner's timer: the best of each candidate's rounds, here 80 for the kernels and 70 for the module)
     monkeypatch.setattr(moe, "time_candidates",
-                        lambda what, bucket, runners: {run(): us for run, us in zip(runners.values(), (80.0, 70.0))})
+                        lambda what, bucket, runners: dict(zip(runners, (80.0, 70.0))))
     key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, None, torch.device("cpu"), "silu", False, False, 16)
     with caplog.at_level(logging.INFO, logger="fxfuse.moe"):
         choice = moe._timed_choice(module, lambda: "kernels", lambda: "original", key)
@@ -736,7 +736,7 @@ def test_the_training_choice_times_forward_and_backward(monkeypatch, caplog):
     def timer(what, bucket, runners):  # (the planner's timer: here each runner once, and set times)
         assert "training step" in what
         grads.update({name: run() for name, run in runners.items()})
-        return {"kernels": 90.0, "original": 70.0}
+        return dict(zip(runners, (90.0, 70.0)))
 
     monkeypatch.setattr(moe, "time_candidates", timer)
     key = moe._choice_key(module, x, index, ExpertsForm("silu"), training=True)
@@ -744,8 +744,9 @@ def test_the_training_choice_times_forward_and_backward(monkeypatch, caplog):
         choice = moe._timed_training(module, lambda: kernels_forward(module, x, index, weights),
                                      lambda: type(module).forward(module, x, index, weights), (x, index, weights), key)
     assert choice == "original" and "training step" in caplog.text
-    assert [len(g) for g in grads.values()] == [3, 3]  # x, gate_up, down: each runner a forward and its backward
-    assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads["kernels"], grads["original"]))
+    # x, gate_up, down: each runner a forward and its backward
+    assert list(grads) == ["kernels", "original_ops"] and [len(g) for g in grads.values()] == [3, 3]
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(grads["kernels"], grads["original_ops"]))
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
@@ -763,3 +764,57 @@ def test_a_training_node_that_fails_leaves_the_original_forward(monkeypatch, cap
         out = forward(module, x, index, weights)  # checked (agrees), then the node fails: the module's forward
     assert torch.equal(out, type(module).forward(module, x, index, weights)) and out.requires_grad
     assert vars(module)["_fxfuse_moe"] is False and "no backward today" in caplog.text
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_the_routing_gradient_survives_the_autotuner_running_every_config(monkeypatch):
+    from fxfuse.kernels import moe_backward_launch, moe_backward_template
+
+    # As Triton's autotuner on a GPU: every config runs on the real buffers, then the chosen one again; a smaller
+    # BLOCK_N's extra column tiles of the routing gradient must not stay in the sum.
+    configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}), triton.Config({"BLOCK_N": 32, "BLOCK_K": 16})]
+    kernel = moe_backward_template.moe_down_backward_kernel
+
+    class EveryConfig:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: [kernel.fn[grid(c.kwargs)](*args, **kwargs, **c.kwargs)
+                                            for c in configs + configs[1:]]
+
+    monkeypatch.setattr(moe_backward_launch, "moe_configs", lambda: configs)
+    monkeypatch.setattr(moe_backward_launch, "moe_down_backward_kernel", EveryConfig())
+    torch.manual_seed(8)
+    module = experts("silu", torch.float32, "cpu", inter=64)
+    x = torch.randn(6, 32)
+    index, weights = local_routing(6, 2, 4, "cpu", torch.float32)
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_strided_routing_tensors_are_read_as_they_are():
+    torch.manual_seed(9)
+    module = experts("silu", torch.float32, "cpu")
+    x = torch.randn(7, 32)
+    index, weights = local_routing(7, 3, 4, "cpu", torch.float32)
+    one_index, one_weight = index[:, :1], weights[:, 1:2]  # [T, 1] slices: reshape(-1) gives a strided view
+    assert one_weight.reshape(-1).stride() != (1,)
+    out = run_moe(x, one_index, one_weight, module.gate_up_proj, module.down_proj, "silu")
+    ref = run_moe(x, one_index.contiguous(), one_weight.contiguous(), module.gate_up_proj, module.down_proj, "silu")
+    assert torch.equal(out, ref)
+    check_gradients(module, x, one_index, one_weight, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_compiled_call_that_trains_any_parameter_traces_the_module_forward():
+    from real_models import main_output, tiny
+
+    import fxfuse
+
+    model, inputs, _ = tiny("mixtral")
+    fast = fxfuse.optimize(model)
+    with torch.no_grad():
+        fast(**inputs)  # checked
+    for name, param in model.named_parameters():
+        param.requires_grad_("experts.down_proj" in name)  # only the down projections train
+    compiled = torch.compile(fast, backend="eager")
+    main_output(compiled(**inputs)).square().mean().backward()  # (the op has no backward: not in this graph)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "experts.down_proj" in n)

@@ -49,14 +49,14 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     dout = dout if dout.stride(1) == 1 else dout.contiguous()
     dtype, device = saved.x.dtype, dout.device
     precision = _input_precision(dtype)
-    routing = top_k_weights.reshape(-1)
+    routing = top_k_weights.reshape(-1).contiguous()  # (a [T, 1] slice's view would stride)
     # 1. G = dout[t] @ down[e]; dgate, dup through the gate; the routing gradient's column-tile parts.
     dgu = torch.empty(layout.rows.numel(), two_i, dtype=dtype, device=device)
     tiles = triton.cdiv(inter, min(c.kwargs["BLOCK_N"] for c in moe_configs()))
     dr_parts = torch.zeros(tiles, pairs, dtype=torch.float32, device=device)
     moe_down_backward_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
         dout, w2, saved.gu, saved.h, routing, dgu, dr_parts, layout.rows, layout.block_expert, H, inter, top_k,
-        pairs, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha, _finite(form.limit),
+        pairs, tiles, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha, _finite(form.limit),
         ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, INPUT_PRECISION=precision, BLOCK_M=bm)
     dx = dr = d_w1 = d_w2 = d_b1 = d_b2 = None
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token

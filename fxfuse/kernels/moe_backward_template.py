@@ -70,6 +70,7 @@ def moe_down_backward_kernel(
     N,
     TOP_K,
     pairs,
+    tiles,
     stride_dm,
     stride_we,
     stride_wn,
@@ -95,10 +96,13 @@ def moe_down_backward_kernel(
     routing_ptr:      the routing weight of each pair ``[pairs]``.
     dgu_ptr:          out ``[padded rows, 2N]``: d gate and d up in the gate/up weights' column order (INTERLEAVED:
                       column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``).
-    dr_ptr:           out fp32 ``[cdiv(N, BLOCK_N), pairs]``: each column tile's part of the routing gradient
-                      (zeros expected where no valid row writes: pairs of experts held elsewhere).
+    dr_ptr:           out fp32 ``[tiles, pairs]``: each column tile's part of the routing gradient; the rows past
+                      this config's ``cdiv(N, BLOCK_N)`` tiles are zeroed by the programs of tile 0 (the autotuner
+                      runs every config on this buffer: a smaller BLOCK_N's rows must not stay). Pairs of experts
+                      held elsewhere are never written (zeros expected).
     rows_ptr, block_expert_ptr: the pair layout (:func:`fxfuse.kernels.moe_template.moe_gate_up_kernel`).
-    K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token; pairs: T * TOP_K.
+    K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token; pairs: T * TOP_K;
+                      tiles: dr's rows (the most column tiles any config makes).
     alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`).
     INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The
                       grid is (blocks, cdiv(N, BLOCK_N)).
@@ -121,7 +125,11 @@ def moe_down_backward_kernel(
     mask = valid[:, None] & n_mask[None, :]
     rows = offs_m[:, None].to(tl.int64)
     h = tl.load(h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(dr_ptr + pid_n * pairs + tl.where(valid, pair, 0), tl.sum(acc * h, axis=1), mask=valid)
+    safe_pair = tl.where(valid, pair, 0).to(tl.int64)
+    tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(acc * h, axis=1), mask=valid)
+    if pid_n == 0:
+        for t in range(tl.cdiv(N, BLOCK_N), tiles):
+            tl.store(dr_ptr + t * pairs + safe_pair, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=valid)
     scale = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
     g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -136,7 +144,17 @@ def moe_down_backward_kernel(
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=mask)
 
 
-@autotune(configs=moe_configs(), key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on"])
+def weight_grad_configs() -> list[triton.Config]:
+    """:func:`~fxfuse.kernels.moe_template.moe_configs`, and one that fits shared memory in fp32 at 128 rows per
+    block (its A and B tiles are ``[BLOCK_M, BLOCK_N]`` and ``[BLOCK_M, BLOCK_K]``, BLOCK_M the layout's: fp32 at
+    128 rows and 3 stages outgrows an H100's 228 KB in every other config; a config that fails to compile is
+    dropped by the autotuner)."""
+    configs = moe_configs()
+    return configs if len(configs) == 1 else configs + [
+        triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2)]
+
+
+@autotune(configs=weight_grad_configs(), key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on"])
 @triton.jit
 def moe_weight_grad_kernel(
     a_ptr,

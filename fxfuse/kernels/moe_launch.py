@@ -94,7 +94,7 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pa
     expert each over every pair. No host synchronization, and a few µs of host time against the torch ops' ~400
     on an H100's host. The rows of unused blocks (marked :data:`UNUSED_BLOCK`) are left unwritten.
     """
-    flat = top_k_index.reshape(-1)
+    flat = top_k_index.reshape(-1).contiguous()  # (a [T, 1] slice's view would stride; the kernels read it densely)
     pairs = flat.numel()
     device = flat.device
     e_pad = triton.next_power_of_2(num_experts + 1)
@@ -206,7 +206,7 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
         STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm)
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
-    routing = top_k_weights.reshape(-1)
+    routing = top_k_weights.reshape(-1).contiguous()
     moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
         h, w2, b2 if b2 is not None else w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2.stride(0) if b2 is not None else 0,
