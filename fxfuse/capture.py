@@ -370,7 +370,7 @@ def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: se
     if id(module) in seen:
         return
     # (an experts module's own 2-D parameters are its biases, gpt-oss's: not weights of a chain to capture)
-    experts = sum(1 for p in module.parameters(recurse=False) if p.dim() == 3) >= 2
+    experts = _stacked_weights(module) >= 2
     if experts or weight_count(module) < 2:
         if experts or _holds_stacked_experts(module):  # say why a mixture of experts stays as it is
             seen.add(id(module))
@@ -417,11 +417,13 @@ MOE_NOTE = ("mixture of experts (stacked 3-D expert weights): its per-expert MLP
 def _holds_stacked_experts(module: nn.Module) -> bool:
     """Whether ``module`` keeps at least two 3-D weights outside convolutions: experts stacked along dim 0, as
     transformers' ``MixtralExperts`` / ``Qwen3MoeExperts`` keep ``gate_up_proj`` and ``down_proj``."""
-    stacked = 0
-    for mod in module.modules():
-        if not isinstance(mod, nn.modules.conv._ConvNd):
-            stacked += sum(1 for p in mod.parameters(recurse=False) if p.dim() == 3)
-    return stacked >= 2
+    return sum(_stacked_weights(mod) for mod in module.modules()
+               if not isinstance(mod, nn.modules.conv._ConvNd)) >= 2
+
+
+def _stacked_weights(module: nn.Module) -> int:
+    """The 3-D parameters ``module`` holds itself."""
+    return sum(1 for p in module.parameters(recurse=False) if p.dim() == 3)
 
 
 def _candidate_methods(module: nn.Module) -> list[str]:

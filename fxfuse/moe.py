@@ -78,7 +78,9 @@ def _autocast_dtype(hidden: torch.Tensor) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
+def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any,
+            autocast: Optional[torch.dtype]) -> bool:
+    """Whether the kernels take this call; ``autocast``: :func:`_autocast_dtype` of ``hidden``."""
     gate_up = module.gate_up_proj
     if not (type(hidden) is torch.Tensor and type(index) is torch.Tensor and type(weights) is torch.Tensor):
         return False  # (FakeTensor, a tracer's proxy: the original forward)
@@ -88,20 +90,19 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any) -> bool:
         return False
     if _records_grad(module, hidden, weights) and not training_enabled():
         return False
-    autocast = _autocast_dtype(hidden)
     if autocast is None:
         return hidden.dtype is gate_up.dtype
     return (autocast in _AUTOCAST_DTYPES and hidden.device.type in fx_autocast.FUSED_AUTOCAST_DEVICES
             and hidden.dtype in (torch.float32, autocast))
 
 
-def _kernel_inputs(module: nn.Module, hidden: torch.Tensor, training: bool) -> Optional[tuple[torch.Tensor, list]]:
+def _kernel_inputs(module: nn.Module, hidden: torch.Tensor, training: bool,
+                   dtype: Optional[torch.dtype]) -> Optional[tuple[torch.Tensor, list]]:
     """``(hidden, [gate_up, down, gate_up_bias, down_bias])`` as the kernels take them: as they are without
     autocast; under it, cast to the autocast dtype as :func:`fxfuse.autocast.cast_params` casts a region's
     (kept casts of fp32 parameters, or casts with autograd in a call that records gradients), or None when the
-    module's forward must run (a parameter autocast would leave alone)."""
+    module's forward must run (a parameter autocast would leave alone). ``dtype``: the autocast dtype or None."""
     params = [module._parameters.get(name) for name in _PARAMS]
-    dtype = _autocast_dtype(hidden)
     if dtype is None:
         return hidden, params
     present = [p for p in params if p is not None]
@@ -119,10 +120,10 @@ _CHOICES: dict[tuple, str] = {}
 
 
 def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, form: ExpertsForm,
-                training: bool = False) -> tuple:
+                training: bool = False, autocast: Optional[torch.dtype] = None) -> tuple:
     config = getattr(module, "config", None)
     return (type(module), getattr(config, "_experts_implementation", None), *module.gate_up_proj.shape,
-            index.shape[1], hidden.dtype, _autocast_dtype(hidden), hidden.device, form, for_cuda_graphs(), training,
+            index.shape[1], hidden.dtype, autocast, hidden.device, form, for_cuda_graphs(), training,
             next_pow2(hidden.shape[0]))
 
 
@@ -165,7 +166,10 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
     def _eager(self, *args):
         hidden_states, top_k_index, top_k_weights = args
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
-        if state is False or not _usable(self, hidden_states, top_k_index, top_k_weights):
+        if state is False:
+            return orig(self, *args)
+        autocast = _autocast_dtype(hidden_states) if type(hidden_states) is torch.Tensor else None
+        if not _usable(self, hidden_states, top_k_index, top_k_weights, autocast):
             return orig(self, *args)
         if not on_its_device(hidden_states):  # another GPU's layer (device_map="auto"): launch on that GPU
             with torch.cuda.device(hidden_states.device):
@@ -178,11 +182,11 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
             return orig(self, *args)
 
         # (a training call's choice is its own: forward and backward timed together)
-        key = _choice_key(self, hidden_states, top_k_index, form, training)
+        key = _choice_key(self, hidden_states, top_k_index, form, training, autocast)
         choice = _CHOICES.get(key)
         if choice == "original" or (capturing and (choice is None or not state)):
             return original()  # (the faster in this bucket; or no timing or check inside a capture)
-        inputs = _kernel_inputs(self, hidden_states, training)
+        inputs = _kernel_inputs(self, hidden_states, training, autocast)
         if inputs is None:
             return original()
         x, params = inputs
@@ -254,12 +258,8 @@ def _first_check(module: nn.Module, kernels: Any, original: Any,
                  dtype: torch.dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Run the kernels and the module's forward and record whether they agree (``_fxfuse_moe``): ``(the kernels'
     output or None where they disagree or failed, the forward's output or None where it did not run)``."""
-    try:
-        fused = kernels()
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:  # never fail the user's forward: the original runs from now on
-        _kernels_failed(module, err)
+    fused = _guarded(module, kernels, lambda: None)
+    if fused is None:  # (the kernels failed: logged, and the module keeps its forward)
         return None, None
     out = original()
     err = ((fused.double() - out.double()).norm() / out.double().norm().clamp_min(1e-30)).item()

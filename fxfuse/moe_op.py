@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -31,12 +32,10 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     """:func:`fxfuse.kernels.moe_launch.run_moe` with the :class:`~fxfuse.kernels.moe_launch.ExpertsForm` spelled
     out (a custom op's arguments are plain types)."""
     form = ExpertsForm(act, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit)
-    if not on_its_device(hidden):  # another GPU's layer: launch on that GPU (Triton launches on the current one)
-        with torch.cuda.device(hidden.device):
-            return run_moe(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias=gate_up_bias,
-                           down_bias=down_bias)
-    return run_moe(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias=gate_up_bias,
-                   down_bias=down_bias)
+    # (another GPU's layer: launch on that GPU, as Triton launches on the current one)
+    with torch.cuda.device(hidden.device) if not on_its_device(hidden) else contextlib.nullcontext():
+        return run_moe(hidden, top_k_index, top_k_weights, gate_up, down, form, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias)
 
 
 @moe_experts.register_fake
