@@ -7,10 +7,10 @@ experts, guarded:
 * a call runs the kernels on a 2-D input of the weights' dtype on a GPU (or the interpreter); under CUDA autocast
   to fp16 / bf16, on the input, weights and biases cast to that dtype as autocast casts a Linear's (fp32 weights'
   casts kept as :mod:`fxfuse.autocast` keeps a region's; with autograd in a call that records gradients), the
-  output in the input's dtype; and without gradients to record unless ``FXFUSE_MOE_TRAINING=1`` (opt-in while its
-  GPU measurements are pending: then one autograd node, :class:`fxfuse.kernels.moe_backward_launch.
-  MoEExpertsFunction`, with gradients for the input, the routing weights, the weights and the biases); other calls
-  run the original forward;
+  output in the input's dtype; a call that records gradients as one autograd node,
+  :class:`fxfuse.kernels.moe_backward_launch.MoEExpertsFunction`, with gradients for the input, the routing weights,
+  the weights and the biases (``FXFUSE_MOE_TRAINING=0``: such calls run the original forward); other calls run the
+  original forward;
 * the first call that could run them runs both and compares: a module whose original forward computes something
   else (a clamp, another gate/up layout) keeps its original forward for good (logged at WARNING), never a wrong
   answer;
@@ -62,9 +62,9 @@ _CHECK_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 
 
 def training_enabled() -> bool:
-    """``FXFUSE_MOE_TRAINING=1``: calls with gradients to record run the kernels and their backward (read on
-    every call, so tests and users can flip it)."""
-    return os.environ.get("FXFUSE_MOE_TRAINING", "0") == "1"
+    """Whether calls with gradients to record run the kernels and their backward: yes unless
+    ``FXFUSE_MOE_TRAINING=0`` (read on every call, so tests and users can flip it)."""
+    return os.environ.get("FXFUSE_MOE_TRAINING", "1") != "0"
 
 
 def _records_grad(module: nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -176,7 +176,7 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                 return _eager(self, *args)
         on_gpu = hidden_states.device.type == "cuda"
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
-        training = _records_grad(self, hidden_states, top_k_weights)  # (FXFUSE_MOE_TRAINING=1)
+        training = _records_grad(self, hidden_states, top_k_weights)
 
         def original():
             return orig(self, *args)

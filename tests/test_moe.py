@@ -206,7 +206,7 @@ def test_structure_and_activation_are_recognized_and_the_reasons_named():
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
-def test_a_module_whose_forward_differs_keeps_it_and_grad_calls_run_the_original(caplog):
+def test_a_module_whose_forward_differs_keeps_it_and_grad_calls_run_the_original(caplog, monkeypatch):
     import logging
 
     from fxfuse.moe import moe_forward
@@ -225,7 +225,8 @@ def test_a_module_whose_forward_differs_keeps_it_and_grad_calls_run_the_original
         out = forward(clamped, x, index, weights)
     assert torch.equal(out, clamped(x, index, weights)) and clamped.__dict__["_fxfuse_moe"] is False
     assert "keeps its forward" in caplog.text
-    # Gradients to record: the original forward, unchecked (the kernels have no backward).
+    # Gradients to record with training turned off: the original forward, unchecked.
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "0")
     plain = experts("silu", torch.float32, "cpu")
     out = moe_forward(MixtralExperts.forward, "silu")(plain, x, index, weights)
     assert out.requires_grad and "_fxfuse_moe" not in plain.__dict__
@@ -504,8 +505,8 @@ def test_gpu_biased_experts_match_float64(family, tokens, dtype):
     assert rel_err(out, float64_forward(module, x, index, weights)) < TOL[dtype]
 
 
-# Training (FXFUSE_MOE_TRAINING=1): the kernels as one autograd node, gradients for the input, the routing weights,
-# the weights and the biases, against float64 autograd through the module's own forward or the reference.
+# Training (on unless FXFUSE_MOE_TRAINING=0): the kernels as one autograd node, gradients for the input, the routing
+# weights, the weights and the biases, against float64 autograd through the module's own forward or the reference.
 GRAD_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 
@@ -576,7 +577,7 @@ def test_biased_experts_gradients_match_float64_in_the_interpreter(family, dtype
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
-def test_training_calls_run_the_kernels_only_when_asked(monkeypatch):
+def test_training_calls_run_the_kernels_unless_turned_off(monkeypatch):
     from fxfuse.kernels import moe_backward_launch
 
     runs = []
@@ -586,37 +587,74 @@ def test_training_calls_run_the_kernels_only_when_asked(monkeypatch):
     forward = moe.moe_forward(type(module).forward, "silu")
     x = torch.randn(6, 32, requires_grad=True)
     index, weights = local_routing(6, 2, 4, "cpu", torch.float32)
-    monkeypatch.delenv("FXFUSE_MOE_TRAINING", raising=False)
+    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "0")
     forward(module, x, index, weights).sum().backward()
     assert runs == [] and "_fxfuse_moe" not in vars(module)  # the module's own forward and autograd
     expected = x.grad.clone()
     x.grad = None
-    monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    monkeypatch.delenv("FXFUSE_MOE_TRAINING")  # (the default)
     forward(module, x, index, weights).sum().backward()
     assert runs == [1] and vars(module)["_fxfuse_moe"] is True  # checked without gradients, then one node
     assert rel_err(x.grad, expected) < TOL[torch.float32]
 
 
-@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_a_moe_model_trains_as_the_original(family, monkeypatch):
+def model_gradients(family: str, device: str, dtype: torch.dtype, monkeypatch, layers: int = 2) -> list[dict]:
+    """A tiny transformers MoE model's gradients (every parameter's, the routers' included: they flow through the
+    routing weights) for a loss of its output: its own, through ``fxfuse.optimize`` with FXFUSE_MOE_TRAINING=1
+    (the kernels' node made to run: no timed choice), and a float64 copy's; ``layers``: its first decoder layers."""
+    import copy
+
     from real_models import main_output, tiny
 
     import fxfuse
+    from fxfuse.kernels import moe_backward_launch
 
     monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
+    monkeypatch.setattr(moe, "_CHOICES", {})
+    monkeypatch.setattr(moe, "_timed_choice", lambda *args, **kwargs: "kernels")
+    runs = []
+    monkeypatch.setattr(moe, "MoEExpertsFunction", type("Counted", (), {"apply": staticmethod(
+        lambda *a: runs.append(1) or moe_backward_launch.MoEExpertsFunction.apply(*a))}))
     model, inputs, _ = tiny(family)
-    model.train()
+    decoder = getattr(model, "model", model)  # (a ...ForCausalLM's decoder, or the decoder itself)
+    decoder.layers = decoder.layers[:layers]
+    model.config.num_hidden_layers = layers
+    model64 = copy.deepcopy(model).to(device, torch.float64).train()
+    model64.config._experts_implementation = "eager"  # (grouped_mm has no float64)
+    model = model.to(device, dtype).train()
+    inputs = {name: value.to(device) for name, value in inputs.items()}
     fast = fxfuse.optimize(model)
     grads = []
-    for run in (model, fast):
-        model.zero_grad()
-        main_output(run(**inputs, use_cache=False)).square().mean().backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-    assert [m for m in fast.modules() if vars(m).get("_fxfuse_moe")]  # the experts ran the kernels
-    assert grads[0].keys() == grads[1].keys() and any("experts" in name for name in grads[0])
-    for name in grads[0]:  # the routers' gradients included: they flow through the routing weights
-        assert rel_err(grads[1][name], grads[0][name]) < 1e-4, name
+    for run, params in ((model, model), (fast, model), (model64, model64)):
+        params.zero_grad()
+        main_output(run(**inputs, use_cache=False)).double().square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in params.named_parameters() if p.grad is not None})
+    assert runs and [m for m in fast.modules() if vars(m).get("_fxfuse_moe")]  # the experts ran the kernels' node
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys() and any("experts" in name for name in grads[0])
+    return grads
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_moe_model_trains_as_the_original(family, monkeypatch):
+    own, fused, _ = model_gradients(family, "cpu", torch.float32, monkeypatch)
+    for name in own:
+        assert rel_err(fused[name], own[name]) < 1e-4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_gpu_a_moe_model_trains_as_the_original(family, dtype, monkeypatch):
+    # fp32: exact FMA dots on both sides, two layers. bf16: each gradient against float64's, no further from it
+    # than the model's own (one layer: with two, a rounding in the first can flip the second's routing of a near
+    # tie, and then either side may be the one that differs).
+    own, fused, exact = model_gradients(family, "cuda", dtype, monkeypatch, layers=2 if dtype == torch.float32 else 1)
+    for name in own:
+        if dtype == torch.float32:
+            assert rel_err(fused[name], own[name]) < 1e-4, name
+        else:
+            assert rel_err(fused[name], exact[name]) <= 1.5 * rel_err(own[name], exact[name]) + 5e-3, name
 
 
 @pytest.mark.gpu
@@ -818,3 +856,22 @@ def test_a_compiled_call_that_trains_any_parameter_traces_the_module_forward():
     compiled = torch.compile(fast, backend="eager")
     main_output(compiled(**inputs)).square().mean().backward()  # (the op has no backward: not in this graph)
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts.down_proj" in n)
+
+
+def test_exact_fp32_tunes_over_small_fma_tiles_and_the_rest_over_tensor_core_tiles(monkeypatch):
+    # Exact fp32 dots are FMA loops that ptxas unrolls: a tensor-core tile took over a minute to compile there.
+    from fxfuse.kernels import moe_backward_template, moe_template
+
+    monkeypatch.setattr(moe_template, "interpreting", lambda: False)  # (the GPU's lists, here too)
+    extra = moe_backward_template._WEIGHT_GRAD_TILES
+    for extra_tiles in ((), extra):
+        configs = moe_template.moe_configs(extra_tiles)
+        prune = moe_template.prune_moe_configs(extra_tiles)["early_config_prune"]
+        exact = prune(configs, {"INPUT_PRECISION": "ieee"})  # (named, or by keyword as the launches pass it)
+        fast = prune(configs, {}, INPUT_PRECISION="tf32")
+        tile = moe_template._tile
+        assert exact and fast and {tile(c) for c in exact} & {tile(c) for c in fast} == set(extra_tiles) & set(
+            moe_template._IEEE_TILES)  # (the weight gradient's extra tile serves both)
+        assert {tile(c) for c in exact} | {tile(c) for c in fast} == {tile(c) for c in configs}
+        assert max(c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] for c in exact) <= 64 * 32
+        assert min(c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] for c in fast) >= (64 * 32 if extra_tiles else 64 * 64)

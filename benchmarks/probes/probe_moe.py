@@ -11,7 +11,7 @@ interleaved, a clamped SwiGLU; transformers runs it by the same two implementati
     python3 benchmarks/probes/probe_moe.py --train [...]   # a training step's forward + backward instead
 
 ``--train``: forward + backward (gradients of the input, the routing weights and every parameter) of transformers'
-grouped_mm under autograd against fxfuse's autograd node (``MoEExpertsFunction``, what ``FXFUSE_MOE_TRAINING=1``
+grouped_mm under autograd against fxfuse's autograd node (``MoEExpertsFunction``, what a training call
 runs), GPU µs (do_bench) and the gradients' error against the float32 copy's.
 """
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_template import _rows_dot, moe_configs
+from .moe_template import _rows_dot, moe_configs, prune_moe_configs
 from .tuning import autotune
 
 __all__ = ["moe_down_backward_kernel", "moe_weight_grad_kernel"]
@@ -54,7 +54,8 @@ def _gate_backward(g, u, dh, alpha, limit, ACT: tl.constexpr):
         return tl.where(g <= limit, dg, 0.0), tl.where((u >= -limit) & (u <= limit), du, 0.0)
 
 
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk"])
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk", "INPUT_PRECISION"],
+          prune_configs_by=prune_moe_configs())
 @triton.jit
 def moe_down_backward_kernel(
     dout_ptr,
@@ -144,17 +145,15 @@ def moe_down_backward_kernel(
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=mask)
 
 
-def weight_grad_configs() -> list[triton.Config]:
-    """:func:`~fxfuse.kernels.moe_template.moe_configs`, and one that fits shared memory in fp32 at 128 rows per
-    block (its A and B tiles are ``[BLOCK_M, BLOCK_N]`` and ``[BLOCK_M, BLOCK_K]``, BLOCK_M the layout's: fp32 at
-    128 rows and 3 stages outgrows an H100's 228 KB in every other config; a config that fails to compile is
-    dropped by the autotuner)."""
-    configs = moe_configs()
-    return configs if len(configs) == 1 else configs + [
-        triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2)]
+# A tile that fits shared memory in tf32 at 128 rows per block: the weight gradient's A and B tiles are
+# [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K], BLOCK_M the layout's, and 4-byte tiles at 128 rows and 3 stages outgrow
+# an H100's 228 KB in every other tensor-core tile (a config that fails to compile is dropped by the autotuner).
+_WEIGHT_GRAD_TILES = ((64, 32, 4, 2),)
 
 
-@autotune(configs=weight_grad_configs(), key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on"])
+@autotune(configs=moe_configs(_WEIGHT_GRAD_TILES),
+          key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on", "INPUT_PRECISION"],
+          prune_configs_by=prune_moe_configs(_WEIGHT_GRAD_TILES))
 @triton.jit
 def moe_weight_grad_kernel(
     a_ptr,

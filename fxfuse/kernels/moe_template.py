@@ -34,17 +34,29 @@ from .template import interpreting
 from .tuning import autotune
 
 __all__ = ["ACTIVATIONS", "moe_configs", "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel",
-           "moe_place_kernel", "moe_route_kernel"]
+           "moe_place_kernel", "moe_route_kernel", "prune_moe_configs"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names, and gpt-oss's clamped
 # SwiGLU, ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2, "clamped_swiglu": 3}
 
 
-def moe_configs() -> list[triton.Config]:
+# (BLOCK_N, BLOCK_K, warps, stages) of the tensor-core dots (bf16, fp16, tf32), and of exact fp32 ("ieee": FMA
+# loops, no tensor cores): ptxas unrolls an FMA tile of BLOCK_M x BLOCK_N x BLOCK_K, so a 128 x 256 x 64 one took
+# over a minute to compile on an H100 for no speed; small tiles compile in seconds.
+_TENSOR_CORE_TILES = ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+                      (128, 128, 8, 3))
+_IEEE_TILES = ((64, 32, 4, 2), (32, 32, 4, 2))
+
+
+def _tile(config: triton.Config) -> tuple[int, int, int, int]:
+    return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps, config.num_stages
+
+
+def moe_configs(extra_tensor_core: tuple = ()) -> list[triton.Config]:
     """Tile widths, K steps, warps and pipeline depths to tune over (the rows per block, ``BLOCK_M``, are the
-    caller's: the pair layout is built for them). One small config in the interpreter. A first list, not yet
-    measured on a GPU.
+    caller's: the pair layout is built for them): the tensor-core tiles (and ``extra_tensor_core``), then exact
+    fp32's; :func:`prune_moe_configs` keeps those of the call's precision. One small config in the interpreter.
 
     Example:
         >>> interpreting() or len(moe_configs()) > 1
@@ -52,9 +64,27 @@ def moe_configs() -> list[triton.Config]:
     """
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
-                                 (128, 128, 8, 3))]
+    tiles = dict.fromkeys(_TENSOR_CORE_TILES + tuple(extra_tensor_core) + _IEEE_TILES)  # (ordered, no repeats)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in tiles]
+
+
+def prune_moe_configs(extra_tensor_core: tuple = ()) -> dict | None:
+    """``prune_configs_by`` for the MoE kernels: exact fp32 (``INPUT_PRECISION="ieee"``) gets the small FMA tiles,
+    every other precision the tensor-core tiles (and ``extra_tensor_core``).
+
+    Example:
+        >>> interpreting() or "early_config_prune" in prune_moe_configs()
+        True
+    """
+    if interpreting():
+        return None
+    tensor_core = set(_TENSOR_CORE_TILES) | set(extra_tensor_core)
+
+    def prune(configs, named_args, **kwargs):
+        wanted = set(_IEEE_TILES) if {**named_args, **kwargs}.get("INPUT_PRECISION") == "ieee" else tensor_core
+        return [c for c in configs if _tile(c) in wanted] or configs[:1]
+
+    return {"early_config_prune": prune}
 
 
 @triton.jit
@@ -93,7 +123,8 @@ def _rows_dot(acc, a_ptr, a_rows, stride_am, valid, w_base, offs_n, n_mask, stri
 
 
 # Tuned per shape, rows per block, gate/up arrangement and weight layout (stride_wk: 1 for [E, out, in]).
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk", "STORE_GU"])
+@autotune(configs=moe_configs(), prune_configs_by=prune_moe_configs(),
+          key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk", "STORE_GU", "INPUT_PRECISION"])
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr,
@@ -200,7 +231,8 @@ def moe_gate_up_kernel(
         tl.store(gu_rows + N, u.to(gu_ptr.dtype.element_ty), mask=out_mask)
 
 
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "stride_wk"])
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "stride_wk", "INPUT_PRECISION"],
+          prune_configs_by=prune_moe_configs())
 @triton.jit
 def moe_down_kernel(
     h_ptr,
