@@ -184,9 +184,12 @@ case "$mode" in
   moe)
     # The MoE experts kernels (fxfuse.moe): GPU tests, then the probe against transformers' own forward at
     # gpt-oss-20b's, Mixtral's and Qwen3-MoE's shapes (transformers' loop and grouped_mm) -> moe*.log
-    step moe-tests "${TEST_TIMEOUT:-300}" moe_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_moe.py tests/test_real_models.py -k "moe or Moe or mixtral or gpt_oss"
-    grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
+    # (the tests take ~290 s on an H100, so the probes after them need a second call: MOE_SKIP_TESTS=1 skips them)
+    if [[ -z ${MOE_SKIP_TESTS:-} ]]; then
+      step moe-tests "${TEST_TIMEOUT:-400}" moe_tests.log python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_moe.py tests/test_real_models.py -k "moe or Moe or mixtral or gpt_oss"
+      grep -E "passed|failed|error" "$OUT/moe_tests.log" | tail -3
+    fi
     step moe-probe-gpt-oss "${PROBE_TIMEOUT:-170}" moe_probe_gpt_oss.log python3 benchmarks/probes/probe_moe.py \
       --family gpt_oss ${GPT_OSS_ARGS:-}
     cat "$OUT/moe_probe_gpt_oss.log"
@@ -195,7 +198,7 @@ case "$mode" in
     step moe-probe-qwen3 "${PROBE_TIMEOUT:-170}" moe_probe_qwen3.log python3 benchmarks/probes/probe_moe.py \
       --experts 128 --hidden 2048 --inter 768 --top-k 8
     cat "$OUT/moe_probe_qwen3.log"
-    # Training (FXFUSE_MOE_TRAINING=1's autograd node): forward + backward against grouped_mm under autograd
+    # Training (the experts' autograd node): forward + backward against grouped_mm under autograd
     for family in gpt_oss mixtral; do
       step "moe-train-$family" "${PROBE_TIMEOUT:-170}" "moe_train_$family.log" python3 benchmarks/probes/probe_moe.py \
         --family "$family" --train --tokens "${TRAIN_TOKENS:-16,512,4096}"
