@@ -47,7 +47,7 @@ from .kernels.tuning import TuningDuringCapture
 from .moe_match import activation_of, experts_form, experts_modules, gate_form, why_not_experts
 from .moe_op import moe_experts
 from .ops import on_its_device
-from .strategy import ORIGINAL_OPS, for_cuda_graphs, time_candidates
+from .strategy import ORIGINAL_OPS, for_cuda_graphs, measured_choice_enabled, time_candidates
 
 __all__ = ["MOE_PATTERN", "activation_of", "experts_form", "experts_installs", "experts_modules", "gate_form",
            "moe_forward", "why_not_experts"]
@@ -177,6 +177,7 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         on_gpu = hidden_states.device.type == "cuda"
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
         training = _records_grad(self, hidden_states, top_k_weights)
+        timed = on_gpu and measured_choice_enabled()
 
         def original():
             return orig(self, *args)
@@ -205,8 +206,8 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                 if not self.__dict__["_fxfuse_moe"]:
                     return original()
             if choice is None:
-                # (the interpreter has no GPU time to compare: there the kernels run)
-                choice = _CHOICES[key] = _timed_training(self, node, original, args, key) if on_gpu else "kernels"
+                # (the interpreter has no GPU time to compare, FXFUSE_AUTOTUNE=0 no timing: the kernels run)
+                choice = _CHOICES[key] = (_timed_training(self, node, original, args, key) if timed else "kernels")
             return _guarded(self, node, original) if choice == "kernels" else original()
         if not state:
             fused, out = _first_check(self, kernels, original, x.dtype)
@@ -217,8 +218,9 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
             if self.__dict__["_fxfuse_moe"] is False:
                 return fused  # (the original's output: the kernels failed)
         if choice is None:
-            # The interpreter has no GPU time to compare: there the kernels run (what its tests check).
-            choice = _CHOICES[key] = _timed_choice(self, kernels, original, key) if on_gpu else "kernels"
+            # The interpreter has no GPU time to compare: there the kernels run (what its tests check), as they do
+            # everywhere with FXFUSE_AUTOTUNE=0.
+            choice = _CHOICES[key] = _timed_choice(self, kernels, original, key) if timed else "kernels"
             if choice == "original":
                 return original()
         return fused

@@ -875,3 +875,78 @@ def test_exact_fp32_tunes_over_small_fma_tiles_and_the_rest_over_tensor_core_til
         assert {tile(c) for c in exact} | {tile(c) for c in fast} == {tile(c) for c in configs}
         assert max(c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] for c in exact) <= 64 * 32
         assert min(c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] for c in fast) >= (64 * 32 if extra_tiles else 64 * 64)
+    # FXFUSE_AUTOTUNE=0: one config, one that fits shared memory (fp32's weight gradient at 128 rows: its small tile)
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")
+    configs = moe_template.moe_configs(extra)
+    prune = moe_template.prune_moe_configs(extra)["early_config_prune"]
+    bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    [first] = prune(configs, {"a_ptr": bf16}, INPUT_PRECISION="tf32", BLOCK_M=128)
+    assert first is configs[0]
+    [small] = prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="tf32", BLOCK_M=128)
+    assert moe_template._tile(small) == extra[0]
+    [exact] = prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="ieee", BLOCK_M=128)
+    assert moe_template._tile(exact) == moe_template._IEEE_TILES[0]
+
+
+class OneConfig:
+    """``kernel[grid](...)`` of an autotuned MoE kernel, launching the ``index``-th config its pruning keeps for the
+    call (modulo their number) directly: the GPU tests otherwise run one config (FXFUSE_AUTOTUNE=0)."""
+
+    def __init__(self, tuner, index: int, launched: set):
+        self.tuner, self.index, self.launched = tuner, index, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = dict(zip(self.tuner.arg_names, args))
+            prune = self.tuner.early_config_prune  # (None in the interpreter: its one config)
+            kept = prune(self.tuner.configs, named, **kwargs) if prune else self.tuner.configs
+            config = kept[self.index % len(kept)]
+            self.launched.add((self.tuner.fn.__name__, str(config)))
+            return self.tuner.fn[grid(config.kwargs)](*args, **kwargs, **config.all_kwargs())
+
+        return launch
+
+
+def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch) -> None:
+    """The gradients against float64 with every MoE kernel launching its i-th config, for every i."""
+    from triton.runtime.errors import OutOfResources
+
+    from fxfuse.kernels import moe_backward_launch
+
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")  # (each precision's whole list; the autotuner itself never runs)
+    sites = [(moe_launch, "moe_gate_up_kernel"), (moe_launch, "moe_down_kernel"),
+             (moe_backward_launch, "moe_down_backward_kernel"), (moe_backward_launch, "moe_down_kernel"),
+             (moe_backward_launch, "moe_weight_grad_kernel")]
+    tuners = {(module, name): getattr(module, name) for module, name in sites}
+    most = max(len(tuner.configs) for tuner in tuners.values())
+    torch.manual_seed(0)
+    hidden, tokens = (256, 300) if device == "cuda" else (32, 9)
+    if family == "mixtral":
+        module = experts("silu", dtype, device, hidden=hidden, inter=2 * hidden, num=8)
+    else:
+        module = biased_experts("gpt_oss", dtype, device, hidden=hidden, inter=hidden + hidden // 2, num=8)
+    module.config._experts_implementation = "eager"
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    index, weights = local_routing(tokens, 4, 8, device, dtype)
+    launched, ran = set(), 0
+    for i in range(most):
+        for (site, name), tuner in tuners.items():
+            monkeypatch.setattr(site, name, OneConfig(tuner, i, launched))
+        try:
+            check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[dtype])
+        except OutOfResources:  # (the autotuner drops such a config too)
+            continue
+        ran += 1
+    assert ran >= min(2, most) and len({name for name, _ in launched}) == 4  # (moe_down_kernel serves two sites)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_every_moe_config_harness_in_the_interpreter(monkeypatch):
+    check_every_config("gpt_oss", torch.float32, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_gpu_every_moe_config_gives_the_gradients(family, dtype, monkeypatch):
+    check_every_config(family, dtype, "cuda", monkeypatch)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .template import interpreting
+from .template import autotune_enabled, interpreting
 from .tuning import autotune
 
 __all__ = ["ACTIVATIONS", "moe_configs", "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel",
@@ -47,6 +47,7 @@ ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "ge
 _TENSOR_CORE_TILES = ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
                       (128, 128, 8, 3))
 _IEEE_TILES = ((64, 32, 4, 2), (32, 32, 4, 2))
+_SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take (an H100 has 228 KB per block)
 
 
 def _tile(config: triton.Config) -> tuple[int, int, int, int]:
@@ -70,7 +71,8 @@ def moe_configs(extra_tensor_core: tuple = ()) -> list[triton.Config]:
 
 def prune_moe_configs(extra_tensor_core: tuple = ()) -> dict | None:
     """``prune_configs_by`` for the MoE kernels: exact fp32 (``INPUT_PRECISION="ieee"``) gets the small FMA tiles,
-    every other precision the tensor-core tiles (and ``extra_tensor_core``).
+    every other precision the tensor-core tiles (and ``extra_tensor_core``); with ``FXFUSE_AUTOTUNE=0``, the first
+    of those that fits shared memory, alone.
 
     Example:
         >>> interpreting() or "early_config_prune" in prune_moe_configs()
@@ -81,8 +83,18 @@ def prune_moe_configs(extra_tensor_core: tuple = ()) -> dict | None:
     tensor_core = set(_TENSOR_CORE_TILES) | set(extra_tensor_core)
 
     def prune(configs, named_args, **kwargs):
-        wanted = set(_IEEE_TILES) if {**named_args, **kwargs}.get("INPUT_PRECISION") == "ieee" else tensor_core
-        return [c for c in configs if _tile(c) in wanted] or configs[:1]
+        args = {**named_args, **kwargs}
+        wanted = set(_IEEE_TILES) if args.get("INPUT_PRECISION") == "ieee" else tensor_core
+        kept = [c for c in configs if _tile(c) in wanted] or configs[:1]
+        if autotune_enabled():
+            return kept
+        # FXFUSE_AUTOTUNE=0: one config, the first whose pipelined tiles surely fit shared memory (each stage's
+        # [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K] tiles, the weight gradient's; the forward's are no larger).
+        elem = max((v.element_size() for v in args.values() if hasattr(v, "element_size")), default=2)
+        rows = args.get("BLOCK_M", 128)
+        fits = [c for c in kept
+                if c.num_stages * rows * (c.kwargs["BLOCK_N"] + c.kwargs["BLOCK_K"]) * elem <= _SHARED_MEMORY_BUDGET]
+        return (fits or kept[-1:])[:1]
 
     return {"early_config_prune": prune}
 
