@@ -283,6 +283,7 @@ def test_a_bucket_where_the_module_was_faster_runs_its_forward(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 def test_gpu_forward_times_each_token_bucket_once_and_stays_correct(implementation, monkeypatch):
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")  # (the GPU tests' FXFUSE_AUTOTUNE=0 times nothing: the kernels run)
     monkeypatch.setattr(moe, "_CHOICES", {})
     torch.manual_seed(0)
     module = experts("silu", torch.bfloat16, "cuda", hidden=256, inter=512, num=8)
