@@ -951,3 +951,19 @@ def test_every_moe_config_harness_in_the_interpreter(monkeypatch):
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_gpu_every_moe_config_gives_the_gradients(family, dtype, monkeypatch):
     check_every_config(family, dtype, "cuda", monkeypatch)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_the_training_node_keeps_the_pre_activations_not_h():
+    # h = act(g) * u is recomputed in the backward from the saved g, u: the node keeps x, gu and the layout only.
+    module = experts("silu", torch.float32, "cpu", inter=48)
+    x = torch.randn(9, 32, requires_grad=True)
+    index, weights = local_routing(9, 2, 4, "cpu", torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = kernels_forward(module, x, index, weights)
+    params = {p.data_ptr() for p in module.parameters()}
+    activations = [t for t in saved if t.data_ptr() not in params and t.dim() == 2 and t.is_floating_point()]
+    assert sorted(t.shape[1] for t in activations) == [2, 32, 96]  # routing weights, x, gu: no [rows, 48] h
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in module.parameters())

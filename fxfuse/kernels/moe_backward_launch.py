@@ -50,14 +50,17 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     dtype, device = saved.x.dtype, dout.device
     precision = _input_precision(dtype)
     routing = top_k_weights.reshape(-1).contiguous()  # (a [T, 1] slice's view would stride)
-    # 1. G = dout[t] @ down[e]; dgate, dup through the gate; the routing gradient's column-tile parts.
+    # 1. G = dout[t] @ down[e]; dgate, dup through the gate; h recomputed (for d down); the routing gradient's
+    # column-tile parts.
     dgu = torch.empty(layout.rows.numel(), two_i, dtype=dtype, device=device)
+    h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device) if needs[3] else None
     tiles = triton.cdiv(inter, min(c.kwargs["BLOCK_N"] for c in moe_configs()))
     dr_parts = torch.zeros(tiles, pairs, dtype=torch.float32, device=device)
     moe_down_backward_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
-        dout, w2, saved.gu, saved.h, routing, dgu, dr_parts, layout.rows, layout.block_expert, H, inter, top_k,
-        pairs, tiles, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha, _finite(form.limit),
-        ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, INPUT_PRECISION=precision, BLOCK_M=bm)
+        dout, w2, saved.gu, h if h is not None else dgu, routing, dgu, dr_parts, layout.rows, layout.block_expert, H,
+        inter, top_k, pairs, tiles, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha,
+        _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, STORE_H=h is not None,
+        INPUT_PRECISION=precision, BLOCK_M=bm)
     dx = dr = d_w1 = d_w2 = d_b1 = d_b2 = None
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
@@ -88,7 +91,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[4] or needs[5] else None
     if needs[3]:  # 3. d down[e] = sum over e's rows of (r * dout[t])^T h
         d_w2 = torch.empty_like(w2.transpose(1, 2) if form.transposed else w2)
-        expert_sums(d_w2.transpose(1, 2) if form.transposed else d_w2, dout, True, saved.h, False)
+        expert_sums(d_w2.transpose(1, 2) if form.transposed else d_w2, dout, True, h, False)
     if needs[2]:  # 4. d gate_up[e] = sum over e's rows of dgu^T x[t]
         d_w1 = torch.empty_like(w1.transpose(1, 2) if form.transposed else w1)
         expert_sums(d_w1.transpose(1, 2) if form.transposed else d_w1, dgu, False, saved.x, True)
@@ -117,7 +120,8 @@ class MoEExpertsFunction(torch.autograd.Function):
             return out
         ctx.empty = False
         ctx.meta = (saved.layout.block_m, saved.form, gate_up.shape, down.shape)
-        ctx.save_for_backward(saved.x, saved.h, saved.gu, saved.layout.rows, saved.layout.block_expert, top_k_index,
+        # (not h: the backward recomputes it from gu, so a step keeps a third less of the layer's activations)
+        ctx.save_for_backward(saved.x, saved.gu, saved.layout.rows, saved.layout.block_expert, top_k_index,
                               top_k_weights, gate_up, down, down_bias)
         return out
 
@@ -127,10 +131,10 @@ class MoEExpertsFunction(torch.autograd.Function):
                  ctx.needs_input_grad[5], ctx.needs_input_grad[6])
         if ctx.empty:
             return (None,) * 9
-        x, h, gu, rows, block_expert, top_k_index, top_k_weights, gate_up, down, down_bias = ctx.saved_tensors
+        x, gu, rows, block_expert, top_k_index, top_k_weights, gate_up, down, down_bias = ctx.saved_tensors
         block_m, form, _, _ = ctx.meta
         w1, w2 = (gate_up.transpose(1, 2), down.transpose(1, 2)) if form.transposed else (gate_up, down)
         w1, w2 = _strided(w1), _strided(w2)  # (as the forward read them)
-        saved = MoESaved(PairLayout(rows, block_expert, block_m), x, h, gu, w1, w2, form)
+        saved = MoESaved(PairLayout(rows, block_expert, block_m), x, None, gu, w1, w2, form)
         dx, dr, d_w1, d_w2, d_b1, d_b2 = run_moe_backward(saved, dout, top_k_index, top_k_weights, down_bias, needs)
         return dx, None, dr, d_w1, d_w2, d_b1, d_b2, None, None

@@ -5,8 +5,10 @@ With ``dout`` the gradient of the layer's output ``[T, H]``, each pair ``p`` (to
 expert ``e``) gets ``G = dout[t] @ down[e]`` (``[I]``), and:
 
 * :func:`moe_down_backward_kernel`: ``G`` for a block's rows, then in its epilogue ``dh = r * G`` through the
-  gate's derivative into ``dgate`` and ``dup`` (``dgu``, in the weights' column order), and this tile's part of the
-  routing weight's gradient ``dr = G . h`` (+ ``dout[t] . down_bias[e]``, added by the caller);
+  gate's derivative into ``dgate`` and ``dup`` (``dgu``, in the weights' column order), ``h = act(g) * u``
+  recomputed from the saved pre-activations (the forward keeps ``g, u`` only: a third less activation memory) and
+  written for the down weights' gradient, and this tile's part of the routing weight's gradient ``dr = G . h`` (+
+  ``dout[t] . down_bias[e]``, added by the caller);
 * ``dx``: ``dgu @ gate_up[e]`` per pair, the forward's down kernel over the weights read transposed, summed per
   token by the caller;
 * :func:`moe_weight_grad_kernel`: ``dW[e] = sum over e's rows of A[row]^T B[row]``, for ``down`` (A = ``r *
@@ -23,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_template import _rows_dot, moe_configs, prune_moe_configs
+from .moe_template import _gate, _rows_dot, moe_configs, prune_moe_configs
 from .tuning import autotune
 
 __all__ = ["moe_down_backward_kernel", "moe_weight_grad_kernel"]
@@ -80,20 +82,21 @@ def moe_down_backward_kernel(
     limit,
     ACT: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    STORE_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """For the rows r (pairs p, tokens t) of one block of one expert e and BLOCK_N columns n of the intermediate:
-    ``G = dout[t] @ down[e][:, n]``; ``dgate, dup`` of ``act(g) * u`` at ``dh = routing[p] * G``; ``dr[n-tile, p]
-    = sum_n G * h[r, n]``.
+    ``G = dout[t] @ down[e][:, n]``; ``dgate, dup`` of ``act(g) * u`` at ``dh = routing[p] * G``; ``h = act(g) *
+    u`` (as the forward rounded it); ``dr[n-tile, p] = sum_n G * h[r, n]``.
 
     dout_ptr:         the output's gradient ``[T, K]`` (last dim contiguous, row stride ``stride_dm``).
     w_ptr:            the down weights as in the forward's down kernel: element (e, column k of the hidden size,
                       input n of the intermediate) at ``e * stride_we + k * stride_wn + n * stride_wk``.
     gu_ptr:           the forward's pre-activation gate and up ``[padded rows, 2N]`` (gate columns first).
-    h_ptr:            the forward's ``act(g) * u`` ``[padded rows, N]``.
+    h_ptr:            out ``[padded rows, N]`` if STORE_H: ``act(g) * u`` recomputed, in the activations' dtype.
     routing_ptr:      the routing weight of each pair ``[pairs]``.
     dgu_ptr:          out ``[padded rows, 2N]``: d gate and d up in the gate/up weights' column order (INTERLEAVED:
                       column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``).
@@ -104,7 +107,8 @@ def moe_down_backward_kernel(
     rows_ptr, block_expert_ptr: the pair layout (:func:`fxfuse.kernels.moe_template.moe_gate_up_kernel`).
     K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token; pairs: T * TOP_K;
                       tiles: dr's rows (the most column tiles any config makes).
-    alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`).
+    alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`); STORE_H: write h (for the
+                      down weights' gradient).
     INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The
                       grid is (blocks, cdiv(N, BLOCK_N)).
     """
@@ -125,18 +129,20 @@ def moe_down_backward_kernel(
                     offs_n, n_mask, stride_wk, stride_wn, K, INPUT_PRECISION, BLOCK_K)
     mask = valid[:, None] & n_mask[None, :]
     rows = offs_m[:, None].to(tl.int64)
-    h = tl.load(h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    dtype = dgu_ptr.dtype.element_ty
+    h = _gate(g, u, alpha, limit, ACT).to(dtype)  # (rounded as the forward stored it for the down GEMM)
+    if STORE_H:
+        tl.store(h_ptr + rows * N + offs_n[None, :], h, mask=mask)
     safe_pair = tl.where(valid, pair, 0).to(tl.int64)
-    tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(acc * h, axis=1), mask=valid)
+    tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(acc * h.to(tl.float32), axis=1), mask=valid)
     if pid_n == 0:
         for t in range(tl.cdiv(N, BLOCK_N), tiles):
             tl.store(dr_ptr + t * pairs + safe_pair, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=valid)
     scale = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-    g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     dg, du = _gate_backward(g, u, acc * scale[:, None], alpha, limit, ACT)
     out = dgu_ptr + rows * (2 * N)
-    dtype = dgu_ptr.dtype.element_ty
     if INTERLEAVED:
         tl.store(out + 2 * offs_n[None, :], dg.to(dtype), mask=mask)
         tl.store(out + 2 * offs_n[None, :] + 1, du.to(dtype), mask=mask)

@@ -149,7 +149,7 @@ class MoESaved:
 
     layout: PairLayout
     x: torch.Tensor  # the input [T, H] (last dim contiguous)
-    h: torch.Tensor  # act(g) * u [padded rows, I]
+    h: Optional[torch.Tensor]  # act(g) * u [padded rows, I] (None once saved for the backward: it recomputes h)
     gu: torch.Tensor  # pre-activation gate and up [padded rows, 2I]: gate columns first
     w1: torch.Tensor  # gate_up as an [E, 2I, H] view (either layout)
     w2: torch.Tensor  # down as an [E, H, I] view
