@@ -859,34 +859,29 @@ def test_a_compiled_call_that_trains_any_parameter_traces_the_module_forward():
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts.down_proj" in n)
 
 
-def test_exact_fp32_tunes_over_small_fma_tiles_and_the_rest_over_tensor_core_tiles(monkeypatch):
+def test_exact_fp32_tunes_over_small_tiles_16_bit_over_tensor_core_tiles_tf32_over_both(monkeypatch):
     # Exact fp32 dots are FMA loops that ptxas unrolls: a tensor-core tile took over a minute to compile there.
-    from fxfuse.kernels import moe_backward_template, moe_template
+    from fxfuse.kernels import moe_template
 
     monkeypatch.setattr(moe_template, "interpreting", lambda: False)  # (the GPU's lists, here too)
-    extra = moe_backward_template._WEIGHT_GRAD_TILES
-    for extra_tiles in ((), extra):
-        configs = moe_template.moe_configs(extra_tiles)
-        prune = moe_template.prune_moe_configs(extra_tiles)["early_config_prune"]
-        exact = prune(configs, {"INPUT_PRECISION": "ieee"})  # (named, or by keyword as the launches pass it)
-        fast = prune(configs, {}, INPUT_PRECISION="tf32")
-        tile = moe_template._tile
-        assert exact and fast and {tile(c) for c in exact} & {tile(c) for c in fast} == set(extra_tiles) & set(
-            moe_template._IEEE_TILES)  # (the weight gradient's extra tile serves both)
-        assert {tile(c) for c in exact} | {tile(c) for c in fast} == {tile(c) for c in configs}
-        assert max(c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] for c in exact) <= 64 * 32
-        assert min(c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] for c in fast) >= (64 * 32 if extra_tiles else 64 * 64)
-    # FXFUSE_AUTOTUNE=0: one config, one that fits shared memory (fp32's weight gradient at 128 rows: its small tile)
-    monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")
-    configs = moe_template.moe_configs(extra)
-    prune = moe_template.prune_moe_configs(extra)["early_config_prune"]
+    configs = moe_template.moe_configs()
+    prune = moe_template.prune_moe_configs()["early_config_prune"]
+    tile, small = moe_template._tile, set(moe_template._SMALL_TILES)
     bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
-    [first] = prune(configs, {"a_ptr": bf16}, INPUT_PRECISION="tf32", BLOCK_M=128)
-    assert first is configs[0]
-    [small] = prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="tf32", BLOCK_M=128)
-    assert moe_template._tile(small) == extra[0]
-    [exact] = prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="ieee", BLOCK_M=128)
-    assert moe_template._tile(exact) == moe_template._IEEE_TILES[0]
+    exact = {tile(c) for c in prune(configs, {"x_ptr": fp32, "INPUT_PRECISION": "ieee"})}  # (named, or by keyword)
+    half = {tile(c) for c in prune(configs, {"x_ptr": bf16}, INPUT_PRECISION="tf32")}
+    tf32 = {tile(c) for c in prune(configs, {"x_ptr": fp32}, INPUT_PRECISION="tf32")}
+    assert exact == small and half == set(moe_template._TENSOR_CORE_TILES) and tf32 == half | small
+    assert half | small == {tile(c) for c in configs} and not half & small
+    assert max(bn * bk for bn, bk, _, _ in small) <= 64 * 32 and min(bn * bk for bn, bk, _, _ in half) >= 64 * 64
+    # FXFUSE_AUTOTUNE=0: one config that fits shared memory at 128 rows per block
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")
+    for activations, precision, expected in ((bf16, "tf32", configs[0]), (fp32, "ieee", None), (fp32, "tf32", None)):
+        [one] = prune(configs, {"a_ptr": activations}, INPUT_PRECISION=precision, BLOCK_M=128)
+        assert expected is None or one is expected
+        assert moe_template._pipelined_bytes(one, 128, activations.element_size()) <= (
+            moe_template._SHARED_MEMORY_BUDGET)
+        assert (tile(one) in small) == (activations is fp32)
 
 
 class OneConfig:

@@ -151,15 +151,8 @@ def moe_down_backward_kernel(
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=mask)
 
 
-# A tile that fits shared memory in tf32 at 128 rows per block: the weight gradient's A and B tiles are
-# [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K], BLOCK_M the layout's, and 4-byte tiles at 128 rows and 3 stages outgrow
-# an H100's 228 KB in every other tensor-core tile (a config that fails to compile is dropped by the autotuner).
-_WEIGHT_GRAD_TILES = ((64, 32, 4, 2),)
-
-
-@autotune(configs=moe_configs(_WEIGHT_GRAD_TILES),
-          key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on", "INPUT_PRECISION"],
-          prune_configs_by=prune_moe_configs(_WEIGHT_GRAD_TILES))
+@autotune(configs=moe_configs(), prune_configs_by=prune_moe_configs(),
+          key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on", "INPUT_PRECISION"])
 @triton.jit
 def moe_weight_grad_kernel(
     a_ptr,

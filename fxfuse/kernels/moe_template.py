@@ -41,12 +41,13 @@ __all__ = ["ACTIVATIONS", "moe_configs", "moe_count_kernel", "moe_down_kernel", 
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2, "clamped_swiglu": 3}
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) of the tensor-core dots (bf16, fp16, tf32), and of exact fp32 ("ieee": FMA
-# loops, no tensor cores): ptxas unrolls an FMA tile of BLOCK_M x BLOCK_N x BLOCK_K, so a 128 x 256 x 64 one took
-# over a minute to compile on an H100 for no speed; small tiles compile in seconds.
+# (BLOCK_N, BLOCK_K, warps, stages) of the 16-bit tensor-core dots, and small tiles: exact fp32's ("ieee": FMA
+# loops that ptxas unrolls over the whole BLOCK_M x BLOCK_N x BLOCK_K tile; a 128 x 256 x 64 one took over a minute
+# to compile on an H100 for no speed, these compile in seconds) and TF32's fallbacks (4-byte tiles at 128 rows per
+# block outgrow shared memory in most of the 16-bit tiles; the autotuner drops the configs that fail to compile).
 _TENSOR_CORE_TILES = ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
                       (128, 128, 8, 3))
-_IEEE_TILES = ((64, 32, 4, 2), (32, 32, 4, 2))
+_SMALL_TILES = ((64, 32, 4, 2), (32, 32, 4, 2))
 _SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take (an H100 has 228 KB per block)
 
 
@@ -54,10 +55,18 @@ def _tile(config: triton.Config) -> tuple[int, int, int, int]:
     return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps, config.num_stages
 
 
-def moe_configs(extra_tensor_core: tuple = ()) -> list[triton.Config]:
+def _pipelined_bytes(config: triton.Config, rows: int, elem: int) -> int:
+    """Shared memory a config's pipelined tiles take in the larger of the MoE kernels' two shapes: the weight
+    gradient's ``[rows, BLOCK_N]`` and ``[rows, BLOCK_K]``, and the gate/up kernel's ``[rows, BLOCK_K]`` and two
+    ``[BLOCK_K, BLOCK_N]``."""
+    bn, bk = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    return config.num_stages * max(rows * (bn + bk), rows * bk + 2 * bk * bn) * elem
+
+
+def moe_configs() -> list[triton.Config]:
     """Tile widths, K steps, warps and pipeline depths to tune over (the rows per block, ``BLOCK_M``, are the
-    caller's: the pair layout is built for them): the tensor-core tiles (and ``extra_tensor_core``), then exact
-    fp32's; :func:`prune_moe_configs` keeps those of the call's precision. One small config in the interpreter.
+    caller's: the pair layout is built for them): the tensor-core tiles, then the small ones;
+    :func:`prune_moe_configs` keeps those of the call's dtype and precision. One small config in the interpreter.
 
     Example:
         >>> interpreting() or len(moe_configs()) > 1
@@ -65,14 +74,14 @@ def moe_configs(extra_tensor_core: tuple = ()) -> list[triton.Config]:
     """
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    tiles = dict.fromkeys(_TENSOR_CORE_TILES + tuple(extra_tensor_core) + _IEEE_TILES)  # (ordered, no repeats)
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in tiles]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in _TENSOR_CORE_TILES + _SMALL_TILES]
 
 
-def prune_moe_configs(extra_tensor_core: tuple = ()) -> dict | None:
-    """``prune_configs_by`` for the MoE kernels: exact fp32 (``INPUT_PRECISION="ieee"``) gets the small FMA tiles,
-    every other precision the tensor-core tiles (and ``extra_tensor_core``); with ``FXFUSE_AUTOTUNE=0``, the first
-    of those that fits shared memory, alone.
+def prune_moe_configs() -> dict | None:
+    """``prune_configs_by`` for the MoE kernels (their first argument is the activations): exact fp32
+    (``INPUT_PRECISION="ieee"``) gets the small tiles, fp16 / bf16 the tensor-core tiles, TF32 both; with
+    ``FXFUSE_AUTOTUNE=0`` one of those alone, the first that fits shared memory (else the smallest of all).
 
     Example:
         >>> interpreting() or "early_config_prune" in prune_moe_configs()
@@ -80,21 +89,18 @@ def prune_moe_configs(extra_tensor_core: tuple = ()) -> dict | None:
     """
     if interpreting():
         return None
-    tensor_core = set(_TENSOR_CORE_TILES) | set(extra_tensor_core)
 
     def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        wanted = set(_IEEE_TILES) if args.get("INPUT_PRECISION") == "ieee" else tensor_core
+        activations = next(iter(named_args.values()), None)
+        elem = activations.element_size() if hasattr(activations, "element_size") else 2
+        exact = {**named_args, **kwargs}.get("INPUT_PRECISION") == "ieee"
+        wanted = set(_SMALL_TILES) if exact else set(_TENSOR_CORE_TILES) | (set(_SMALL_TILES) if elem == 4 else set())
         kept = [c for c in configs if _tile(c) in wanted] or configs[:1]
         if autotune_enabled():
             return kept
-        # FXFUSE_AUTOTUNE=0: one config, the first whose pipelined tiles surely fit shared memory (each stage's
-        # [BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_K] tiles, the weight gradient's; the forward's are no larger).
-        elem = max((v.element_size() for v in args.values() if hasattr(v, "element_size")), default=2)
-        rows = args.get("BLOCK_M", 128)
-        fits = [c for c in kept
-                if c.num_stages * rows * (c.kwargs["BLOCK_N"] + c.kwargs["BLOCK_K"]) * elem <= _SHARED_MEMORY_BUDGET]
-        return (fits or kept[-1:])[:1]
+        rows = {**named_args, **kwargs}.get("BLOCK_M", 128)
+        fits = [c for c in kept if _pipelined_bytes(c, rows, elem) <= _SHARED_MEMORY_BUDGET]
+        return fits[:1] or [min(configs, key=lambda c: _pipelined_bytes(c, rows, elem))]
 
     return {"early_config_prune": prune}
 
