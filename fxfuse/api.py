@@ -89,10 +89,13 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
         full_report.graphs += all(host.scope is not s for s in found.scopes)  # (a discovery graph reused)
     full_report.regions += placement.inline_reports
     for path, act in experts_acts.items():
+        experts_module = model.get_submodule(path)
         full_report.regions.append(RegionReport(path, MOE_PATTERN, f"moe:{act}", "moe_grouped (routing + 2 kernels)", [
-            "the (token, expert) pairs routed by expert, then two grouped kernels; checked against the module's "
-            "forward at its first call (kept if they differ) and timed against it at each power-of-two token "
-            "bucket's first call (the faster runs; logged)"]))
+            "the (token, expert) pairs routed by expert, then two grouped kernels (training: one autograd node, "
+            "three more kernels backward); checked against the module's forward at its first call (kept if they "
+            "differ) and timed against it at each power-of-two token bucket's first call, forward and training "
+            "step apart (the faster runs; logged, and measured here)"],
+            experts=(type(experts_module), tuple(experts_module.gate_up_proj.shape))))
     if cuda_graphs:
         full_report.cuda_graphs = cuda_graphed(result, static_outputs=cuda_graphs == "static").forward.describe()
     full_report.seconds = time.perf_counter() - start

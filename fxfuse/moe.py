@@ -33,12 +33,15 @@ import functools
 import inspect
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from . import autocast as fx_autocast
+from .cost import ceilings_for
 from .install import Install
 from .kernels.moe_backward_launch import MoEExpertsFunction
 from .kernels.moe_launch import ExpertsForm, run_moe
@@ -47,10 +50,11 @@ from .kernels.tuning import TuningDuringCapture
 from .moe_match import activation_of, experts_form, experts_modules, gate_form, why_not_experts
 from .moe_op import moe_experts
 from .ops import on_its_device
+from .roofline import Verdict, classify
 from .strategy import ORIGINAL_OPS, for_cuda_graphs, measured_choice_enabled, time_candidates
 
-__all__ = ["MOE_PATTERN", "activation_of", "experts_form", "experts_installs", "experts_modules", "gate_form",
-           "moe_forward", "why_not_experts"]
+__all__ = ["MOE_PATTERN", "ExpertsTiming", "activation_of", "experts_form", "experts_installs", "experts_modules",
+           "experts_timings", "gate_form", "moe_forward", "why_not_experts"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +123,35 @@ def _kernel_inputs(module: nn.Module, hidden: torch.Tensor, training: bool,
 _CHOICES: dict[tuple, str] = {}
 
 
+@dataclass(frozen=True)
+class ExpertsTiming:
+    """One token bucket's timed choice for one experts class and shape, as :func:`fxfuse.report` shows it."""
+
+    tokens: tuple[int, int]  # the bucket's range
+    training: bool  # a forward and its backward (else a forward)
+    kernels_us: float
+    original_us: float  # the module's own forward (its experts implementation), µs per call
+    runs: str  # "kernels" or "original"
+    verdict: Optional[Verdict] = None  # what bounds the kernels' time (roofline), where its work was counted
+
+    def __str__(self) -> str:
+        runs = "kernels" if self.runs == "kernels" else "its forward kept"
+        why = f", {self.verdict}" if self.verdict is not None else ""
+        return (f"{self.kernels_us:.1f} / {self.original_us:.1f} at {self.tokens[0]}-{self.tokens[1]} tokens"
+                f"{' (training step)' if self.training else ''} ({runs}{why})")
+
+
+# The _CHOICES key of each timed choice -> its timing.
+_TIMINGS: dict[tuple, ExpertsTiming] = {}
+
+
+def experts_timings(cls: type, gate_up_shape: tuple[int, ...]) -> list[ExpertsTiming]:
+    """The timed choices so far in this process for experts modules of class ``cls`` with ``gate_up_proj`` of
+    ``gate_up_shape``, by token bucket (forward first)."""
+    found = [(key[-1], key[-2], t) for key, t in _TIMINGS.items() if key[0] is cls and key[2:5] == gate_up_shape]
+    return [t for _, _, t in sorted(found, key=lambda f: (f[1], f[0]))]
+
+
 def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, form: ExpertsForm,
                 training: bool = False, autocast: Optional[torch.dtype] = None) -> tuple:
     config = getattr(module, "config", None)
@@ -127,11 +160,13 @@ def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, fo
             next_pow2(hidden.shape[0]))
 
 
-def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, what: str = "forward") -> str:
+def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, what: str = "forward",
+                  work: Optional[Callable[[], tuple[float, float]]] = None) -> str:
     """Time the kernels and the module's own forward on this call's routing as the planner times its candidates
     (:func:`fxfuse.strategy.time_candidates`: the larger of GPU and host time per call, the GPU time alone when
-    planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times. ``what``:
-    "forward", or "training step" when the runners are a forward and its backward."""
+    planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times and kept
+    for the report (:func:`experts_timings`). ``what``: "forward", or "training step" when the runners are a
+    forward and its backward; ``work``: the call's ``(FLOPs, minimum bytes)``, for the report's verdict."""
     bucket = key[-1]
     # (as ORIGINAL_OPS, the module's forward is never dropped: its error is the user's, raised)
     times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
@@ -140,7 +175,31 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, wh
     log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
              "runs %s", type(module).__name__, bucket // 2 + 1, bucket, what, times.get("kernels", float("inf")),
              key[1] or "its forward", times[ORIGINAL_OPS], "the kernels" if choice == "kernels" else "its own forward")
+    kernels_us = times.get("kernels", float("inf"))
+    verdict = None
+    if work is not None and kernels_us < float("inf"):
+        flops, nbytes = work()
+        device = key[8]
+        ceilings = ceilings_for(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+        verdict = classify(flops, nbytes, 4 if what == "forward" else 8, ceilings, str(key[7] or key[6]),
+                           gpu_us=kernels_us)  # (key[7]: the autocast dtype the kernels ran in)
+    _TIMINGS[key] = ExpertsTiming((bucket // 2 + 1, bucket), what != "forward", kernels_us, times[ORIGINAL_OPS],
+                                  choice, verdict)
     return choice
+
+
+def _experts_work(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, training: bool) -> tuple[float, float]:
+    """``(FLOPs, minimum bytes)`` of the experts on this call's routing: each routed pair's gate/up and down
+    products; the weights of the experts hit read once (and, training, their gradients written once), the input
+    and output once. (One host sync, at a bucket's timing only: the experts hit.)"""
+    num = module.gate_up_proj.shape[0]
+    per_expert = module.gate_up_proj[0].numel() + module.down_proj[0].numel()  # H x 3I weights
+    pairs = int(((index >= 0) & (index < num)).sum())
+    hit = int(index[(index >= 0) & (index < num)].unique().numel())
+    elem = module.gate_up_proj.element_size()
+    flops = 2.0 * pairs * per_expert * (3 if training else 1)  # (a backward: twice the forward's products)
+    nbytes = hit * per_expert * elem * (2 if training else 1) + 2 * hidden.numel() * hidden.element_size()
+    return flops, float(nbytes)
 
 
 def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
@@ -220,7 +279,9 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         if choice is None:
             # The interpreter has no GPU time to compare: there the kernels run (what its tests check), as they do
             # everywhere with FXFUSE_AUTOTUNE=0.
-            choice = _CHOICES[key] = _timed_choice(self, kernels, original, key) if timed else "kernels"
+            choice = _CHOICES[key] = _timed_choice(
+                self, kernels, original, key, work=lambda: _experts_work(self, x, top_k_index, False)) \
+                if timed else "kernels"
             if choice == "original":
                 return original()
         return fused
@@ -253,7 +314,8 @@ def _timed_training(module: nn.Module, node: Any, original: Any, args: tuple, ke
     def step(run: Any) -> Any:  # (allow_unused: a parameter the module's own forward leaves out of this call)
         return lambda: torch.autograd.grad(run(), wanted, dout, allow_unused=True)
 
-    return _timed_choice(module, step(node), step(original), key, "training step")
+    return _timed_choice(module, step(node), step(original), key, "training step",
+                         work=lambda: _experts_work(module, hidden, args[1], True))
 
 
 def _first_check(module: nn.Module, kernels: Any, original: Any,

@@ -60,6 +60,7 @@ class RegionReport:
     predicted_regime: str = ""  # of the fused kernels: "compute", "memory" or "launch"
     predicted_on: str = ""  # the GPU whose ceilings the prediction used
     stages: int = 0  # GEMM stages of the region (what a per-stage strategy launches)
+    experts: tuple = ()  # a MoE experts region: (its class, gate_up_proj's shape), whose timed choices it shows
 
     @classmethod
     def from_region(cls, region: FusionRegion, spec: str, prefix: str = "",
@@ -159,7 +160,12 @@ class RegionReport:
 
     def measured_cell(self) -> str:
         """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``
-        (``at M~1 in a CUDA graph``: planned by GPU time for a graph's replays)."""
+        (``at M~1 in a CUDA graph``: planned by GPU time for a graph's replays). A MoE experts region: the
+        kernels' and its own forward's times at each token bucket timed, with what bounds the kernels."""
+        if self.experts:
+            from .moe import experts_timings
+
+            return "; ".join(map(str, experts_timings(*self.experts))) or "not yet"
         if not self.widths:  # shapes unknown here: the measurements cannot be told apart
             return "—"
         cells = [f"{_at_ends(r)}{' in a CUDA graph' if r.for_cuda_graph else ''} "

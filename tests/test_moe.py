@@ -393,6 +393,31 @@ def test_the_timed_choice_keeps_the_faster_and_says_so(monkeypatch, caplog):
     assert "runs its own forward" in caplog.text
 
 
+def test_the_report_shows_each_timed_bucket_with_what_bounds_the_kernels(monkeypatch):
+    from fxfuse.report import RegionReport
+
+    monkeypatch.setattr(moe, "_TIMINGS", {})
+    module = experts("silu", torch.float32, "cpu")  # E=4, H=32, I=48
+    index = torch.tensor([[0, 1], [1, 4], [2, 1]])  # 5 pairs on this rank's experts (4: held elsewhere), 3 hit
+    flops, nbytes = moe._experts_work(module, torch.randn(3, 32), index, training=False)
+    per_expert = 32 * 96 + 32 * 48
+    assert flops == 2 * 5 * per_expert and nbytes == 3 * per_expert * 4 + 2 * 3 * 32 * 4
+    trained = moe._experts_work(module, torch.randn(3, 32), index, training=True)
+    assert trained == (3 * flops, nbytes + 3 * per_expert * 4)  # (and the gradients of the weights hit written)
+    times = iter([(80.0, 70.0), (30.0, 90.0)])
+    monkeypatch.setattr(moe, "time_candidates", lambda what, bucket, runners: dict(zip(runners, next(times))))
+    key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, None, torch.device("cpu"), "silu", False, False, 16)
+    moe._timed_choice(module, lambda: "kernels", lambda: "original", key, work=lambda: (flops, nbytes))
+    moe._timed_choice(module, lambda: "k", lambda: "o", (*key[:-2], True, 4), "training step")
+    region = RegionReport("layers.0.experts", moe.MOE_PATTERN, "moe:silu", "moe_grouped",
+                          experts=(type(module), (4, 96, 32)))
+    cell = region.measured_cell()
+    assert cell.startswith("80.0 / 70.0 at 9-16 tokens (its forward kept, ") and "-bound" in cell
+    assert cell.endswith("; 30.0 / 90.0 at 3-4 tokens (training step) (kernels)")  # (no work counted: no verdict)
+    other = RegionReport("x", moe.MOE_PATTERN, "moe:silu", "moe_grouped", experts=(type(module), (8, 96, 32)))
+    assert other.measured_cell() == "not yet"
+
+
 @pytest.mark.gpu
 def test_gpu_an_unchecked_module_inside_a_capture_runs_its_forward():
     torch.manual_seed(0)
