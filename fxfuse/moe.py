@@ -236,7 +236,7 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         on_gpu = hidden_states.device.type == "cuda"
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
         training = _records_grad(self, hidden_states, top_k_weights)
-        timed = on_gpu and measured_choice_enabled()
+        timed = _timed_here(hidden_states)
 
         def original():
             return orig(self, *args)
@@ -256,8 +256,9 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                            down_bias=params[3], out_dtype=hidden_states.dtype)
 
         if training:
-            def node():
-                return MoEExpertsFunction.apply(x, top_k_index, top_k_weights, *params, form, hidden_states.dtype)
+            def node_at(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                return MoEExpertsFunction.apply(hidden.to(x.dtype), top_k_index, weights, *params, form,
+                                                hidden_states.dtype)  # (.to: autocast's cast, with autograd)
 
             if not state:  # the kernels' forward against the module's, without gradients
                 with torch.no_grad():
@@ -265,8 +266,9 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                 if not self.__dict__["_fxfuse_moe"]:
                     return original()
             if choice is None:
-                # (the interpreter has no GPU time to compare, FXFUSE_AUTOTUNE=0 no timing: the kernels run)
-                choice = _CHOICES[key] = (_timed_training(self, node, original, args, key) if timed else "kernels")
+                choice = _CHOICES[key] = _training_choice(
+                    self, node_at, lambda hidden, weights: orig(self, hidden, top_k_index, weights), args, key, timed)
+            node = functools.partial(node_at, hidden_states, top_k_weights)
             return _guarded(self, node, original) if choice == "kernels" else original()
         if not state:
             fused, out = _first_check(self, kernels, original, x.dtype)
@@ -304,18 +306,39 @@ def _traced(module: nn.Module, orig: Any, form: ExpertsForm, args: tuple) -> tor
                        form.alpha, form.limit)
 
 
-def _timed_training(module: nn.Module, node: Any, original: Any, args: tuple, key: tuple) -> str:
-    """:func:`_timed_choice` for a call that records gradients: each runner is a forward and its backward (the
-    gradients of every input and parameter that requires them, for one random output gradient)."""
-    hidden, _, weights = args
+def _training_choice(module: nn.Module, node_at: Any, original_at: Any, args: tuple, key: tuple, timed: bool) -> str:
+    """The choice at a bucket's first call that records gradients, each runner (``node_at(hidden, weights)``, the
+    kernels' node, and ``original_at``, the module's forward) a forward and its backward: the gradients of the
+    input, the routing weights and every parameter that requires them, for one random output gradient, taken at
+    detached copies of the call's input and routing weights (a backward through the call's own would run into the
+    model's graph upstream, freeing what the step's backward needs). Timed, by :func:`_timed_choice`; untimed (the
+    interpreter, ``FXFUSE_AUTOTUNE=0``), the kernels once their backward has run here, so that kernels that fail
+    (logged) leave the module's forward for good rather than an error in the user's ``backward()``."""
+    hidden, index, weights = (t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+                              for t in args)
     wanted = [t for t in (hidden, weights, *module._parameters.values()) if t is not None and t.requires_grad]
     dout = torch.randn(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
-    def step(run: Any) -> Any:  # (allow_unused: a parameter the module's own forward leaves out of this call)
-        return lambda: torch.autograd.grad(run(), wanted, dout, allow_unused=True)
+    def step(run_at: Any) -> Any:  # (allow_unused: a parameter the module's own forward leaves out of this call)
+        return lambda: torch.autograd.grad(run_at(hidden, weights), wanted, dout, allow_unused=True)
 
-    return _timed_choice(module, step(node), step(original), key, "training step",
-                         work=lambda: _experts_work(module, hidden, args[1], True))
+    if timed:
+        return _timed_choice(module, step(node_at), step(original_at), key, "training step",
+                             work=lambda: _experts_work(module, hidden, index, True))
+    try:
+        step(node_at)()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # never fail the user's step: the original runs from now on
+        _kernels_failed(module, err)
+        return "original"
+    return "kernels"
+
+
+def _timed_here(hidden: torch.Tensor) -> bool:
+    """Whether a bucket's first call times the kernels against the module's forward: on a GPU, unless
+    ``FXFUSE_AUTOTUNE=0`` (the interpreter has no GPU time to compare; there, and untimed, the kernels run)."""
+    return hidden.is_cuda and measured_choice_enabled()
 
 
 def _first_check(module: nn.Module, kernels: Any, original: Any,

@@ -620,14 +620,16 @@ def test_training_calls_run_the_kernels_unless_turned_off(monkeypatch):
     x.grad = None
     monkeypatch.delenv("FXFUSE_MOE_TRAINING")  # (the default)
     forward(module, x, index, weights).sum().backward()
-    assert runs == [1] and vars(module)["_fxfuse_moe"] is True  # checked without gradients, then one node
+    # checked without gradients, the node's forward and backward tried once (the bucket's first call), then the node
+    assert runs == [1, 1] and vars(module)["_fxfuse_moe"] is True
     assert rel_err(x.grad, expected) < TOL[torch.float32]
 
 
 def model_gradients(family: str, device: str, dtype: torch.dtype, monkeypatch, layers: int = 2) -> list[dict]:
     """A tiny transformers MoE model's gradients (every parameter's, the routers' included: they flow through the
     routing weights) for a loss of its output: its own, through ``fxfuse.optimize`` with FXFUSE_MOE_TRAINING=1
-    (the kernels' node made to run: no timed choice), and a float64 copy's; ``layers``: its first decoder layers."""
+    (the kernels' node made to win a bucket's timing, which runs it twice, forward and backward, in the model), and
+    a float64 copy's; ``layers``: its first decoder layers."""
     import copy
 
     from real_models import main_output, tiny
@@ -637,7 +639,13 @@ def model_gradients(family: str, device: str, dtype: torch.dtype, monkeypatch, l
 
     monkeypatch.setenv("FXFUSE_MOE_TRAINING", "1")
     monkeypatch.setattr(moe, "_CHOICES", {})
-    monkeypatch.setattr(moe, "_timed_choice", lambda *args, **kwargs: "kernels")
+    def timer(what, bucket, runners):  # (each runner twice, as do_bench repeats them; the kernels "faster")
+        for run in [*runners.values()] * 2:
+            run()
+        return dict(zip(runners, (1.0, 2.0)))
+
+    monkeypatch.setattr(moe, "time_candidates", timer)
+    monkeypatch.setattr(moe, "_timed_here", lambda hidden: True)  # (on the CPU too)
     runs = []
     monkeypatch.setattr(moe, "MoEExpertsFunction", type("Counted", (), {"apply": staticmethod(
         lambda *a: runs.append(1) or moe_backward_launch.MoEExpertsFunction.apply(*a))}))
@@ -728,7 +736,7 @@ def test_fp32_experts_under_autocast_run_the_kernels_on_casts(family, monkeypatc
     dout = torch.randn(8, 32)
     with torch.autocast("cpu", dtype=torch.float16):
         _, grads = gradients(module, x, index, weights, dout, forward)
-    assert nodes == [torch.float16]  # the kernels' node, on the input's cast
+    assert nodes == [torch.float16] * 2  # the kernels' node, on the input's cast (its first bucket's trial, the call)
     _, ref_grads = gradients(module, x, index, weights, dout, lambda m, *a: type(m).forward(m, *a))  # fp32 eager
     for got, want in zip(grads, ref_grads):
         assert got.dtype == torch.float32 and rel_err(got, want) < GRAD_TOL[torch.float16]
@@ -805,8 +813,9 @@ def test_the_training_choice_times_forward_and_backward(monkeypatch, caplog):
     monkeypatch.setattr(moe, "time_candidates", timer)
     key = moe._choice_key(module, x, index, ExpertsForm("silu"), training=True)
     with caplog.at_level(logging.INFO, logger="fxfuse.moe"):
-        choice = moe._timed_training(module, lambda: kernels_forward(module, x, index, weights),
-                                     lambda: type(module).forward(module, x, index, weights), (x, index, weights), key)
+        choice = moe._training_choice(module, lambda h, w: kernels_forward(module, h, index, w),
+                                      lambda h, w: type(module).forward(module, h, index, w), (x, index, weights),
+                                      key, timed=True)
     assert choice == "original" and "training step" in caplog.text
     # x, gate_up, down: each runner a forward and its backward
     assert list(grads) == ["kernels", "original_ops"] and [len(g) for g in grads.values()] == [3, 3]
@@ -828,6 +837,30 @@ def test_a_training_node_that_fails_leaves_the_original_forward(monkeypatch, cap
         out = forward(module, x, index, weights)  # checked (agrees), then the node fails: the module's forward
     assert torch.equal(out, type(module).forward(module, x, index, weights)) and out.requires_grad
     assert vars(module)["_fxfuse_moe"] is False and "no backward today" in caplog.text
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_a_backward_that_fails_is_found_before_the_users_backward(monkeypatch, caplog):
+    from fxfuse.kernels import moe_backward_launch
+
+    class NoBackward(moe_backward_launch.MoEExpertsFunction):
+        @staticmethod
+        def backward(ctx, dout):
+            raise RuntimeError("no backward kernel today")
+
+    monkeypatch.setattr(moe, "MoEExpertsFunction", NoBackward)
+    monkeypatch.setattr(moe, "_CHOICES", {})  # (a first training call in its bucket)
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+    x = torch.randn(5, 32, requires_grad=True)
+    index, weights = local_routing(5, 2, 4, "cpu", torch.float32)
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"):
+        forward(module, x, index, weights).sum().backward()  # (the trial's backward failed: the module's forward)
+    expected = x.grad.clone()
+    x.grad = None
+    type(module).forward(module, x, index, weights).sum().backward()
+    assert torch.equal(x.grad, expected) and vars(module)["_fxfuse_moe"] is False
+    assert "no backward kernel today" in caplog.text
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
