@@ -12,7 +12,8 @@ interleaved, a clamped SwiGLU; transformers runs it by the same two implementati
 
 ``--train``: forward + backward (gradients of the input, the routing weights and every parameter) of transformers'
 grouped_mm under autograd against fxfuse's autograd node (``MoEExpertsFunction``, what a training call
-runs), GPU µs (do_bench) and the gradients' error against the float32 copy's.
+runs), GPU µs (do_bench) and the gradients' error against the float32 copy's; with ``--profile``, each kernel of
+both steps (torch.profiler) and the backward kernels' tuned configs.
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def train_row(args, module, reference, form, tokens: int) -> list[str]:
         err = max(((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(grads, ref))
         gpu = do_bench(lambda run=run: step(run), warmup=10, rep=50, return_mode="median") * 1e3
         cells.append(f"{name} {gpu:8.1f} us (worst grad err {err:.1e})")
+    if args.profile:
+        for name, run in variants.items():
+            print(f"    {name} step at T={tokens}:")
+            profile(lambda run=run: step(run), tokens, grad=True)
     return cells
 
 
@@ -175,21 +180,25 @@ def graphed_us(fn) -> str:
         return f"n/a ({type(exc).__name__})"
 
 
-def profile(fn, tokens: int) -> None:
-    """Each GPU kernel's mean time over 20 calls of ``fn``, and the tuned configs of the two MoE kernels."""
+def profile(fn, tokens: int, grad: bool = False) -> None:
+    """Each GPU kernel's mean time over 20 calls of ``fn`` (``grad``: with autograd on, a training step), and the
+    tuned configs of the MoE kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from fxfuse.kernels.moe_backward_template import moe_down_backward_kernel, moe_weight_grad_kernel
     from fxfuse.kernels.moe_template import moe_down_kernel, moe_gate_up_kernel
 
-    with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.set_grad_enabled(grad), torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:8]:
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:12 if grad else 8]:
         print(f"      {e.device_time_total / 20:9.1f} us/call  x{e.count / 20:.0f}  {e.key[:90]}")
-    for kernel in (moe_gate_up_kernel, moe_down_kernel):
+    kernels = (moe_gate_up_kernel, moe_down_kernel) + ((moe_down_backward_kernel, moe_weight_grad_kernel) if grad
+                                                       else ())
+    for kernel in kernels:
         for key, config in getattr(kernel, "cache", {}).items():
             print(f"      {kernel.fn.__name__} {key}: {config}")
 
