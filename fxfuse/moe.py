@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from . import autocast as fx_autocast
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 MOE_PATTERN = "moe_experts"
 _PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (the kernels' order)
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+# torch.utils.checkpoint stops a recomputation early by raising this through the forward: never a failure.
+_CHECKPOINT_CONTROL = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if c)
 # A first call's check of the kernels against the original forward: relative error by dtype.
 _CHECK_TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 
@@ -322,16 +325,19 @@ def _training_choice(module: nn.Module, node_at: Any, original_at: Any, args: tu
     def step(run_at: Any) -> Any:  # (allow_unused: a parameter the module's own forward leaves out of this call)
         return lambda: torch.autograd.grad(run_at(hidden, weights), wanted, dout, allow_unused=True)
 
-    if timed:
-        return _timed_choice(module, step(node_at), step(original_at), key, "training step",
-                             work=lambda: _experts_work(module, hidden, index, True))
-    try:
-        step(node_at)()
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:  # never fail the user's step: the original runs from now on
-        _kernels_failed(module, err)
-        return "original"
+    # (what these backwards save stays off any saved-tensor hooks of the caller's: activation checkpointing counts
+    # what a layer's forward saves, and its recomputation, which skips this choice, must save the same)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        if timed:
+            return _timed_choice(module, step(node_at), step(original_at), key, "training step",
+                                 work=lambda: _experts_work(module, hidden, index, True))
+        try:
+            step(node_at)()
+        except (torch.OutOfMemoryError, *_CHECKPOINT_CONTROL):
+            raise
+        except Exception as err:  # never fail the user's step: the original runs from now on
+            _kernels_failed(module, err)
+            return "original"
     return "kernels"
 
 
@@ -365,7 +371,7 @@ def _guarded(module: nn.Module, kernels: Any, original: Any) -> torch.Tensor:
         return kernels()
     except TuningDuringCapture:
         return original()
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, *_CHECKPOINT_CONTROL):
         raise
     except Exception as err:  # never fail the user's forward: the original runs from now on
         _kernels_failed(module, err)

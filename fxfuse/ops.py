@@ -406,6 +406,30 @@ _trained: set[str] = set()
 _walked: set[str] = set()
 
 
+_queued: set[tuple[int, str]] = set()  # (id of the marks, spec) waiting for their backward pass to end
+
+
+def _mark_after_backward(marks: set[str], spec: str) -> bool:
+    """Add ``spec`` to ``marks`` when the backward pass in progress ends (at once outside one): under activation
+    checkpointing each layer's forward runs again inside the backward, and must save what its first run saved, so
+    no mark may change a forward's path before the step's backward is over. Returns whether this call marked or
+    queued it (False: marked or queued already)."""
+    key = (id(marks), spec)
+    if spec in marks or key in _queued:
+        return False
+
+    def mark() -> None:
+        marks.add(spec)
+        _queued.discard(key)
+
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(mark)
+        _queued.add(key)
+    except RuntimeError:  # ("Final callbacks can only be installed during backward pass")
+        marks.add(spec)
+    return True
+
+
 def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
     """What a fused graph calls: ``torch.ops.fxfuse.mlp``, without the dispatcher when nothing needs it.
 
@@ -511,9 +535,9 @@ def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
     return out
 
 
-def _fused_backward(ctx, grad) -> Optional[tuple]:
-    """The op's gradients from the fused chain backward kernel (:mod:`fxfuse.backward`), or None."""
-    flat, stored = _saved(ctx)
+def _fused_backward(ctx, grad, flat: list[Tensor], stored: list[Tensor]) -> Optional[tuple]:
+    """The op's gradients from the fused chain backward kernel (:mod:`fxfuse.backward`), or None. ``flat``,
+    ``stored``: the saved tensors (:func:`_saved`)."""
     (x,), weights, biases, operands = _split(flat, ctx.sizes)
     if operands:
         return None
@@ -522,7 +546,7 @@ def _fused_backward(ctx, grad) -> Optional[tuple]:
     if result is None:
         return None
     if not stored and not torch.compiler.is_compiling() and walks((x.shape[-1], *(w.shape[0] for w in weights))):
-        _walked.add(ctx.spec)
+        _mark_after_backward(_walked, ctx.spec)
     dx, grad_w, grad_b = result
     wanted = set(ctx.wanted)
     gw = [g if 1 + i in wanted else None for i, g in enumerate(grad_w)]
@@ -534,15 +558,15 @@ def _fused_backward(ctx, grad) -> Optional[tuple]:
 def _backward(ctx, grad):
     """Gradients: the fused chain backward kernel where it takes the region (:mod:`fxfuse.backward`), else
     those of the reference composite (the original ops), via ``torch.func.vjp``."""
-    fused = _fused_backward(ctx, grad)
+    # (read once: under activation checkpointing a second read of ctx.saved_tensors is an error)
+    flat, stored = _saved(ctx)
+    fused = _fused_backward(ctx, grad, flat, stored)
     if fused is not None:
         return fused
-    if ctx.spec not in _trained and not torch.compiler.is_compiling():
-        _trained.add(ctx.spec)
+    if not torch.compiler.is_compiling() and _mark_after_backward(_trained, ctx.spec):
         log.info("fxfuse: a region %s is being trained; from now on its calls that record gradients run the "
                  "original ops, which keep the intermediates the backward needs (calls without gradients stay "
                  "fused)", ctx.spec)
-    flat, _ = _saved(ctx)
     wanted = ctx.wanted  # differentiate only what needs it; the rest is closed over as constants
 
     def f(*diff):
