@@ -273,6 +273,34 @@ def test_models_train_under_activation_checkpointing(family, reentrant, untraine
     assert all(vars(m)["_fxfuse_moe"] for m in fast.modules() if "_fxfuse_moe" in vars(m))
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_models_train_under_ddp(family, tmp_path, untrained_specs):
+    # DistributedDataParallel (gloo, one process) around the optimized model and inside it: its gradient hooks see
+    # what eager's see. Two steps (the second after the regions were marked trained).
+    from test_ops import rel_err
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for wrap in ("ddp(optimize)", "optimize(ddp)"):
+            model, inputs, _ = tiny(family)
+            model.train()
+            ddp = torch.nn.parallel.DistributedDataParallel
+            run = ddp(fxfuse.optimize(model)) if wrap == "ddp(optimize)" else fxfuse.optimize(ddp(model))
+            for step in range(2):
+                grads = []
+                for forward in (model, run):
+                    model.zero_grad()
+                    main_output(forward(**inputs, use_cache=False)).square().mean().backward()
+                    grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+                assert grads[0].keys() == grads[1].keys()
+                for name in grads[0]:
+                    assert rel_err(grads[1][name], grads[0][name]) < 1e-4, (wrap, step, name)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "bert", "clip"])
 def test_real_models_under_autocast(family):
     # Under CPU autocast every region runs its original ops inside the fused graph: eager's dtypes, and its values
