@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from .launch import _input_precision
 from .moe_backward_template import moe_down_backward_kernel, moe_weight_grad_kernel
 from .moe_launch import ExpertsForm, MoESaved, PairLayout, _finite, _strided, moe_forward_pass
 from .moe_template import ACTIVATIONS, moe_configs, moe_down_kernel
+from .template import cdiv
 
 __all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
@@ -54,9 +54,9 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     # column-tile parts.
     dgu = torch.empty(layout.rows.numel(), two_i, dtype=dtype, device=device)
     h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device) if needs[3] else None
-    tiles = triton.cdiv(inter, min(c.kwargs["BLOCK_N"] for c in moe_configs()))
+    tiles = cdiv(inter, min(c.kwargs["BLOCK_N"] for c in moe_configs()))
     dr_parts = torch.zeros(tiles, pairs, dtype=torch.float32, device=device)
-    moe_down_backward_kernel[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
+    moe_down_backward_kernel[lambda meta: (blocks, cdiv(inter, meta["BLOCK_N"]))](
         dout, w2, saved.gu, h if h is not None else dgu, routing, dgu, dr_parts, layout.rows, layout.block_expert, H,
         inter, top_k, pairs, tiles, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha,
         _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, STORE_H=h is not None,
@@ -65,7 +65,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
         ones = torch.ones(pairs, dtype=torch.float32, device=device)
-        moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
+        moe_down_kernel[lambda meta: (blocks, cdiv(H, meta["BLOCK_N"]))](
             dgu, w1, w1, dx_pairs, layout.rows, layout.block_expert, ones, two_i, H, dgu.stride(0), w1.stride(0),
             w1.stride(2), w1.stride(1), 0, dx_pairs.stride(0), HAS_BIAS=False, INPUT_PRECISION=precision, BLOCK_M=bm)
         dx = dx_pairs.view(T, top_k, H).sum(1)
@@ -82,7 +82,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         """``out[e] = sum over e's rows of A[row]^T B[row]`` (A by token: times the routing weight), ``out`` an
         ``[E, N, K]`` view (K may be 1: a bias's sum against ones)."""
         n, k = out.shape[1], out.shape[2]
-        moe_weight_grad_kernel[lambda meta: (E, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))](
+        moe_weight_grad_kernel[lambda meta: (E, cdiv(n, meta["BLOCK_N"]), cdiv(k, meta["BLOCK_K"]))](
             a, b, routing, out, layout.rows, segments, n, k, top_k, a.stride(0), b.stride(0), out.stride(0),
             out.stride(1), out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, INPUT_PRECISION=precision,
             BLOCK_M=bm)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import triton
 
 from .launch import _input_precision
 from .moe_template import (
@@ -33,7 +32,7 @@ from .moe_template import (
     moe_place_kernel,
     moe_route_kernel,
 )
-from .template import interpreting
+from .template import cdiv, interpreting, next_pow2
 
 __all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "moe_forward_pass",
            "route_pairs", "run_moe"]
@@ -97,12 +96,12 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pa
     flat = top_k_index.reshape(-1).contiguous()  # (a [T, 1] slice's view would stride; the kernels read it densely)
     pairs = flat.numel()
     device = flat.device
-    e_pad = triton.next_power_of_2(num_experts + 1)
+    e_pad = next_pow2(num_experts + 1)
     chunk = max(16, _ROUTE_CELLS // e_pad)
-    blocks = triton.cdiv(pairs, block_m) + num_experts + 1
+    blocks = cdiv(pairs, block_m) + num_experts + 1
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    if triton.cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
+    if cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
         moe_route_kernel[(1,)](flat, rows, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
                                E_PAD=e_pad, CHUNK=chunk, num_warps=8)
     else:
@@ -200,14 +199,14 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     gu = torch.empty(layout.rows.numel(), 2 * inter, dtype=hidden.dtype, device=hidden.device) if save else h
     # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
     columns = 2 * inter if form.interleaved else inter
-    moe_gate_up_kernel[lambda meta: (blocks, triton.cdiv(columns, meta["BLOCK_N"]))](
+    moe_gate_up_kernel[lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"]))](
         x, w1, b1 if b1 is not None else w1, h, gu, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0),
         w1.stride(0), w1.stride(1), w1.stride(2), b1.stride(0) if b1 is not None else 0, h.stride(0), form.alpha,
         _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
         STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm)
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
     routing = top_k_weights.reshape(-1).contiguous()
-    moe_down_kernel[lambda meta: (blocks, triton.cdiv(H, meta["BLOCK_N"]))](
+    moe_down_kernel[lambda meta: (blocks, cdiv(H, meta["BLOCK_N"]))](
         h, w2, b2 if b2 is not None else w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2.stride(0) if b2 is not None else 0,
         pairs_out.stride(0), HAS_BIAS=b2 is not None, INPUT_PRECISION=precision, BLOCK_M=bm)

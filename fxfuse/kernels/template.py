@@ -249,6 +249,17 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints, as ``triton.cdiv`` (which newer Triton wraps as a constexpr function that
+    costs microseconds of host time per call); plain int arithmetic for launch grids.
+
+    Example:
+        >>> [cdiv(n, 64) for n in (1, 64, 65)]
+        [1, 1, 2]
+    """
+    return -(-a // b)
+
+
 def m_bucket(m) -> int:
     """Power-of-2 bucket of M used as the autotuning key (a SymInt gives its hint's bucket, no guard).
 
