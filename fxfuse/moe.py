@@ -291,6 +291,9 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                 return original()
         return fused
 
+    # Never compiled: where torch.compile runs this frame itself (a graph break's fallback), the frames it calls
+    # would be compiled one by one (the kernels' launch code, the Triton interpreter's), failing the kernels.
+    _eager = torch.compiler.disable(_eager)
     functools.update_wrapper(forward, orig)
     return forward
 
