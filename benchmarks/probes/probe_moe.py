@@ -12,7 +12,8 @@ interleaved, a clamped SwiGLU; transformers runs it by the same two implementati
 
 ``--train``: forward + backward (gradients of the input, the routing weights and every parameter) of transformers'
 grouped_mm under autograd against fxfuse's autograd node (``MoEExpertsFunction``, what a training call
-runs), GPU µs (do_bench) and the gradients' error against the float32 copy's; with ``--profile``, each kernel of
+runs), GPU µs (do_bench), the gradients' error against the float32 copy's, the memory the forward keeps for the
+backward (with its output) and the step's peak above what was allocated before it; with ``--profile``, each kernel of
 both steps (torch.profiler) and the backward kernels' tuned configs.
 """
 
@@ -158,7 +159,16 @@ def train_row(args, module, reference, form, tokens: int) -> list[str]:
         grads = step(run)
         err = max(((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(grads, ref))
         gpu = do_bench(lambda run=run: step(run), warmup=10, rep=50, return_mode="median") * 1e3
-        cells.append(f"{name} {gpu:8.1f} us (worst grad err {err:.1e})")
+        del grads
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = run()  # what the forward keeps for the backward, and the output
+        kept = (torch.cuda.memory_allocated() - base) / 2**20
+        torch.autograd.grad(out, inputs, dout)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        del out
+        cells.append(f"{name} {gpu:8.1f} us (worst grad err {err:.1e}; kept {kept:.0f} MiB, peak {peak:.0f} MiB)")
     if args.profile:
         for name, run in variants.items():
             print(f"    {name} step at T={tokens}:")
