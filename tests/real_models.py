@@ -7,7 +7,7 @@ its forward, and how many MLP blocks it has (each should become one fused call).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -39,6 +39,20 @@ def main_output(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     return out[0]
+
+
+def step_gradients(params: torch.nn.Module, runners: Any, inputs: dict, seed: Optional[int] = None) -> list[dict]:
+    """For each runner (a model, or the same model optimized, compiled, wrapped): the gradients of ``params``'s
+    parameters after one backward of its main output's mean square on ``inputs`` (``seed``: set before each run, so
+    dropout draws the same masks)."""
+    grads = []
+    for run in runners:
+        params.zero_grad()
+        if seed is not None:
+            torch.manual_seed(seed)
+        main_output(run(**inputs, use_cache=False)).double().square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in params.named_parameters() if p.grad is not None})
+    return grads
 
 
 def _ids(batch: int, seq: int) -> torch.Tensor:

@@ -632,7 +632,7 @@ def model_gradients(family: str, device: str, dtype: torch.dtype, monkeypatch, l
     a float64 copy's; ``layers``: its first decoder layers."""
     import copy
 
-    from real_models import main_output, tiny
+    from real_models import step_gradients, tiny
 
     import fxfuse
     from fxfuse.kernels import moe_backward_launch
@@ -658,11 +658,7 @@ def model_gradients(family: str, device: str, dtype: torch.dtype, monkeypatch, l
     model = model.to(device, dtype).train()
     inputs = {name: value.to(device) for name, value in inputs.items()}
     fast = fxfuse.optimize(model)
-    grads = []
-    for run, params in ((model, model), (fast, model), (model64, model64)):
-        params.zero_grad()
-        main_output(run(**inputs, use_cache=False)).double().square().mean().backward()
-        grads.append({name: p.grad.clone() for name, p in params.named_parameters() if p.grad is not None})
+    grads = [*step_gradients(model, (model, fast), inputs), *step_gradients(model64, (model64,), inputs)]
     assert runs and [m for m in fast.modules() if vars(m).get("_fxfuse_moe")]  # the experts ran the kernels' node
     assert grads[0].keys() == grads[1].keys() == grads[2].keys() and any("experts" in name for name in grads[0])
     return grads
@@ -803,7 +799,7 @@ def test_a_compiled_optimized_moe_model_trains_and_keeps_the_kernels(monkeypatch
     # Compiled in training mode, the experts' calls that record gradients trace the module's own forward, and
     # transformers' graph breaks leave frames that torch.compile runs itself: the installed forward's eager path
     # is never compiled (frame by frame its kernels' launch code failed in Dynamo, turning the kernels off).
-    from real_models import main_output, tiny
+    from real_models import step_gradients, tiny
 
     import fxfuse
 
@@ -812,11 +808,7 @@ def test_a_compiled_optimized_moe_model_trains_and_keeps_the_kernels(monkeypatch
     compiled = torch.compile(fxfuse.optimize(model), backend="aot_eager")
     with caplog.at_level(logging.WARNING, logger="fxfuse.moe"):
         for _ in range(2):
-            grads = []
-            for run in (model, compiled):
-                model.zero_grad()
-                main_output(run(**inputs, use_cache=False)).square().mean().backward()
-                grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+            grads = step_gradients(model, (model, compiled), inputs)
             assert grads[0].keys() == grads[1].keys()
             assert all(rel_err(grads[1][name], grads[0][name]) < 1e-4 for name in grads[0])
     torch._dynamo.reset()

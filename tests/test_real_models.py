@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from real_models import VOCAB, FusedCalls, fused_calls, main_output, tiny
+from real_models import VOCAB, FusedCalls, fused_calls, main_output, step_gradients, tiny
 
 import fxfuse
 from fxfuse.capture import MOE_NOTE
@@ -259,12 +259,7 @@ def test_models_train_under_activation_checkpointing(family, reentrant, untraine
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     fast = fxfuse.optimize(model)
     for step in range(3):
-        grads = []
-        for run in (model, fast):
-            model.zero_grad()
-            torch.manual_seed(step)  # (the same dropout masks)
-            main_output(run(**inputs, use_cache=False)).square().mean().backward()
-            grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        grads = step_gradients(model, (model, fast), inputs, seed=step)  # (the same dropout masks)
         assert grads[0].keys() == grads[1].keys()
         for name in grads[0]:
             assert rel_err(grads[1][name], grads[0][name]) < 1e-4, (step, name)
@@ -289,11 +284,7 @@ def test_models_train_under_ddp(family, tmp_path, untrained_specs):
             ddp = torch.nn.parallel.DistributedDataParallel
             run = ddp(fxfuse.optimize(model)) if wrap == "ddp(optimize)" else fxfuse.optimize(ddp(model))
             for step in range(2):
-                grads = []
-                for forward in (model, run):
-                    model.zero_grad()
-                    main_output(forward(**inputs, use_cache=False)).square().mean().backward()
-                    grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+                grads = step_gradients(model, (model, run), inputs)
                 assert grads[0].keys() == grads[1].keys()
                 for name in grads[0]:
                     assert rel_err(grads[1][name], grads[0][name]) < 1e-4, (wrap, step, name)
