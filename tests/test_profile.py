@@ -91,6 +91,16 @@ def test_gated_mlp_structure():
     assert r.before.kernels == {"linear": 3, "gelu_tanh": 1, "mul": 1}
 
 
+def test_moe_experts_point_to_the_reports_bucket_timings():
+    pytest.importorskip("transformers")
+    from real_models import tiny
+
+    model, inputs, _ = tiny("mixtral")
+    rep = profile(model, (inputs["input_ids"],))
+    notes = [n for n in rep.notes if "experts" in n]
+    assert len(notes) == 2 and all("MoE experts, not profiled here" in n and "(fxfuse.report)" in n for n in notes)
+
+
 def test_predicted_regimes_on_h200_at_full_size():
     """meta tensors: full-size workloads of workloads.md, nothing allocated."""
     seed = profile(BigGated(768, 3072), (torch.empty(64, 128, 768, device="meta", dtype=BF16),), gpu="H200")
