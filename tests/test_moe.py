@@ -882,25 +882,53 @@ def test_a_backward_that_fails_is_found_before_the_users_backward(monkeypatch, c
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
-def test_the_routing_gradient_survives_the_autotuner_running_every_config(monkeypatch):
+def test_the_gradients_survive_the_autotuner_running_every_config(monkeypatch):
     from fxfuse.kernels import moe_backward_launch, moe_backward_template
 
-    # As Triton's autotuner on a GPU: every config runs on the real buffers, then the chosen one again; a smaller
-    # BLOCK_N's extra column tiles of the routing gradient must not stay in the sum.
+    # As Triton's autotuner on a GPU: every config of the backward's GEMMs runs on the real buffers, then the chosen
+    # one again; nothing a config leaves behind may stay in the gradients.
     configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}), triton.Config({"BLOCK_N": 32, "BLOCK_K": 16})]
-    kernel = moe_backward_template.moe_down_backward_kernel
+    sums = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16}),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "BLOCK_R": 32})]
 
     class EveryConfig:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: [kernel.fn[grid(c.kwargs)](*args, **kwargs, **c.kwargs)
-                                            for c in configs + configs[1:]]
+        def __init__(self, kernel, configs):
+            self.kernel, self.configs = kernel, configs
 
-    monkeypatch.setattr(moe_backward_launch, "moe_configs", lambda: configs)
-    monkeypatch.setattr(moe_backward_launch, "moe_down_backward_kernel", EveryConfig())
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: [self.kernel.fn[grid(c.kwargs)](*args, **kwargs, **c.kwargs)
+                                            for c in self.configs + self.configs[1:]]
+
+    for name, tried in (("moe_down_backward_kernel", configs), ("moe_weight_grad_kernel", sums)):
+        monkeypatch.setattr(moe_backward_launch, name, EveryConfig(getattr(moe_backward_template, name), tried))
     torch.manual_seed(8)
     module = experts("silu", torch.float32, "cpu", inter=64)
     x = torch.randn(6, 32)
     index, weights = local_routing(6, 2, 4, "cpu", torch.float32)
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("rows_per_step", [8, 64])
+def test_the_weight_gradient_sums_any_rows_a_step_in_any_tile_order(monkeypatch, family, rows_per_step):
+    from fxfuse.kernels import moe_backward_launch
+
+    # The layout's blocks are 16 rows here: 8 rows a step splits them, 64 runs past an expert's last block (masked).
+    # Groups of 3 output row tiles leave a partial group at the end of each expert's tiles.
+    kernel = moe_backward_launch.moe_weight_grad_kernel
+    config = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": rows_per_step, "GROUP_N": 3}
+
+    class Fixed:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: kernel.fn[grid(config)](*args, **kwargs, **config)
+
+    monkeypatch.setattr(moe_backward_launch, "moe_weight_grad_kernel", Fixed())
+    torch.manual_seed(10)
+    module = (experts("silu", torch.float32, "cpu", inter=64) if family == "mixtral"
+              else biased_experts("gpt_oss", torch.float32, "cpu", inter=64))
+    x = torch.randn(23, 32)
+    index, weights = local_routing(23, 2, 4, "cpu", torch.float32)
     check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
 
 

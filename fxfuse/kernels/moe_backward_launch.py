@@ -14,14 +14,15 @@ from typing import Optional
 import torch
 
 from .launch import _input_precision
-from .moe_backward_template import moe_down_backward_kernel, moe_weight_grad_kernel
+from .moe_backward_template import moe_down_backward_kernel, moe_gate_backward_kernel, moe_weight_grad_kernel
 from .moe_launch import ExpertsForm, MoESaved, PairLayout, _finite, _strided, moe_forward_pass
-from .moe_template import ACTIVATIONS, moe_configs, moe_down_kernel
+from .moe_template import ACTIVATIONS, moe_down_kernel
 from .template import cdiv
 
 __all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
+_GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
 
 
 def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
@@ -50,17 +51,21 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     dtype, device = saved.x.dtype, dout.device
     precision = _input_precision(dtype)
     routing = top_k_weights.reshape(-1).contiguous()  # (a [T, 1] slice's view would stride)
-    # 1. G = dout[t] @ down[e]; dgate, dup through the gate; h recomputed (for d down); the routing gradient's
-    # column-tile parts.
+    # 1. G = dout[t] @ down[e] (fp32); then dgate, dup through the gate, r * h with h recomputed (for d down) and
+    # the routing gradient's column-tile parts.
+    grad_h = torch.empty(layout.rows.numel(), inter, dtype=torch.float32, device=device)
+    moe_down_backward_kernel[lambda meta: (blocks, cdiv(inter, meta["BLOCK_N"]))](
+        dout, w2, grad_h, layout.rows, layout.block_expert, H, inter, top_k, dout.stride(0), w2.stride(0),
+        w2.stride(1), w2.stride(2), INPUT_PRECISION=precision, BLOCK_M=bm)
     dgu = torch.empty(layout.rows.numel(), two_i, dtype=dtype, device=device)
     h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device) if needs[3] else None
-    tiles = cdiv(inter, min(c.kwargs["BLOCK_N"] for c in moe_configs()))
-    dr_parts = torch.zeros(tiles, pairs, dtype=torch.float32, device=device)
-    moe_down_backward_kernel[lambda meta: (blocks, cdiv(inter, meta["BLOCK_N"]))](
-        dout, w2, saved.gu, h if h is not None else dgu, routing, dgu, dr_parts, layout.rows, layout.block_expert, H,
-        inter, top_k, pairs, tiles, dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), form.alpha,
-        _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, STORE_H=h is not None,
-        INPUT_PRECISION=precision, BLOCK_M=bm)
+    gate_n = _GATE_ELEMENTS // bm
+    dr_parts = torch.zeros(cdiv(inter, gate_n), pairs, dtype=torch.float32, device=device)
+    moe_gate_backward_kernel[(blocks, cdiv(inter, gate_n))](
+        grad_h, saved.gu, h if h is not None else dgu, routing, dgu, dr_parts, layout.rows, layout.block_expert,
+        inter, pairs, form.alpha, _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved,
+        STORE_H=h is not None, BLOCK_M=bm, BLOCK_N=gate_n, num_warps=8 if bm >= 128 else 4)
+    del grad_h
     dx = dr = d_w1 = d_w2 = d_b1 = d_b2 = None
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
@@ -78,18 +83,19 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
             dr = dr + per_expert.gather(1, torch.where(local, expert, torch.zeros_like(expert))) * local
         dr = dr.to(top_k_weights.dtype)
 
-    def expert_sums(out: torch.Tensor, a: torch.Tensor, a_by_token: bool, b: torch.Tensor, b_by_token: bool):
-        """``out[e] = sum over e's rows of A[row]^T B[row]`` (A by token: times the routing weight), ``out`` an
-        ``[E, N, K]`` view (K may be 1: a bias's sum against ones)."""
+    def expert_sums(out: torch.Tensor, a: torch.Tensor, a_by_token: bool, b: torch.Tensor, b_by_token: bool,
+                    scale_a: bool = False):
+        """``out[e] = sum over e's rows of A[row]^T B[row]`` (``scale_a``: A's rows times their routing weights),
+        ``out`` an ``[E, N, K]`` view (K may be 1: a bias's sum against ones)."""
         n, k = out.shape[1], out.shape[2]
-        moe_weight_grad_kernel[lambda meta: (E, cdiv(n, meta["BLOCK_N"]), cdiv(k, meta["BLOCK_K"]))](
+        moe_weight_grad_kernel[lambda meta: (E * cdiv(n, meta["BLOCK_N"]) * cdiv(k, meta["BLOCK_K"]),)](
             a, b, routing, out, layout.rows, segments, n, k, top_k, a.stride(0), b.stride(0), out.stride(0),
-            out.stride(1), out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, INPUT_PRECISION=precision,
-            BLOCK_M=bm)
+            out.stride(1), out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, SCALE_A=scale_a,
+            INPUT_PRECISION=precision, BLOCK_M=bm)
 
     segments = _segments(layout, E) if any(needs[2:]) else None
     ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[4] or needs[5] else None
-    if needs[3]:  # 3. d down[e] = sum over e's rows of (r * dout[t])^T h
+    if needs[3]:  # 3. d down[e] = sum over e's rows of dout[t]^T (r * h)
         d_w2 = torch.empty_like(w2.transpose(1, 2) if form.transposed else w2)
         expert_sums(d_w2.transpose(1, 2) if form.transposed else d_w2, dout, True, h, False)
     if needs[2]:  # 4. d gate_up[e] = sum over e's rows of dgu^T x[t]
@@ -100,7 +106,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         expert_sums(d_b1.unsqueeze(2), dgu, False, ones, False)
     if needs[5]:
         d_b2 = torch.empty(E, H, dtype=dtype, device=device)
-        expert_sums(d_b2.unsqueeze(2), dout, True, ones, False)
+        expert_sums(d_b2.unsqueeze(2), dout, True, ones, False, scale_a=True)
     return dx, dr, d_w1, d_w2, d_b1, d_b2
 
 

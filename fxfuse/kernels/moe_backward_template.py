@@ -4,16 +4,17 @@ pair layout: rows sorted by expert in blocks of ``BLOCK_M`` rows of one expert.
 With ``dout`` the gradient of the layer's output ``[T, H]``, each pair ``p`` (token ``t``, routing weight ``r``,
 expert ``e``) gets ``G = dout[t] @ down[e]`` (``[I]``), and:
 
-* :func:`moe_down_backward_kernel`: ``G`` for a block's rows, then in its epilogue ``dh = r * G`` through the
-  gate's derivative into ``dgate`` and ``dup`` (``dgu``, in the weights' column order), ``h = act(g) * u``
-  recomputed from the saved pre-activations (the forward keeps ``g, u`` only: a third less activation memory) and
-  written for the down weights' gradient, and this tile's part of the routing weight's gradient ``dr = G . h`` (+
-  ``dout[t] . down_bias[e]``, added by the caller);
+* :func:`moe_down_backward_kernel`: ``G`` for a block's rows (fp32), a grouped GEMM;
+* :func:`moe_gate_backward_kernel`: ``dh = r * G`` through the gate's derivative into ``dgate`` and ``dup``
+  (``dgu``, in the weights' column order), ``h = act(g) * u`` recomputed from the saved pre-activations (the
+  forward keeps ``g, u`` only: a third less activation memory) and written times ``r`` for the down weights'
+  gradient, and each column tile's part of the routing weight's gradient ``dr = G . h`` (+ ``dout[t] .
+  down_bias[e]``, added by the caller);
 * ``dx``: ``dgu @ gate_up[e]`` per pair, the forward's down kernel over the weights read transposed, summed per
   token by the caller;
-* :func:`moe_weight_grad_kernel`: ``dW[e] = sum over e's rows of A[row]^T B[row]``, for ``down`` (A = ``r *
-  dout[t]``, B = ``h``) and for ``gate_up`` (A = ``dgu``, B = ``x[t]``): one program per expert and output tile,
-  looping over the expert's blocks (no atomics: deterministic).
+* :func:`moe_weight_grad_kernel`: ``dW[e] = sum over e's rows of A[row]^T B[row]``, for ``down`` (A = ``dout[t]``,
+  B = ``r * h``) and for ``gate_up`` (A = ``dgu``, B = ``x[t]``): one program per expert and output tile, looping
+  over the expert's rows (no atomics: deterministic), an expert's tiles in grouped order (L2 reuse).
 
 Example:
     >>> "moe_down_backward_kernel" in globals() and "moe_weight_grad_kernel" in globals()
@@ -28,7 +29,7 @@ import triton.language as tl
 from .moe_template import _gate, _rows_dot, moe_configs, prune_moe_configs
 from .tuning import autotune
 
-__all__ = ["moe_down_backward_kernel", "moe_weight_grad_kernel"]
+__all__ = ["moe_down_backward_kernel", "moe_gate_backward_kernel", "moe_weight_grad_kernel"]
 
 
 @triton.jit
@@ -56,59 +57,39 @@ def _gate_backward(g, u, dh, alpha, limit, ACT: tl.constexpr):
         return tl.where(g <= limit, dg, 0.0), tl.where((u >= -limit) & (u <= limit), du, 0.0)
 
 
-@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "INTERLEAVED", "stride_wk", "INPUT_PRECISION"],
+@autotune(configs=moe_configs(), key=["K", "N", "BLOCK_M", "stride_wk", "INPUT_PRECISION"],
           prune_configs_by=prune_moe_configs())
 @triton.jit
 def moe_down_backward_kernel(
     dout_ptr,
     w_ptr,
-    gu_ptr,
-    h_ptr,
-    routing_ptr,
-    dgu_ptr,
-    dr_ptr,
+    grad_h_ptr,
     rows_ptr,
     block_expert_ptr,
     K,
     N,
     TOP_K,
-    pairs,
-    tiles,
     stride_dm,
     stride_we,
     stride_wn,
     stride_wk,
-    alpha,
-    limit,
-    ACT: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    STORE_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """For the rows r (pairs p, tokens t) of one block of one expert e and BLOCK_N columns n of the intermediate:
-    ``G = dout[t] @ down[e][:, n]``; ``dgate, dup`` of ``act(g) * u`` at ``dh = routing[p] * G``; ``h = act(g) *
-    u`` (as the forward rounded it); ``dr[n-tile, p] = sum_n G * h[r, n]``.
+    ``G[r, n] = dout[t] @ down[e][:, n]``, the gradient of the expert's h before the routing weight, in fp32. A
+    plain GEMM with a store for an epilogue: the gate's backward (:func:`moe_gate_backward_kernel`) runs apart (fused
+    into this epilogue, its tiles beside the accumulator spilled ~280 registers in the 128-wide tiles, and the
+    kernel ran at ~250 TFLOP/s for Mixtral's shapes on an H100; ~100 for gpt-oss's).
 
     dout_ptr:         the output's gradient ``[T, K]`` (last dim contiguous, row stride ``stride_dm``).
     w_ptr:            the down weights as in the forward's down kernel: element (e, column k of the hidden size,
                       input n of the intermediate) at ``e * stride_we + k * stride_wn + n * stride_wk``.
-    gu_ptr:           the forward's pre-activation gate and up ``[padded rows, 2N]`` (gate columns first).
-    h_ptr:            out ``[padded rows, N]`` if STORE_H: ``act(g) * u`` recomputed, in the activations' dtype.
-    routing_ptr:      the routing weight of each pair ``[pairs]``.
-    dgu_ptr:          out ``[padded rows, 2N]``: d gate and d up in the gate/up weights' column order (INTERLEAVED:
-                      column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``).
-    dr_ptr:           out fp32 ``[tiles, pairs]``: each column tile's part of the routing gradient; the rows past
-                      this config's ``cdiv(N, BLOCK_N)`` tiles are zeroed by the programs of tile 0 (the autotuner
-                      runs every config on this buffer: a smaller BLOCK_N's rows must not stay). Pairs of experts
-                      held elsewhere are never written (zeros expected).
+    grad_h_ptr:       out fp32 ``[padded rows, N]``: G (rows of blocks of no expert here are left unwritten).
     rows_ptr, block_expert_ptr: the pair layout (:func:`fxfuse.kernels.moe_template.moe_gate_up_kernel`).
-    K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token; pairs: T * TOP_K;
-                      tiles: dr's rows (the most column tiles any config makes).
-    alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`); STORE_H: write h (for the
-                      down weights' gradient).
+    K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token.
     INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The
                       grid is (blocks, cdiv(N, BLOCK_N)).
     """
@@ -127,21 +108,71 @@ def moe_down_backward_kernel(
     # (the down weights read transposed: the forward's input dim n is the output here, its columns k the sum)
     acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), dout_ptr, tokens, stride_dm, valid, w_base,
                     offs_n, n_mask, stride_wk, stride_wn, K, INPUT_PRECISION, BLOCK_K)
-    mask = valid[:, None] & n_mask[None, :]
+    tl.store(grad_h_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc,
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_gate_backward_kernel(
+    grad_h_ptr,
+    gu_ptr,
+    h_ptr,
+    routing_ptr,
+    dgu_ptr,
+    dr_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    N,
+    pairs,
+    alpha,
+    limit,
+    ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    STORE_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """For the rows r (pairs p) of one block of one expert and BLOCK_N columns n of the intermediate, from G
+    (:func:`moe_down_backward_kernel`): ``dgate, dup`` of ``act(g) * u`` at ``dh = routing[p] * G``; ``h = act(g) *
+    u`` recomputed (as the forward rounded it); ``dr[n-tile, p] = sum_n G * h[r, n]``; ``routing[p] * h`` for the
+    down weights' gradient.
+
+    grad_h_ptr:       G, fp32 ``[padded rows, N]``.
+    gu_ptr:           the forward's pre-activation gate and up ``[padded rows, 2N]`` (gate columns first).
+    h_ptr:            out ``[padded rows, N]`` if STORE_H: ``routing[p] * act(g) * u``, h recomputed and scaled by
+                      its pair's routing weight (the down weights' gradient then reads both operands straight into
+                      shared memory), in the activations' dtype.
+    routing_ptr:      the routing weight of each pair ``[pairs]``.
+    dgu_ptr:          out ``[padded rows, 2N]``: d gate and d up in the gate/up weights' column order (INTERLEAVED:
+                      column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``).
+    dr_ptr:           out fp32 ``[cdiv(N, BLOCK_N), pairs]``: each column tile's part of the routing gradient.
+                      Pairs of experts held elsewhere are never written (zeros expected).
+    rows_ptr, block_expert_ptr: the pair layout; N: the intermediate size; pairs: T * top_k.
+    alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`); STORE_H: write the scaled h.
+    BLOCK_M:          the layout's rows per block; BLOCK_N: columns per program. The grid is (blocks,
+                      cdiv(N, BLOCK_N)).
+    """
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if tl.load(block_expert_ptr + block) < 0:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows_ptr + offs_m)
+    valid = pair >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = valid[:, None] & (offs_n < N)[None, :]
     rows = offs_m[:, None].to(tl.int64)
+    grad = tl.load(grad_h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0)
     g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = dgu_ptr.dtype.element_ty
-    h = _gate(g, u, alpha, limit, ACT).to(dtype)  # (rounded as the forward stored it for the down GEMM)
+    h = _gate(g, u, alpha, limit, ACT).to(dtype).to(tl.float32)  # (rounded as the forward stored it)
+    safe_pair = tl.where(valid, pair, 0)
+    scale = tl.load(routing_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
     if STORE_H:
-        tl.store(h_ptr + rows * N + offs_n[None, :], h, mask=mask)
-    safe_pair = tl.where(valid, pair, 0).to(tl.int64)
-    tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(acc * h.to(tl.float32), axis=1), mask=valid)
-    if pid_n == 0:
-        for t in range(tl.cdiv(N, BLOCK_N), tiles):
-            tl.store(dr_ptr + t * pairs + safe_pair, tl.zeros((BLOCK_M,), dtype=tl.float32), mask=valid)
-    scale = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
-    dg, du = _gate_backward(g, u, acc * scale[:, None], alpha, limit, ACT)
+        tl.store(h_ptr + rows * N + offs_n[None, :], (h * scale[:, None]).to(dtype), mask=mask)
+    tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(grad * h, axis=1), mask=valid)
+    dg, du = _gate_backward(g, u, grad * scale[:, None], alpha, limit, ACT)
     out = dgu_ptr + rows * (2 * N)
     if INTERLEAVED:
         tl.store(out + 2 * offs_n[None, :], dg.to(dtype), mask=mask)
@@ -151,8 +182,8 @@ def moe_down_backward_kernel(
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=mask)
 
 
-@autotune(configs=moe_configs(), prune_configs_by=prune_moe_configs(),
-          key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "stride_on", "INPUT_PRECISION"])
+@autotune(configs=moe_configs(weight_grad=True), prune_configs_by=prune_moe_configs(weight_grad=True),
+          key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "SCALE_A", "stride_on", "INPUT_PRECISION"])
 @triton.jit
 def moe_weight_grad_kernel(
     a_ptr,
@@ -171,36 +202,51 @@ def moe_weight_grad_kernel(
     stride_ok,
     A_BY_TOKEN: tl.constexpr,
     B_BY_TOKEN: tl.constexpr,
+    SCALE_A: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_N: tl.constexpr = 8,
 ):
     """``out[e, n, k] = sum over the rows r of expert e of A[r, n] * B[r, k]``, every element of ``out`` written.
 
     a_ptr, b_ptr:     A ``[*, N]`` and B ``[*, K]`` (last dims contiguous, row strides ``stride_am``, ``stride_bm``).
-                      A_BY_TOKEN: A's row of a pair is its token's (``pair // TOP_K``), times the pair's routing
-                      weight (``routing_ptr``); else the sorted row itself. B_BY_TOKEN: B's row is its token's.
-    routing_ptr:      the routing weight of each pair (read if A_BY_TOKEN).
+                      A_BY_TOKEN: A's row of a pair is its token's (``pair // TOP_K``); else the sorted row itself.
+                      B_BY_TOKEN: B's row is its token's. SCALE_A: A's row times the pair's routing weight (through
+                      registers: the gradients' main sums get the weight folded into a stored operand instead).
+    routing_ptr:      the routing weight of each pair (read if SCALE_A).
     out_ptr:          the gradient: element (e, n, k) at ``e * stride_oe + n * stride_on + k * stride_ok`` (either
                       weight layout), the weights' dtype.
     rows_ptr:         the pair of each sorted row, -1 for padding (the forward's layout).
     seg_ptr:          int32 ``[E + 1]``: the first block of each expert, and the end of the last.
     N, K:             the gradient's two dims; TOP_K: experts per token.
-    INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The grid
-                      is (E, cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)).
+    INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N x BLOCK_K: the output
+                      tile, summed BLOCK_R rows a step (any size: the rows past the expert's are masked).
+    GROUP_N:          output row tiles that run together over every column tile (their A columns and the
+                      expert's B stay in L2). The grid is (E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K),), an
+                      expert's tiles consecutive.
     """
-    expert = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    expert = pid // (tiles_n * tiles_k)
+    tile = pid % (tiles_n * tiles_k)
+    group = tile // (GROUP_N * tiles_k)
+    first_n = group * GROUP_N
+    group_size = tl.minimum(tiles_n - first_n, GROUP_N)
+    pid_n = first_n + (tile % (GROUP_N * tiles_k)) % group_size
+    pid_k = (tile % (GROUP_N * tiles_k)) // group_size
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     k_mask = offs_k < K
-    first = tl.load(seg_ptr + expert)
-    last = tl.load(seg_ptr + expert + 1)
+    row_end = tl.load(seg_ptr + expert + 1) * BLOCK_M
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for b in range(first, last):
-        offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(rows_ptr + offs_m)
+    for start in range(tl.load(seg_ptr + expert) * BLOCK_M, row_end, BLOCK_R):
+        offs_m = start + tl.arange(0, BLOCK_R)
+        pair = tl.load(rows_ptr + offs_m, mask=offs_m < row_end, other=-1)
         valid = pair >= 0
         safe = tl.where(valid, pair, 0)
         a_rows = (safe // TOP_K) if A_BY_TOKEN else offs_m
@@ -209,7 +255,7 @@ def moe_weight_grad_kernel(
                     mask=valid[:, None] & n_mask[None, :], other=0.0)
         bb = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_k[None, :],
                      mask=valid[:, None] & k_mask[None, :], other=0.0)
-        if A_BY_TOKEN:
+        if SCALE_A:
             scale = tl.load(routing_ptr + safe, mask=valid, other=0.0).to(tl.float32)
             a = (a.to(tl.float32) * scale[:, None]).to(bb.dtype)
         acc = tl.dot(tl.trans(a.to(bb.dtype)), bb, acc, input_precision=INPUT_PRECISION)

@@ -33,8 +33,9 @@ import triton.language as tl
 from .template import autotune_enabled, interpreting
 from .tuning import autotune
 
-__all__ = ["ACTIVATIONS", "moe_configs", "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel",
-           "moe_place_kernel", "moe_route_kernel", "prune_moe_configs"]
+__all__ = ["ACTIVATIONS", "WEIGHT_GRAD_SMALL_TILES", "WEIGHT_GRAD_TENSOR_CORE_TILES", "moe_configs",
+           "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel", "moe_place_kernel", "moe_route_kernel",
+           "prune_moe_configs"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names, and gpt-oss's clamped
 # SwiGLU, ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
@@ -51,37 +52,58 @@ _SMALL_TILES = ((64, 32, 4, 2), (32, 32, 4, 2))
 _SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take (an H100 has 228 KB per block)
 
 
-def _tile(config: triton.Config) -> tuple[int, int, int, int]:
-    return config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps, config.num_stages
+# The weight gradient's (BLOCK_N, BLOCK_K, BLOCK_R, warps, stages): an output tile of BLOCK_N x BLOCK_K summed over
+# BLOCK_R rows a step. Its sum runs over an expert's rows only (~T * top_k / E), so each tile's epilogue (a store
+# of the whole tile) comes after few steps: two stages leave room for two programs per SM, one's epilogue beside
+# the other's dots (the fastest for Mixtral's shapes at 4096 tokens on an H100,
+# benchmarks/probes/probe_moe_backward_tiles.py).
+WEIGHT_GRAD_TENSOR_CORE_TILES = ((128, 128, 64, 8, 2), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
+                                 (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
+WEIGHT_GRAD_SMALL_TILES = ((64, 32, 32, 4, 2), (32, 32, 32, 4, 2))
+
+
+def _tile(config: triton.Config) -> tuple[int, ...]:
+    return (config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]) + (
+        (config.kwargs["BLOCK_R"],) if "BLOCK_R" in config.kwargs else ()) + (config.num_warps, config.num_stages)
 
 
 def _pipelined_bytes(config: triton.Config, rows: int, elem: int) -> int:
-    """Shared memory a config's pipelined tiles take in the larger of the MoE kernels' two shapes: the weight
-    gradient's ``[rows, BLOCK_N]`` and ``[rows, BLOCK_K]``, and the gate/up kernel's ``[rows, BLOCK_K]`` and two
-    ``[BLOCK_K, BLOCK_N]``."""
+    """Shared memory a config's pipelined tiles take: for the weight gradient (``BLOCK_R`` in the config) its
+    ``[BLOCK_R, BLOCK_N]`` and ``[BLOCK_R, BLOCK_K]`` tiles; else the larger of the down kernel's ``[rows,
+    BLOCK_K]`` and ``[BLOCK_K, BLOCK_N]`` and the gate/up kernel's ``[rows, BLOCK_K]`` and two ``[BLOCK_K, BLOCK_N]``
+    (``rows``: the layout's rows per block)."""
     bn, bk = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-    return config.num_stages * max(rows * (bn + bk), rows * bk + 2 * bk * bn) * elem
+    if "BLOCK_R" in config.kwargs:
+        return config.num_stages * config.kwargs["BLOCK_R"] * (bn + bk) * elem
+    return config.num_stages * (rows * bk + 2 * bk * bn) * elem
 
 
-def moe_configs() -> list[triton.Config]:
+def moe_configs(weight_grad: bool = False) -> list[triton.Config]:
     """Tile widths, K steps, warps and pipeline depths to tune over (the rows per block, ``BLOCK_M``, are the
     caller's: the pair layout is built for them): the tensor-core tiles, then the small ones;
-    :func:`prune_moe_configs` keeps those of the call's dtype and precision. One small config in the interpreter.
+    :func:`prune_moe_configs` keeps those of the call's dtype and precision. ``weight_grad``: the weight gradient's
+    (:data:`WEIGHT_GRAD_TENSOR_CORE_TILES`). One small config in the interpreter.
 
     Example:
         >>> interpreting() or len(moe_configs()) > 1
         True
     """
+    if weight_grad:
+        if interpreting():
+            return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br}, num_warps=w, num_stages=s)
+                for bn, bk, br, w, s in WEIGHT_GRAD_TENSOR_CORE_TILES + WEIGHT_GRAD_SMALL_TILES]
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in _TENSOR_CORE_TILES + _SMALL_TILES]
 
 
-def prune_moe_configs() -> dict | None:
+def prune_moe_configs(weight_grad: bool = False) -> dict | None:
     """``prune_configs_by`` for the MoE kernels (their first argument is the activations): exact fp32
     (``INPUT_PRECISION="ieee"``) gets the small tiles, fp16 / bf16 the tensor-core tiles, TF32 both; with
     ``FXFUSE_AUTOTUNE=0`` one of those alone, the first that fits shared memory (else the smallest of all).
+    ``weight_grad``: over :func:`moe_configs`'s weight-gradient tiles.
 
     Example:
         >>> interpreting() or "early_config_prune" in prune_moe_configs()
@@ -89,12 +111,14 @@ def prune_moe_configs() -> dict | None:
     """
     if interpreting():
         return None
+    tensor_core, small = ((WEIGHT_GRAD_TENSOR_CORE_TILES, WEIGHT_GRAD_SMALL_TILES) if weight_grad
+                          else (_TENSOR_CORE_TILES, _SMALL_TILES))
 
     def prune(configs, named_args, **kwargs):
         activations = next(iter(named_args.values()), None)
         elem = activations.element_size() if hasattr(activations, "element_size") else 2
         exact = {**named_args, **kwargs}.get("INPUT_PRECISION") == "ieee"
-        wanted = set(_SMALL_TILES) if exact else set(_TENSOR_CORE_TILES) | (set(_SMALL_TILES) if elem == 4 else set())
+        wanted = set(small) if exact else set(tensor_core) | (set(small) if elem == 4 else set())
         kept = [c for c in configs if _tile(c) in wanted] or configs[:1]
         if autotune_enabled():
             return kept
