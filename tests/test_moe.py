@@ -988,6 +988,27 @@ def test_exact_fp32_tunes_over_small_tiles_16_bit_over_tensor_core_tiles_tf32_ov
         assert (tile(one) in small) == (activations is fp32)
 
 
+def test_the_weight_gradient_tunes_over_its_own_tiles_by_precision(monkeypatch):
+    from fxfuse.kernels import moe_template
+
+    monkeypatch.setattr(moe_template, "interpreting", lambda: False)  # (the GPU's lists, here too)
+    configs = moe_template.moe_configs(weight_grad=True)
+    prune = moe_template.prune_moe_configs(weight_grad=True)["early_config_prune"]
+    tile = moe_template._tile
+    bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    assert all(set(c.kwargs) == {"BLOCK_N", "BLOCK_K", "BLOCK_R"} for c in configs)
+    exact = {tile(c) for c in prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="ieee")}
+    half = {tile(c) for c in prune(configs, {"a_ptr": bf16}, INPUT_PRECISION="tf32")}
+    assert exact == set(moe_template.WEIGHT_GRAD_SMALL_TILES)
+    assert half == set(moe_template.WEIGHT_GRAD_TENSOR_CORE_TILES)
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")  # one config: the first listed that fits shared memory
+    for activations in (bf16, fp32):
+        [one] = prune(configs, {"a_ptr": activations}, INPUT_PRECISION="tf32", BLOCK_M=128)
+        assert one is configs[0]  # (two stages of 64 rows: 64 KB in bf16, 128 KB in fp32)
+        assert moe_template._pipelined_bytes(one, 128, activations.element_size()) <= (
+            moe_template._SHARED_MEMORY_BUDGET)
+
+
 class OneConfig:
     """``kernel[grid](...)`` of an autotuned MoE kernel, launching the ``index``-th config its pruning keeps for the
     call (modulo their number) directly: the GPU tests otherwise run one config (FXFUSE_AUTOTUNE=0)."""
