@@ -71,7 +71,7 @@ def sort_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pai
     rank = torch.arange(pairs) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
     padded = (counts + block_m - 1) // block_m * block_m
     seg_end = torch.cumsum(padded, 0)
-    blocks = triton.cdiv(pairs, block_m) + num_experts + 1
+    blocks = moe_launch.layout_blocks(pairs, num_experts, block_m)
     rows = torch.full((blocks * block_m,), -1, dtype=torch.int32)
     rows[(seg_end - padded)[sorted_expert] + rank] = order.to(torch.int32)
     block_expert = torch.searchsorted(seg_end, torch.arange(blocks) * block_m, right=True).to(torch.int32)
@@ -98,7 +98,25 @@ def test_the_reference_sorts_pairs_into_blocks_of_one_expert():
     assert elsewhere == [6]
     small = sort_pairs(torch.tensor([[1, 0], [1, 5]]), num_experts=3, block_m=2)
     assert (small.rows.tolist(), small.block_expert.tolist()) == \
-        ([1, -1, 0, 2, 3, -1, -1, -1, -1, -1, -1, -1], [0, 1, -2, -1, -1, -1])
+        ([1, -1, 0, 2, 3, -1, -1, -1], [0, 1, -2, -1])  # 4 blocks: no more than the pairs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_layout_bound_holds_every_used_block(seed):
+    # The blocks a layout gets (the kernels' grids) are known on the host; the real count is not. Every used block
+    # must fit, at one token (the bound is the pairs) as at many (each segment's padding).
+    generator = torch.Generator().manual_seed(seed)
+    for tokens, top_k, experts, block_m in ((1, 4, 32, 16), (1, 2, 8, 16), (3, 2, 4, 2), (50, 2, 8, 16),
+                                            (300, 4, 32, 32), (2000, 8, 128, 64)):
+        index = torch.randint(-1, experts + 1, (tokens, top_k), generator=generator)  # some held elsewhere
+        index[0] = torch.arange(top_k) % experts  # (and some routed here)
+        layout = sort_pairs(index, experts, block_m)
+        counts = torch.bincount(torch.where((index >= 0) & (index < experts), index, experts).reshape(-1),
+                                minlength=experts + 1)
+        needed = int(((counts + block_m - 1) // block_m).sum())
+        blocks = moe_launch.layout_blocks(tokens * top_k, experts, block_m)
+        assert needed <= blocks <= min(tokens * top_k, triton.cdiv(tokens * top_k, block_m) + experts + 1)
+        assert (layout.block_expert != moe_launch.UNUSED_BLOCK).sum() == needed
 
 
 def used_layout(layout):

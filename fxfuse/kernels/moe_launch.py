@@ -34,8 +34,8 @@ from .moe_template import (
 )
 from .template import cdiv, interpreting, next_pow2
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "moe_forward_pass",
-           "route_pairs", "run_moe"]
+__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "layout_blocks",
+           "moe_forward_pass", "route_pairs", "run_moe"]
 
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
@@ -76,13 +76,27 @@ class ExpertsForm:
 class PairLayout:
     """The (token, expert) pairs sorted by expert, in blocks of ``block_m`` rows that each belong to one expert:
     each expert's rows padded to whole blocks, pairs in their original order within an expert. The number of blocks
-    is the bound ``cdiv(T * top_k, block_m) + num_experts + 1`` (no host sync to learn the real count); blocks past
-    the last expert's are marked :data:`UNUSED_BLOCK`. An index outside ``[0, num_experts)`` (transformers' marker
+    is the bound :func:`layout_blocks` (no host sync to learn the real count); blocks past the last expert's are
+    marked :data:`UNUSED_BLOCK`. An index outside ``[0, num_experts)`` (transformers' marker
     of an expert held elsewhere) goes to blocks marked :data:`ELSEWHERE_BLOCK`, whose rows come out as zeros."""
 
     rows: torch.Tensor  # int32 [blocks * block_m]: the pair (token * top_k + slot) of each row, -1 for padding
     block_expert: torch.Tensor  # int32 [blocks]: each block's expert, UNUSED_BLOCK or ELSEWHERE_BLOCK
     block_m: int
+
+
+def layout_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """The blocks a :class:`PairLayout` of ``pairs`` pairs is given: a bound on what the experts' padded segments
+    take, known on the host. Each used block holds at least one pair, so there are at most ``pairs`` of them; and
+    each of the ``num_experts + 1`` segments (the last: pairs held elsewhere) pads at most one block, so at most
+    ``cdiv(pairs, block_m) + num_experts + 1``. At one token the first is the tighter: its grids launch a program
+    per used block instead of one per expert (Mixtral: 2 blocks, not 10; gpt-oss: 4, not 34).
+
+    Example:
+        >>> layout_blocks(4, 32, 16), layout_blocks(8192, 8, 128)
+        (4, 73)
+    """
+    return min(pairs, cdiv(pairs, block_m) + num_experts + 1)
 
 
 def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
@@ -98,7 +112,7 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pa
     device = flat.device
     e_pad = next_pow2(num_experts + 1)
     chunk = max(16, _ROUTE_CELLS // e_pad)
-    blocks = cdiv(pairs, block_m) + num_experts + 1
+    blocks = layout_blocks(pairs, num_experts, block_m)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     if cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
