@@ -994,7 +994,11 @@ def test_exact_fp32_tunes_over_small_tiles_16_bit_over_tensor_core_tiles_tf32_ov
     half = {tile(c) for c in prune(configs, {"x_ptr": bf16}, INPUT_PRECISION="tf32")}
     tf32 = {tile(c) for c in prune(configs, {"x_ptr": fp32}, INPUT_PRECISION="tf32")}
     assert exact == small and half == set(moe_template._TENSOR_CORE_TILES) and tf32 == half | small
-    assert half | small == {tile(c) for c in configs} and not half & small
+    # at 16 rows per block (decode), 16-bit dots also try the decode tiles
+    decode = {tile(c) for c in prune(configs, {"x_ptr": bf16}, INPUT_PRECISION="tf32", BLOCK_M=16)}
+    assert decode == half | set(moe_template._DECODE_TILES) and not set(moe_template._DECODE_TILES) & half
+    assert {tile(c) for c in prune(configs, {"x_ptr": fp32}, INPUT_PRECISION="tf32", BLOCK_M=16)} == tf32
+    assert decode | small == {tile(c) for c in configs} and not half & small
     assert max(bn * bk for bn, bk, _, _ in small) <= 64 * 32 and min(bn * bk for bn, bk, _, _ in half) >= 64 * 64
     # FXFUSE_AUTOTUNE=0: one config that fits shared memory at 128 rows per block
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")

@@ -49,6 +49,11 @@ ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "ge
 _TENSOR_CORE_TILES = ((128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3),
                       (128, 128, 8, 3))
 _SMALL_TILES = ((64, 32, 4, 2), (32, 32, 4, 2))
+# 16-bit tiles kept only at 16 rows per block (the decode layout: a few tokens, the experts' weights streamed from
+# HBM), where a deeper K step or a narrower, deeper pipeline reads faster: Mixtral's down kernel at one token 101 ->
+# 93 µs replayed on an H100 (benchmarks/probes/probe_moe_decode_tiles.py).
+_DECODE_TILES = ((64, 256, 4, 3), (32, 128, 4, 5))
+_DECODE_ROWS = 16
 _SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take (an H100 has 228 KB per block)
 
 
@@ -96,12 +101,13 @@ def moe_configs(weight_grad: bool = False) -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in _TENSOR_CORE_TILES + _SMALL_TILES]
+            for bn, bk, w, s in _TENSOR_CORE_TILES + _SMALL_TILES + _DECODE_TILES]
 
 
 def prune_moe_configs(weight_grad: bool = False) -> dict | None:
     """``prune_configs_by`` for the MoE kernels (their first argument is the activations): exact fp32
-    (``INPUT_PRECISION="ieee"``) gets the small tiles, fp16 / bf16 the tensor-core tiles, TF32 both; with
+    (``INPUT_PRECISION="ieee"``) gets the small tiles, fp16 / bf16 the tensor-core tiles (and at 16 rows per block
+    the decode tiles), TF32 both; with
     ``FXFUSE_AUTOTUNE=0`` one of those alone, the first that fits shared memory (else the smallest of all).
     ``weight_grad``: over :func:`moe_configs`'s weight-gradient tiles.
 
@@ -118,11 +124,12 @@ def prune_moe_configs(weight_grad: bool = False) -> dict | None:
         activations = next(iter(named_args.values()), None)
         elem = activations.element_size() if hasattr(activations, "element_size") else 2
         exact = {**named_args, **kwargs}.get("INPUT_PRECISION") == "ieee"
-        wanted = set(small) if exact else set(tensor_core) | (set(small) if elem == 4 else set())
+        rows = {**named_args, **kwargs}.get("BLOCK_M", 128)
+        wanted = set(small) if exact else set(tensor_core) | (set(small) if elem == 4 else set()) | (
+            set(_DECODE_TILES) if elem == 2 and rows <= _DECODE_ROWS and not weight_grad else set())
         kept = [c for c in configs if _tile(c) in wanted] or configs[:1]
         if autotune_enabled():
             return kept
-        rows = {**named_args, **kwargs}.get("BLOCK_M", 128)
         fits = [c for c in kept if _pipelined_bytes(c, rows, elem) <= _SHARED_MEMORY_BUDGET]
         return fits[:1] or [min(configs, key=lambda c: _pipelined_bytes(c, rows, elem))]
 
