@@ -721,6 +721,42 @@ def test_gpu_moe_gradients_match_float64(family, tokens, dtype):
     check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[dtype])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 3000])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_gpu_grouped_weight_gradients_match_the_triton_kernel(family, tokens, monkeypatch):
+    # bf16 weight gradients run on torch._grouped_mm (CUTLASS); the Triton kernel is the fallback. Both against
+    # float64, and an expert without rows gets zeros (a grouped GEMM's empty K group).
+    from fxfuse.kernels import moe_backward_launch
+
+    torch.manual_seed(13)
+    dtype = torch.bfloat16
+    module = (experts("silu", dtype, "cuda", hidden=256, inter=512, num=9) if family == "mixtral"
+              else biased_experts("gpt_oss", dtype, "cuda", hidden=256, inter=384, num=9))
+    module.config._experts_implementation = "eager"
+    x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
+    index, weights = local_routing(tokens, 4, 8, "cuda", dtype)  # expert 8: no rows
+    dout = torch.randn(x.shape, dtype=dtype, device="cuda")
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    _, grouped = gradients(module, x, index, weights, dout, kernels_forward)
+    assert len(calls) == 2 and moe_backward_launch.GROUPED_WEIGHT_GRADS["enabled"]
+    monkeypatch.setitem(moe_backward_launch.GROUPED_WEIGHT_GRADS, "enabled", False)
+    _, triton_grads = gradients(module, x, index, weights, dout, kernels_forward)
+    assert len(calls) == 2
+    import copy
+
+    module64 = copy.deepcopy(module).double()
+    _, exact = gradients(module64, x.double(), index, weights.double(), dout.double(),
+                         lambda m, *a: type(m).forward(m, *a))
+    names = ["x", "routing weights", *(name for name, _ in module.named_parameters())]
+    for name, got, other, want in zip(names, grouped, triton_grads, exact):
+        assert rel_err(got, want) < GRAD_TOL[dtype] and rel_err(other, want) < GRAD_TOL[dtype], name
+        if name in ("gate_up_proj", "down_proj"):
+            assert not got[8].any(), name
+
+
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_fp32_experts_under_autocast_run_the_kernels_on_casts(family, monkeypatch):
@@ -948,6 +984,90 @@ def test_the_weight_gradient_sums_any_rows_a_step_in_any_tile_order(monkeypatch,
     x = torch.randn(23, 32)
     index, weights = local_routing(23, 2, 4, "cpu", torch.float32)
     check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+
+
+def reference_grouped_mm(a, b, offs):
+    """``torch._grouped_mm`` of two 2-D operands, K split at ``offs``: ``out[g] = a[:, s:e] @ b[s:e]`` (rows past
+    ``offs[-1]`` ignored), in the operands' dtype."""
+    assert a.dim() == b.dim() == 2 and offs.dtype == torch.int32 and int(offs[-1]) <= a.shape[1] == b.shape[0]
+    ends = offs.tolist()
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip([0] + ends[:-1], ends)])
+
+
+class PoisonedTorch:
+    """``torch`` for the backward's launcher, with every ``empty`` buffer filled with NaN (ints: -7): a row the
+    kernels leave unwritten and a sum then reads shows up."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        out = torch.empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    @staticmethod
+    def empty_like(*args, **kwargs):
+        out = torch.empty_like(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    _grouped_mm = staticmethod(lambda a, b, offs: reference_grouped_mm(a, b, offs))
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_the_grouped_weight_gradients_get_zero_padding_and_the_right_operands(monkeypatch, family):
+    # The weight gradients' grouped GEMM (bf16 on CUDA) sums the layout's rows up to each expert's end: padding rows
+    # must be zeros, and the operands must come in the parameters' layouts. Here its reference (any dtype) runs it,
+    # every fresh buffer of the backward full of NaN, one expert without rows.
+    from fxfuse.kernels import moe_backward_launch
+
+    monkeypatch.setattr(moe_backward_launch, "torch", PoisonedTorch())
+    monkeypatch.setattr(moe_backward_launch, "_grouped_mm_takes", lambda dtype, device: True)
+    calls = []
+    monkeypatch.setattr(PoisonedTorch, "_grouped_mm",
+                        staticmethod(lambda a, b, offs: calls.append(offs) or reference_grouped_mm(a, b, offs)))
+    torch.manual_seed(11)
+    module = (experts("silu", torch.float32, "cpu", num=5) if family == "mixtral"
+              else biased_experts("gpt_oss", torch.float32, "cpu", num=5))
+    x = torch.randn(9, 32)
+    index, weights = local_routing(9, 2, 4, "cpu", torch.float32)  # expert 4 gets no rows
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+    assert len(calls) == 2 and all(len(offs) == 5 and offs[3] == offs[4] for offs in calls)
+
+
+def test_grouped_weight_grads_sum_each_experts_rows_in_bf16():
+    # torch._grouped_mm itself (torch's CPU fallback here; CUTLASS's kernel on a GPU): against float64 sums over
+    # each expert's rows, an expert without rows summed to zeros.
+    from fxfuse.kernels.moe_backward_launch import _segments, grouped_weight_grads
+
+    torch.manual_seed(12)
+    tokens, top_k, num, hidden, inter, block_m = 13, 2, 5, 24, 40, 4
+    index = torch.stack([torch.randperm(4)[:top_k] for _ in range(tokens)])  # expert 4: no rows
+    index[1, 1] = num  # held elsewhere
+    layout = sort_pairs(index, num, block_m)
+    x, dout = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
+    padding = (layout.rows < 0).unsqueeze(1)
+    dgu = torch.randn(layout.rows.numel(), 2 * inter).masked_fill_(padding, 0)
+    rh = torch.randn(layout.rows.numel(), inter).masked_fill_(padding, 0)
+    want_w1 = torch.zeros(num, 2 * inter, hidden, dtype=torch.float64)
+    want_w2 = torch.zeros(num, hidden, inter, dtype=torch.float64)
+    for row, pair in enumerate(layout.rows.tolist()):
+        if pair >= 0 and index.reshape(-1)[pair] < num:
+            e, t = index.reshape(-1)[pair], pair // top_k
+            want_w1[e] += torch.outer(dgu[row].double(), x[t].double())
+            want_w2[e] += torch.outer(dout[t].double(), rh[row].double())
+    bf16 = [t.bfloat16() for t in (x, dout, dgu, rh)]
+    segments = _segments(layout, num)
+    for transposed in (False, True):
+        d_w1, d_w2 = grouped_weight_grads(layout, segments, top_k, *bf16, transposed)
+        if transposed:
+            d_w1, d_w2 = d_w1.transpose(1, 2), d_w2.transpose(1, 2)
+        assert d_w1.dtype == d_w2.dtype == torch.bfloat16
+        assert rel_err(d_w1, want_w1) < TOL[torch.bfloat16] and rel_err(d_w2, want_w2) < TOL[torch.bfloat16]
+        assert not d_w1[4].any() and not d_w2[4].any()
+    only_down = grouped_weight_grads(layout, segments, top_k, bf16[0], bf16[1], None, bf16[3], False)
+    assert only_down[0] is None and only_down[1] is not None
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")

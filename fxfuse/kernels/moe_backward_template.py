@@ -144,7 +144,8 @@ def moe_gate_backward_kernel(
                       shared memory), in the activations' dtype.
     routing_ptr:      the routing weight of each pair ``[pairs]``.
     dgu_ptr:          out ``[padded rows, 2N]``: d gate and d up in the gate/up weights' column order (INTERLEAVED:
-                      column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``).
+                      column ``2n`` gate, ``2n + 1`` up; else gate in ``[0, N)``, up in ``[N, 2N)``); zeros at
+                      the block's padding rows (as h's).
     dr_ptr:           out fp32 ``[cdiv(N, BLOCK_N), pairs]``: each column tile's part of the routing gradient.
                       Pairs of experts held elsewhere are never written (zeros expected).
     rows_ptr, block_expert_ptr: the pair layout; N: the intermediate size; pairs: T * top_k.
@@ -161,6 +162,8 @@ def moe_gate_backward_kernel(
     valid = pair >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = valid[:, None] & (offs_n < N)[None, :]
+    # Padding rows load as zeros and store zeros (dgu, h): the grouped GEMM of the weight gradients sums them.
+    store_mask = (offs_m >= 0)[:, None] & (offs_n < N)[None, :]
     rows = offs_m[:, None].to(tl.int64)
     grad = tl.load(grad_h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0)
     g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -170,16 +173,16 @@ def moe_gate_backward_kernel(
     safe_pair = tl.where(valid, pair, 0)
     scale = tl.load(routing_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
     if STORE_H:
-        tl.store(h_ptr + rows * N + offs_n[None, :], (h * scale[:, None]).to(dtype), mask=mask)
+        tl.store(h_ptr + rows * N + offs_n[None, :], (h * scale[:, None]).to(dtype), mask=store_mask)
     tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(grad * h, axis=1), mask=valid)
     dg, du = _gate_backward(g, u, grad * scale[:, None], alpha, limit, ACT)
     out = dgu_ptr + rows * (2 * N)
     if INTERLEAVED:
-        tl.store(out + 2 * offs_n[None, :], dg.to(dtype), mask=mask)
-        tl.store(out + 2 * offs_n[None, :] + 1, du.to(dtype), mask=mask)
+        tl.store(out + 2 * offs_n[None, :], dg.to(dtype), mask=store_mask)
+        tl.store(out + 2 * offs_n[None, :] + 1, du.to(dtype), mask=store_mask)
     else:
-        tl.store(out + offs_n[None, :], dg.to(dtype), mask=mask)
-        tl.store(out + N + offs_n[None, :], du.to(dtype), mask=mask)
+        tl.store(out + offs_n[None, :], dg.to(dtype), mask=store_mask)
+        tl.store(out + N + offs_n[None, :], du.to(dtype), mask=store_mask)
 
 
 @autotune(configs=moe_configs(weight_grad=True), prune_configs_by=prune_moe_configs(weight_grad=True),
