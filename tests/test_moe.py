@@ -727,7 +727,7 @@ def test_gpu_moe_gradients_match_float64(family, tokens, dtype):
 def test_gpu_grouped_weight_gradients_match_the_triton_kernel(family, tokens, monkeypatch):
     # bf16 weight gradients run on torch._grouped_mm (CUTLASS); the Triton kernel is the fallback. Both against
     # float64, and an expert without rows gets zeros (a grouped GEMM's empty K group).
-    from fxfuse.kernels import moe_backward_launch
+    from fxfuse.kernels import moe_weight_grads
 
     torch.manual_seed(13)
     dtype = torch.bfloat16
@@ -741,8 +741,8 @@ def test_gpu_grouped_weight_gradients_match_the_triton_kernel(family, tokens, mo
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
     _, grouped = gradients(module, x, index, weights, dout, kernels_forward)
-    assert len(calls) == 2 and moe_backward_launch.GROUPED_WEIGHT_GRADS["enabled"]
-    monkeypatch.setitem(moe_backward_launch.GROUPED_WEIGHT_GRADS, "enabled", False)
+    assert len(calls) == 2 and moe_weight_grads.GROUPED_WEIGHT_GRADS["enabled"]  # (FXFUSE_AUTOTUNE=0: untimed)
+    monkeypatch.setitem(moe_weight_grads.GROUPED_WEIGHT_GRADS, "force", "triton")
     _, triton_grads = gradients(module, x, index, weights, dout, kernels_forward)
     assert len(calls) == 2
     import copy
@@ -1020,10 +1020,12 @@ def test_the_grouped_weight_gradients_get_zero_padding_and_the_right_operands(mo
     # The weight gradients' grouped GEMM (bf16 on CUDA) sums the layout's rows up to each expert's end: padding rows
     # must be zeros, and the operands must come in the parameters' layouts. Here its reference (any dtype) runs it,
     # every fresh buffer of the backward full of NaN, one expert without rows.
-    from fxfuse.kernels import moe_backward_launch
+    from fxfuse.kernels import moe_backward_launch, moe_weight_grads
 
     monkeypatch.setattr(moe_backward_launch, "torch", PoisonedTorch())
-    monkeypatch.setattr(moe_backward_launch, "_grouped_mm_takes", lambda dtype, device: True)
+    monkeypatch.setattr(moe_weight_grads, "torch", PoisonedTorch())
+    monkeypatch.setattr(moe_backward_launch, "grouped_mm_takes", lambda dtype, device: True)
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")  # (grouped_mm, untimed)
     calls = []
     monkeypatch.setattr(PoisonedTorch, "_grouped_mm",
                         staticmethod(lambda a, b, offs: calls.append(offs) or reference_grouped_mm(a, b, offs)))
@@ -1036,10 +1038,51 @@ def test_the_grouped_weight_gradients_get_zero_padding_and_the_right_operands(mo
     assert len(calls) == 2 and all(len(offs) == 5 and offs[3] == offs[4] for offs in calls)
 
 
+def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_kernel(monkeypatch, caplog):
+    from fxfuse.kernels import moe_weight_grads as wg
+
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
+    monkeypatch.setattr(wg, "WEIGHT_GRAD_CHOICES", {})
+    monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "enabled", True)
+    us = {"grouped_mm": 5.0, "triton": 3.0}
+    runs = []
+
+    def runner(name):
+        def run():
+            runs.append(name)
+            if name == "grouped_mm" and us[name] is None:
+                raise RuntimeError("no grouped GEMM for this GPU")
+            return name, name
+        return run
+
+    monkeypatch.setattr(wg, "_gpu_us", lambda run: us[run()[0]])
+    shape = (8, 64, 32, False, 16, True, True)
+    with caplog.at_level(logging.INFO, logger=wg.__name__):
+        assert wg.weight_grads_by(shape, 100, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
+    assert runs.count("grouped_mm") == 1 + 2 and runs[-1] == "triton"  # (a first call each, two timed rounds)
+    assert "grouped_mm 5.0 us, the Triton kernel 3.0 us: runs triton" in caplog.text
+    runs.clear()
+    assert wg.weight_grads_by(shape, 120, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
+    assert runs == ["triton"]  # the same pair bucket (128): kept, untimed
+    us["grouped_mm"] = 1.0
+    assert wg.weight_grads_by(shape, 300, runner("grouped_mm"), runner("triton"))[0] == "grouped_mm"  # a new bucket
+    monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "force", "triton")
+    assert wg.weight_grads_by(shape, 300, runner("grouped_mm"), runner("triton"))[0] == "triton"
+    monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "force", None)
+    us["grouped_mm"] = None  # grouped_mm raises: the Triton kernel, from now on (logged)
+    with caplog.at_level(logging.WARNING, logger=wg.__name__):
+        assert wg.weight_grads_by(shape, 1000, runner("grouped_mm"), runner("triton"))[0] == "triton"
+    assert not wg.GROUPED_WEIGHT_GRADS["enabled"] and "failed for the experts' weight gradients" in caplog.text
+    assert not wg.grouped_mm_takes(torch.bfloat16, torch.device("cuda"))
+    runs.clear()
+    assert wg.weight_grads_by(shape, 300, runner("grouped_mm"), runner("triton"))[0] == "triton" and runs == ["triton"]
+
+
 def test_grouped_weight_grads_sum_each_experts_rows_in_bf16():
     # torch._grouped_mm itself (torch's CPU fallback here; CUTLASS's kernel on a GPU): against float64 sums over
     # each expert's rows, an expert without rows summed to zeros.
-    from fxfuse.kernels.moe_backward_launch import _segments, grouped_weight_grads
+    from fxfuse.kernels.moe_backward_launch import _segments
+    from fxfuse.kernels.moe_weight_grads import grouped_weight_grads
 
     torch.manual_seed(12)
     tokens, top_k, num, hidden, inter, block_m = 13, 2, 5, 24, 40, 4

@@ -9,7 +9,7 @@ interleaved, a clamped SwiGLU; transformers runs it by the same two implementati
     python3 benchmarks/probes/probe_moe.py [--tokens 1,16,128,512,4096] [--hidden 4096] [--inter 14336] [--experts 8]
     python3 benchmarks/probes/probe_moe.py --family gpt_oss [--tokens ...]
     python3 benchmarks/probes/probe_moe.py --train [...]   # a training step's forward + backward instead
-    python3 benchmarks/probes/probe_moe.py --train --triton-weight-grads [...]  # + the Triton weight gradients
+    python3 benchmarks/probes/probe_moe.py --train --weight-grads [...]  # + each weight-gradient implementation
 
 ``--train``: forward + backward (gradients of the input, the routing weights and every parameter) of transformers'
 grouped_mm under autograd against fxfuse's autograd node (``MoEExpertsFunction``, what a training call
@@ -70,8 +70,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time (torch.profiler) and config")
     ap.add_argument("--train", action="store_true", help="time forward + backward instead (see the doc)")
-    ap.add_argument("--triton-weight-grads", action="store_true",
-                    help="--train: also fxfuse's node with the weight gradients on its Triton kernel (not grouped_mm)")
+    ap.add_argument("--weight-grads", action="store_true",
+                    help="--train: also fxfuse's node with its weight gradients on grouped_mm, and on the Triton "
+                         "kernel (fxfuse: the faster of the two, timed at the first backward)")
     args = ap.parse_args()
     defaults = GPT_OSS_20B if args.family == "gpt_oss" else dict(hidden=4096, inter=14336, experts=8, top_k=2)
     for name, value in defaults.items():
@@ -139,7 +140,8 @@ def train(args, module, reference, form) -> None:
 
 
 def train_row(args, module, reference, form, tokens: int) -> list[str]:
-    from fxfuse.kernels.moe_backward_launch import GROUPED_WEIGHT_GRADS, MoEExpertsFunction
+    from fxfuse.kernels.moe_backward_launch import MoEExpertsFunction
+    from fxfuse.kernels.moe_weight_grads import GROUPED_WEIGHT_GRADS
 
     params = module._parameters
     x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -151,16 +153,17 @@ def train_row(args, module, reference, form, tokens: int) -> list[str]:
     def step(run):
         return torch.autograd.grad(run(), inputs, dout)
 
-    def node(grouped_weight_grads: bool):
+    def node(weight_grads=None):
         def run():
-            GROUPED_WEIGHT_GRADS["enabled"] = grouped_weight_grads  # (read by this node's backward)
+            GROUPED_WEIGHT_GRADS["force"] = weight_grads  # (read by this node's backward; None: the measured choice)
             return MoEExpertsFunction.apply(x, index, weights, params["gate_up_proj"], params["down_proj"],
                                             params.get("gate_up_proj_bias"), params.get("down_proj_bias"), form)
         return run
 
-    variants = {"grouped_mm": lambda: module(x, index, weights), "fxfuse": node(True)}
-    if args.triton_weight_grads:
-        variants["fxfuse, Triton weight grads"] = node(False)
+    variants = {"grouped_mm": lambda: module(x, index, weights), "fxfuse": node()}
+    if args.weight_grads:
+        variants["fxfuse, grouped_mm weight grads"] = node("grouped_mm")
+        variants["fxfuse, Triton weight grads"] = node("triton")
     x32, w32 = x.detach().float().requires_grad_(), weights.detach().float().requires_grad_()
     ref = torch.autograd.grad(reference(x32, index, w32), [x32, w32, *reference.parameters()], dout.float())
     cells = []

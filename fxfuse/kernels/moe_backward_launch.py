@@ -1,12 +1,8 @@
 """Launcher of the mixture-of-experts backward kernels (:mod:`fxfuse.kernels.moe_backward_template`), and the
 autograd function that trains through :func:`fxfuse.kernels.moe_launch.moe_forward_pass`.
 
-The two weight gradients (each expert's sum over its rows of an outer product: a GEMM whose reduction runs over
-the expert's ~``T * top_k / E`` rows) run on ``torch._grouped_mm`` (CUTLASS's grouped GEMM, K split by the
-experts' row offsets) where it takes the dtype (bf16 on CUDA): on an H100 at Mixtral's 4096 tokens it sums at
-~600 TFLOP/s against :func:`~fxfuse.kernels.moe_backward_template.moe_weight_grad_kernel`'s ~350, whose short sums
-end in a whole-tile store that nothing overlaps. It reads its operands in the layout's sorted rows, so x and the
-output gradient are gathered into them first (two ``[rows, H]`` copies); padding rows are zeros.
+The two weight gradients run on :func:`~fxfuse.kernels.moe_backward_template.moe_weight_grad_kernel` or on
+``torch._grouped_mm``, whichever :mod:`fxfuse.kernels.moe_weight_grads` measured faster for the shapes.
 
 Example:
     >>> form = ExpertsForm("silu")
@@ -16,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -25,17 +20,13 @@ from .launch import _input_precision
 from .moe_backward_template import moe_down_backward_kernel, moe_gate_backward_kernel, moe_weight_grad_kernel
 from .moe_launch import ExpertsForm, MoESaved, PairLayout, _finite, _strided, moe_forward_pass
 from .moe_template import ACTIVATIONS, moe_down_kernel
+from .moe_weight_grads import grouped_mm_takes, grouped_weight_grads, weight_grads_by
 from .template import cdiv
 
-__all__ = ["MoEExpertsFunction", "MoEGradients", "grouped_weight_grads", "run_moe_backward"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
 _GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
-# Whether the weight gradients may run on torch._grouped_mm (bf16 on CUDA); turned off for the process, with a log
-# line, the first time it fails, and the Triton kernel runs instead.
-GROUPED_WEIGHT_GRADS = {"enabled": True}
 
 
 def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
@@ -45,45 +36,6 @@ def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
     owner = torch.where(owner >= 0, owner, torch.full_like(owner, num_experts))
     bounds = torch.arange(num_experts + 1, device=owner.device, dtype=owner.dtype)
     return torch.searchsorted(owner, bounds).to(torch.int32)
-
-
-def _grouped_mm_takes(dtype: torch.dtype, device: torch.device) -> bool:
-    return (GROUPED_WEIGHT_GRADS["enabled"] and dtype == torch.bfloat16 and device.type == "cuda"
-            and hasattr(torch, "_grouped_mm"))
-
-
-def _sorted_rows(src: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``[rows, H]``: each sorted row's token's row of ``src`` ``[T, H]``, zeros at padding (rows past the
-    layout's used blocks hold whatever: the grouped GEMM reads only up to the last expert's end)."""
-    pairs = src.shape[0] * top_k
-    out = src.index_select(0, rows.clamp(0, pairs - 1).div(top_k, rounding_mode="floor"))
-    return out.masked_fill_((rows < 0).unsqueeze(1), 0)
-
-
-def grouped_weight_grads(layout: PairLayout, segments: torch.Tensor, top_k: int, x: torch.Tensor,
-                         dout: torch.Tensor, dgu: Optional[torch.Tensor], rh: Optional[torch.Tensor],
-                         transposed: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(d gate_up, d down)`` in the parameters' layouts (``[E, 2I, H]`` / ``[E, H, I]``, or ``[E, H, 2I]`` /
-    ``[E, I, H]`` when ``transposed``) by ``torch._grouped_mm``, K split at each expert's end row
-    (``segments[1:] * block_m``): ``d gate_up[e] = dgu[e's rows]^T x[their tokens]`` and ``d down[e] = dout[their
-    tokens]^T rh[e's rows]`` (``rh``: h scaled by the routing weights). ``dgu`` / ``rh`` (None: that gradient is
-    not wanted) must be zero at padding rows. An expert with no rows gets zeros (an empty group of the sum).
-
-    Example:
-        >>> d_w1, d_w2 = grouped_weight_grads(layout, segments, 2, x, dout, dgu, rh, False)  # doctest: +SKIP
-    """
-    offs = (segments[1:] * layout.block_m).to(torch.int32)
-    d_w1 = d_w2 = None
-    if rh is not None:
-        dout_rows = _sorted_rows(dout, layout.rows, top_k)
-        d_w2 = (torch._grouped_mm(rh.t(), dout_rows, offs=offs) if transposed
-                else torch._grouped_mm(dout_rows.t(), rh, offs=offs))
-        del dout_rows
-    if dgu is not None:
-        x_rows = _sorted_rows(x, layout.rows, top_k)
-        d_w1 = (torch._grouped_mm(x_rows.t(), dgu, offs=offs) if transposed
-                else torch._grouped_mm(dgu.t(), x_rows, offs=offs))
-    return d_w1, d_w2
 
 
 def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -147,21 +99,24 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
 
     segments = _segments(layout, E) if any(needs[2:]) else None
     ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[4] or needs[5] else None
-    grouped = (needs[2] or needs[3]) and _grouped_mm_takes(dtype, device)
-    if grouped:  # 3 and 4 on CUTLASS's grouped GEMM
-        try:
-            d_w1, d_w2 = grouped_weight_grads(layout, segments, top_k, saved.x, dout, dgu if needs[2] else None,
-                                              h if needs[3] else None, form.transposed)
-        except RuntimeError as exc:  # (a torch without this GPU's kernel): the Triton kernel from now on
-            GROUPED_WEIGHT_GRADS["enabled"] = grouped = False
-            logger.warning("fxfuse.moe: torch._grouped_mm failed for the experts' weight gradients (%s: %s); "
-                           "the Triton kernel computes them from now on", type(exc).__name__, exc)
-    if needs[3] and not grouped:  # 3. d down[e] = sum over e's rows of dout[t]^T (r * h)
-        d_w2 = torch.empty_like(w2.transpose(1, 2) if form.transposed else w2)
-        expert_sums(d_w2.transpose(1, 2) if form.transposed else d_w2, dout, True, h, False)
-    if needs[2] and not grouped:  # 4. d gate_up[e] = sum over e's rows of dgu^T x[t]
-        d_w1 = torch.empty_like(w1.transpose(1, 2) if form.transposed else w1)
-        expert_sums(d_w1.transpose(1, 2) if form.transposed else d_w1, dgu, False, saved.x, True)
+
+    def triton_weight_grads():
+        d_w1 = d_w2 = None
+        if needs[3]:  # 3. d down[e] = sum over e's rows of dout[t]^T (r * h)
+            d_w2 = torch.empty_like(w2.transpose(1, 2) if form.transposed else w2)
+            expert_sums(d_w2.transpose(1, 2) if form.transposed else d_w2, dout, True, h, False)
+        if needs[2]:  # 4. d gate_up[e] = sum over e's rows of dgu^T x[t]
+            d_w1 = torch.empty_like(w1.transpose(1, 2) if form.transposed else w1)
+            expert_sums(d_w1.transpose(1, 2) if form.transposed else d_w1, dgu, False, saved.x, True)
+        return d_w1, d_w2
+
+    if (needs[2] or needs[3]) and grouped_mm_takes(dtype, device):  # 3 and 4 by the faster of the two
+        shape = (E, two_i, H, form.transposed, bm, needs[2], needs[3])
+        d_w1, d_w2 = weight_grads_by(shape, pairs, lambda: grouped_weight_grads(
+            layout, segments, top_k, saved.x, dout, dgu if needs[2] else None, h if needs[3] else None,
+            form.transposed), triton_weight_grads)
+    elif needs[2] or needs[3]:
+        d_w1, d_w2 = triton_weight_grads()
     if needs[4]:  # the biases: each expert's sum of its rows of dgu, of r * dout[t]
         d_b1 = torch.empty(E, two_i, dtype=dtype, device=device)
         expert_sums(d_b1.unsqueeze(2), dgu, False, ones, False)

@@ -1,0 +1,138 @@
+"""The MoE backward's two weight gradients on ``torch._grouped_mm``, and the measured choice between it and the
+Triton kernel (:func:`~fxfuse.kernels.moe_backward_template.moe_weight_grad_kernel`).
+
+Each weight gradient is, per expert, a sum over the expert's rows of outer products: a GEMM whose reduction runs
+over the expert's ~``T * top_k / E`` rows of the pair layout. ``torch._grouped_mm`` (CUTLASS's grouped GEMM on
+Hopper; bf16 only) takes that form directly: two 2-D operands, K split at each expert's end row. It reads its
+operands in the layout's sorted rows, so x and the output gradient are gathered into them first (two ``[rows, H]``
+copies), and the other operands' padding rows must be zeros (the gate backward writes them so).
+
+Neither wins everywhere (H100, bf16, forward + backward of one layer, ``probe_moe.py --train
+--weight-grads``): grouped_mm at Mixtral-8x7B's shapes at every token count (4096 tokens: 17.8 against
+20.8 ms), the Triton kernel at Qwen3-30B-A3B's 128 experts at 4096 tokens (3.6 against 5.5 ms) and at
+gpt-oss-20b's at 64-256 tokens. So the first backward at each shape and pair bucket times both
+(:func:`weight_grads_by`, logged at INFO) and keeps the faster for that key.
+
+Example:
+    >>> d_w1, d_w2 = weight_grads_by(key, grouped, triton)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+from .moe_launch import PairLayout
+from .template import autotune_enabled, next_pow2
+
+__all__ = ["GROUPED_WEIGHT_GRADS", "WEIGHT_GRAD_CHOICES", "grouped_mm_takes", "grouped_weight_grads",
+           "weight_grads_by"]
+
+logger = logging.getLogger(__name__)
+
+# "enabled": whether the weight gradients may run on torch._grouped_mm; turned off for the process, with a log line,
+# the first time it fails (a torch without this GPU's kernel), and the Triton kernel runs instead. "force": None
+# (the measured choice) or "grouped_mm" / "triton" for every shape (probes and tests compare the two).
+GROUPED_WEIGHT_GRADS: dict = {"enabled": True, "force": None}
+# (E, 2I, H, transposed, rows per block, d gate_up wanted, d down wanted, pair bucket) -> "grouped_mm" or "triton"
+WEIGHT_GRAD_CHOICES: dict[tuple, str] = {}
+_ROUNDS = 2  # interleaved timing rounds per candidate (the best median of each kept)
+
+Gradients = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+def grouped_mm_takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` may compute the weight gradients here: bf16 on CUDA, unless it failed before."""
+    return (GROUPED_WEIGHT_GRADS["enabled"] and dtype == torch.bfloat16 and device.type == "cuda"
+            and hasattr(torch, "_grouped_mm"))
+
+
+def _sorted_rows(src: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[rows, H]``: each sorted row's token's row of ``src`` ``[T, H]``, zeros at padding (rows past the
+    layout's used blocks hold whatever: the grouped GEMM reads only up to the last expert's end)."""
+    pairs = src.shape[0] * top_k
+    out = src.index_select(0, rows.clamp(0, pairs - 1).div(top_k, rounding_mode="floor"))
+    return out.masked_fill_((rows < 0).unsqueeze(1), 0)
+
+
+def grouped_weight_grads(layout: PairLayout, segments: torch.Tensor, top_k: int, x: torch.Tensor,
+                         dout: torch.Tensor, dgu: Optional[torch.Tensor], rh: Optional[torch.Tensor],
+                         transposed: bool) -> Gradients:
+    """``(d gate_up, d down)`` in the parameters' layouts (``[E, 2I, H]`` / ``[E, H, I]``, or ``[E, H, 2I]`` /
+    ``[E, I, H]`` when ``transposed``) by ``torch._grouped_mm``, K split at each expert's end row
+    (``segments[1:] * block_m``): ``d gate_up[e] = dgu[e's rows]^T x[their tokens]`` and ``d down[e] = dout[their
+    tokens]^T rh[e's rows]`` (``rh``: h scaled by the routing weights). ``dgu`` / ``rh`` (None: that gradient is
+    not wanted) must be zero at padding rows. An expert with no rows gets zeros (an empty group of the sum).
+
+    Example:
+        >>> d_w1, d_w2 = grouped_weight_grads(layout, segments, 2, x, dout, dgu, rh, False)  # doctest: +SKIP
+    """
+    offs = (segments[1:] * layout.block_m).to(torch.int32)
+    d_w1 = d_w2 = None
+    if rh is not None:
+        dout_rows = _sorted_rows(dout, layout.rows, top_k)
+        d_w2 = (torch._grouped_mm(rh.t(), dout_rows, offs=offs) if transposed
+                else torch._grouped_mm(dout_rows.t(), rh, offs=offs))
+        del dout_rows
+    if dgu is not None:
+        x_rows = _sorted_rows(x, layout.rows, top_k)
+        d_w1 = (torch._grouped_mm(x_rows.t(), dgu, offs=offs) if transposed
+                else torch._grouped_mm(dgu.t(), x_rows, offs=offs))
+    return d_w1, d_w2
+
+
+def _gpu_us(run: Callable[[], Gradients]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def weight_grads_by(shape: tuple, pairs: int, grouped: Callable[[], Gradients],
+                    triton: Callable[[], Gradients]) -> Gradients:
+    """The weight gradients by ``grouped`` (torch._grouped_mm) or ``triton`` (the Triton kernel), whichever was
+    faster at the first backward of ``shape`` (``(E, 2I, H, ...)``: what else sets the kernels' work) and
+    ``pairs`` bucketed to a power of two: both timed there in interleaved rounds, the choice logged at INFO and
+    kept. Untimed (``FXFUSE_AUTOTUNE=0``, or inside a CUDA graph capture): grouped_mm. A grouped_mm that raises
+    turns it off for the process (logged); the Triton kernel runs.
+    """
+    key = tuple(shape) + (next_pow2(pairs),)
+    choice = GROUPED_WEIGHT_GRADS["force"] or WEIGHT_GRAD_CHOICES.get(key)
+    if choice is None and autotune_enabled() and not (torch.cuda.is_available()
+                                                      and torch.cuda.is_current_stream_capturing()):
+        choice = _time_choice(key, grouped, triton)
+    if choice == "triton" or not GROUPED_WEIGHT_GRADS["enabled"]:
+        return triton()
+    try:
+        return grouped()
+    except RuntimeError as exc:
+        _grouped_failed(exc)
+        return triton()
+
+
+def _time_choice(key: tuple, grouped: Callable[[], Gradients], triton: Callable[[], Gradients]) -> str:
+    runners = {"grouped_mm": grouped, "triton": triton}
+    try:
+        grouped()  # (a failure here is grouped_mm's own: the Triton kernel from now on)
+    except RuntimeError as exc:
+        _grouped_failed(exc)
+        return "triton"
+    triton()  # (its first call autotunes)
+    times: dict[str, float] = {}
+    for _ in range(_ROUNDS):
+        for name, run in runners.items():
+            times[name] = min(times.get(name, float("inf")), _gpu_us(run))
+    choice = min(times, key=times.get)
+    WEIGHT_GRAD_CHOICES[key] = choice
+    logger.info("fxfuse.moe: experts' weight gradients at E=%d, 2I=%d, H=%d, up to %d pairs: grouped_mm %.1f us, "
+                "the Triton kernel %.1f us: runs %s", key[0], key[1], key[2], key[-1], times["grouped_mm"],
+                times["triton"], choice)
+    return choice
+
+
+def _grouped_failed(exc: Exception) -> None:
+    GROUPED_WEIGHT_GRADS["enabled"] = False
+    logger.warning("fxfuse.moe: torch._grouped_mm failed for the experts' weight gradients (%s: %s); the Triton "
+                   "kernel computes them from now on", type(exc).__name__, exc)
