@@ -80,6 +80,7 @@ def main() -> None:
             setattr(args, name, value)
     logging.basicConfig(format="    %(message)s")
     logging.getLogger("fxfuse.moe").setLevel(logging.INFO)  # the installed forward's choice per token bucket
+    logging.getLogger("fxfuse.kernels.moe_weight_grads").setLevel(logging.INFO)  # and the weight gradients'
     torch.manual_seed(0)
     module, reference, form = build(args)
     forward = moe_forward(type(module).forward, form)
