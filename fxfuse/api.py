@@ -91,8 +91,10 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     for path, act in experts_acts.items():
         experts_module = model.get_submodule(path)
         full_report.regions.append(RegionReport(path, MOE_PATTERN, f"moe:{act}", "moe_grouped (routing + 2 kernels)", [
-            "the (token, expert) pairs routed by expert, then two grouped kernels (training: one autograd node, "
-            "three more kernels backward); checked against the module's forward at its first call (kept if they "
+            "the (token, expert) pairs routed by expert, then two grouped kernels (training: one autograd node "
+            "whose backward runs G, the gate's derivative, dx and the weight gradients, these on the Triton kernel "
+            "or torch._grouped_mm, whichever measured faster); checked against the module's forward at its first "
+            "call (kept if they "
             "differ) and timed against it at each power-of-two token bucket's first call, forward and training "
             "step apart (the faster runs; logged, and measured here)"],
             experts=(type(experts_module), tuple(experts_module.gate_up_proj.shape))))

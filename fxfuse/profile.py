@@ -8,7 +8,9 @@ How: ``fxfuse.optimize`` turns every region into one ``torch.ops.fxfuse.mlp`` ca
 model runs under a ``TorchFunctionMode`` that intercepts that op, each call is named by the module its
 weights live in (as ``fxfuse.report`` names regions) and runs inside
 ``record_function("fxfuse region <path>")``: either the fused op ("after") or
-``fxfuse.ops.reference_mlp``, the region's original ops ("before"). Under ``torch.profiler`` every
+``fxfuse.ops.reference_mlp``, the region's original ops ("before"). MoE experts modules run their installed
+forward instead: :mod:`fxfuse.profile_moe` intercepts those calls, the installed forward ("after") or the
+class's own ("before") inside the same labels. Under ``torch.profiler`` every
 kernel launched inside a label belongs to that region (:func:`attribute`). A first run records each
 call's arguments, from which :func:`fxfuse.roofline.count_call` counts FLOPs and bytes. End-to-end
 times are ``triton.testing.do_bench`` medians of the original and the optimized model themselves, with
@@ -35,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .ops import reference_mlp
+from .profile_moe import ExpertsSite, count_experts_call, experts_sites, intercept_experts
 from .profile_render import fmt_us, html_page, roofline_points, text_lines
 from .report import FusionReport
 from .roofline import CallWork, Ceilings, Verdict, classify, count_call, measure_ceilings, named_ceilings
@@ -197,15 +200,25 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
         opt = optimized if optimized is not None else optimize(model, inputs)
         fusion = report(opt)
         regions = _Regions(opt, fusion)
+        experts = experts_sites(opt, fusion, REGION)
         work: dict[str, list[CallWork]] = defaultdict(list)
         first_args: dict[str, tuple] = {}  # each region's first call's arguments (its host path is timed on them)
+        experts_calls: dict[str, dict[str, Callable]] = {}  # an experts site's first call, each side, to time
 
         def record(site, x, weights, biases, operands, spec):
             work[site.label].append(count_call(spec, x, weights, biases, operands, launches=site.launches))
             first_args.setdefault(site.label, (x, weights, biases, operands, spec))
             return reference_mlp(x, weights, biases, operands, spec)
 
-        with _Intercept(regions, record):
+        def record_experts(site: ExpertsSite, args: tuple, kwargs: dict):
+            hidden, index = site.routing_args(args, kwargs)
+            work[site.label].append(count_experts_call(site, hidden, index))
+            experts_calls.setdefault(site.label, {
+                "before": lambda: site.original(site.module, *args, **kwargs),
+                "after": lambda: site.installed(site.module, *args, **kwargs)})
+            return site.installed(site.module, *args, **kwargs)
+
+        with _Intercept(regions, record), intercept_experts(experts, record_experts):
             opt(*inputs)
     dtypes = sorted({w.dtype for calls in work.values() for w in calls}) or ["bfloat16"]
     if gpu is None and device.type == "cuda":
@@ -219,21 +232,26 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
     measured: dict[str, dict[str, _Measured]] = {}
     if timed:
         with torch.no_grad():
-            measured = _time(rep, model, opt, regions, inputs, device, iters, warmup)
+            measured = _time(rep, model, opt, regions, experts, inputs, device, iters, warmup)
             for side, measures in measured.items():
                 for label, meas in measures.items():
                     if label in first_args:
                         meas.host_us = _call_host_us(side, first_args[label], device) * len(work[label])
+                    elif label in experts_calls:
+                        meas.host_us = _fn_host_us(experts_calls[label][side], device) * len(work[label])
     else:
         rep.notes.append(NEED_GPU)
-    for label, site in regions.sites.items():
+    for label, site in (*regions.sites.items(), *experts.items()):
         if work[label]:  # (a call seen only while timing, not in the first run, has no shapes: skipped)
             rep.regions.append(_region(site, work[label], ceil, measured.get("before", {}).get(label),
                                        measured.get("after", {}).get(label), timed))
+    profiled = {site.path for label, site in experts.items() if work[label]}
     for r in regions.unclaimed:
-        if r.experts:  # (MoE experts run their installed forward, outside the op this profile intercepts)
-            rep.notes.append(f"{r.module_path}: MoE experts, not profiled here; each token bucket's times and bound: "
-                             f"{r.measured_cell()} (fxfuse.report)")
+        if r.experts and r.module_path in profiled:
+            continue
+        if r.experts and r.module_path not in {site.path for site in experts.values()}:
+            rep.notes.append(f"{r.module_path}: MoE experts, not profiled here (its forward is the model's own); "
+                             f"each token bucket's times and bound: {r.measured_cell()} (fxfuse.report)")
         else:
             rep.notes.append(f"{r.module_path}: fused, but not run by these inputs")
     return rep
@@ -355,8 +373,8 @@ class _Measured:
     launches: float
 
 
-def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: torch.device, iters: int,
-          warmup: int) -> dict[str, dict[str, _Measured]]:
+def _time(rep: ProfileReport, model, opt, regions: _Regions, experts: dict[str, ExpertsSite], inputs,
+          device: torch.device, iters: int, warmup: int) -> dict[str, dict[str, _Measured]]:
     for m in (model, opt):  # first calls: Triton compiles and autotunes here
         m(*inputs)
     _sync(device)
@@ -369,7 +387,7 @@ def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: tor
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     out = {}
     for side, handler in (("before", _before), ("after", _after)):
-        with _Intercept(regions, handler):
+        with _Intercept(regions, handler), intercept_experts(experts, _experts_side(side)):
             for _ in range(warmup):
                 opt(*inputs)
             _sync(device)
@@ -390,6 +408,26 @@ def _time(rep: ProfileReport, model, opt, regions: _Regions, inputs, device: tor
             rep.notes.append(f"{side}: the GPU is busy {busy / span:.0%} of the time ({fmt_us(busy)} µs of kernels in "
                              f"{fmt_us(span)} µs): launch and host overhead dominate end to end")
     return out
+
+
+def _experts_side(side: str) -> Callable:
+    """The experts sites' handler of a timed side: the class's own forward ("before") or the installed one."""
+
+    def handler(site: ExpertsSite, args: tuple, kwargs: dict):
+        forward = site.original if side == "before" else site.installed
+        with torch.profiler.record_function(site.label):
+            return forward(site.module, *args, **kwargs)
+
+    return handler
+
+
+def _fn_host_us(fn: Callable, device: torch.device) -> float:
+    """Host µs per call of ``fn`` outside the profiler, as :func:`_call_host_us` times a region's call."""
+    from .strategy import host_us
+
+    fn()
+    _sync(device)
+    return host_us(fn, calls=10, bursts=5)
 
 
 def _call_host_us(side: str, args: tuple, device: torch.device) -> float:

@@ -20,6 +20,7 @@ from models import GPT2MLP, ControlFlowModel, GatedMLP, Stack
 from torch import nn
 from torch.autograd import DeviceType
 
+from fxfuse import optimize as fxfuse_optimize
 from fxfuse.__main__ import main
 from fxfuse.profile import NEED_GPU, attribute, profile, short_kernel_name
 from fxfuse.roofline import classify, count_call, named_ceilings
@@ -91,14 +92,45 @@ def test_gated_mlp_structure():
     assert r.before.kernels == {"linear": 3, "gelu_tanh": 1, "mul": 1}
 
 
-def test_moe_experts_point_to_the_reports_bucket_timings():
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_moe_experts_are_profiled_regions(family):
+    # Each experts module runs its installed forward, outside the fxfuse.mlp op: profiled as a region of its own,
+    # its work counted from the call's routing (top-k experts of the tiny model's tokens).
     pytest.importorskip("transformers")
     from real_models import tiny
 
+    from fxfuse.moe import MOE_PATTERN
+
+    model, inputs, _ = tiny(family)
+    ids = inputs["input_ids"]
+    rep = profile(model, (ids,))
+    experts = [r for r in rep.regions if r.pattern == MOE_PATTERN]
+    assert len(experts) == 2 and not [n for n in rep.notes if "experts" in n]
+    config = model.config
+    width, inter, top_k = config.hidden_size, config.intermediate_size, config.num_experts_per_tok
+    for r in experts:
+        assert r.m == ids.numel() and r.calls == 1 and r.dims.startswith(f"{width}→") and f"top-{top_k}" in r.dims
+        assert r.flops == 2 * ids.numel() * top_k * 3 * width * inter  # every routed pair's three products
+        assert r.min_bytes > 2 * ids.numel() * width * 4 and r.before.traffic_bytes > r.after.traffic_bytes
+        assert r.after.launches == 4 and r.before.launches > r.after.launches
+
+
+def test_moe_experts_profile_both_sides_timed(monkeypatch):
+    # The timed path (host timers, CPU ops standing in for kernels): the installed forward and the class's own run
+    # inside the experts' label; the modules' forwards are left as they were.
+    pytest.importorskip("transformers")
+    from real_models import tiny
+
+    monkeypatch.setattr(fxprofile, "_HOST_TIMED", True)
     model, inputs, _ = tiny("mixtral")
-    rep = profile(model, (inputs["input_ids"],))
-    notes = [n for n in rep.notes if "experts" in n]
-    assert len(notes) == 2 and all("MoE experts, not profiled here" in n and "(fxfuse.report)" in n for n in notes)
+    fast = fxfuse_optimize(model)
+    rep = profile(model, (inputs["input_ids"],), optimized=fast, iters=2, warmup=1)
+    experts = [r for r in rep.regions if r.dims.endswith("top-2")]
+    assert len(experts) == 2
+    for r in experts:
+        assert r.before.gpu_us > 0 and r.after.gpu_us > 0 and r.before.host_us > 0 and r.after.host_us > 0
+        assert r.before.kernels and r.after.kernels
+    assert all("forward" not in vars(m) for m in fast.modules())
 
 
 def test_predicted_regimes_on_h200_at_full_size():
@@ -333,6 +365,27 @@ def test_profile_on_the_gpu(tmp_path):
         names = {e.get("name") for e in trace["traceEvents"]}
         assert "fxfuse region <root>" in names
     assert written["png"].read_bytes().startswith(PNG)
+
+
+@pytest.mark.gpu
+def test_profile_of_a_moe_model_on_the_gpu():
+    # A MoE model's experts: the installed forward's kernels (routing, gate/up, down) attributed to each experts
+    # module's region, transformers' grouped_mm path on the other side.
+    pytest.importorskip("transformers")
+    from real_models import tiny
+
+    from fxfuse.moe import MOE_PATTERN
+
+    model, inputs, _ = tiny("mixtral", batch=4, seq=64)
+    model = model.to("cuda", BF16).eval()
+    rep = profile(model, (inputs["input_ids"].cuda(),), iters=5)
+    experts = [r for r in rep.regions if r.pattern == MOE_PATTERN]
+    assert rep.timed and len(experts) == 2
+    for r in experts:
+        assert {"moe_gate_up_kernel", "moe_down_kernel"} <= set(r.after.kernels), r.after.kernels
+        assert not any(k.startswith("moe_") for k in r.before.kernels), r.before.kernels
+        assert r.before.gpu_us > 0 and r.after.gpu_us > 0 and r.after.tflops > 0
+        assert r.after.gpu_us <= rep.after_kernel_us + 1e-6
 
 
 @pytest.mark.gpu
