@@ -37,7 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .ops import reference_mlp
-from .profile_moe import ExpertsSite, count_experts_call, experts_sites, intercept_experts
+from .profile_moe import ExpertsSite, as_op, count_experts_call, experts_sites, intercept_experts
 from .profile_render import fmt_us, html_page, roofline_points, text_lines
 from .report import FusionReport
 from .roofline import CallWork, Ceilings, Verdict, classify, count_call, measure_ceilings, named_ceilings
@@ -415,8 +415,9 @@ def _experts_side(side: str) -> Callable:
 
     def handler(site: ExpertsSite, args: tuple, kwargs: dict):
         forward = site.original if side == "before" else site.installed
+        hidden, _ = site.routing_args(args, kwargs)
         with torch.profiler.record_function(site.label):
-            return forward(site.module, *args, **kwargs)
+            return as_op(lambda: forward(site.module, *args, **kwargs), hidden)
 
     return handler
 
