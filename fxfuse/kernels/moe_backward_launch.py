@@ -55,9 +55,9 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     dtype, device = saved.x.dtype, dout.device
     precision = _input_precision(dtype)
     routing = top_k_weights.reshape(-1).contiguous()  # (a [T, 1] slice's view would stride)
-    # 1. G = dout[t] @ down[e] (fp32); then dgate, dup through the gate, r * h with h recomputed (for d down) and
-    # the routing gradient's column-tile parts.
-    grad_h = torch.empty(layout.rows.numel(), inter, dtype=torch.float32, device=device)
+    # 1. G = dout[t] @ down[e] (summed in fp32, stored in the activations' dtype); then dgate, dup through the gate,
+    # r * h with h recomputed (for d down) and the routing gradient's column-tile parts.
+    grad_h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device)
     moe_down_backward_kernel[lambda meta: (blocks, cdiv(inter, meta["BLOCK_N"]))](
         dout, w2, grad_h, layout.rows, layout.block_expert, H, inter, top_k, dout.stride(0), w2.stride(0),
         w2.stride(1), w2.stride(2), INPUT_PRECISION=precision, BLOCK_M=bm)

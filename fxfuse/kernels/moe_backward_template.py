@@ -79,7 +79,7 @@ def moe_down_backward_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """For the rows r (pairs p, tokens t) of one block of one expert e and BLOCK_N columns n of the intermediate:
-    ``G[r, n] = dout[t] @ down[e][:, n]``, the gradient of the expert's h before the routing weight, in fp32. A
+    ``G[r, n] = dout[t] @ down[e][:, n]``, the gradient of the expert's h before the routing weight. A
     plain GEMM with a store for an epilogue: the gate's backward (:func:`moe_gate_backward_kernel`) runs apart (fused
     into this epilogue, its tiles beside the accumulator spilled ~280 registers in the 128-wide tiles, and the
     kernel ran at ~250 TFLOP/s for Mixtral's shapes on an H100; ~100 for gpt-oss's).
@@ -87,7 +87,9 @@ def moe_down_backward_kernel(
     dout_ptr:         the output's gradient ``[T, K]`` (last dim contiguous, row stride ``stride_dm``).
     w_ptr:            the down weights as in the forward's down kernel: element (e, column k of the hidden size,
                       input n of the intermediate) at ``e * stride_we + k * stride_wn + n * stride_wk``.
-    grad_h_ptr:       out fp32 ``[padded rows, N]``: G (rows of blocks of no expert here are left unwritten).
+    grad_h_ptr:       out ``[padded rows, N]``: G, summed in fp32 and stored in this tensor's dtype (the
+                      activations': as eager autograd rounds the gradient of h; half the bytes of fp32, written
+                      and read once more) (rows of blocks of no expert here are left unwritten).
     rows_ptr, block_expert_ptr: the pair layout (:func:`fxfuse.kernels.moe_template.moe_gate_up_kernel`).
     K, N:             hidden size (the reduction) and intermediate size; TOP_K: experts per token.
     INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N, BLOCK_K: tuned. The
@@ -108,7 +110,7 @@ def moe_down_backward_kernel(
     # (the down weights read transposed: the forward's input dim n is the output here, its columns k the sum)
     acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), dout_ptr, tokens, stride_dm, valid, w_base,
                     offs_n, n_mask, stride_wk, stride_wn, K, INPUT_PRECISION, BLOCK_K)
-    tl.store(grad_h_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc,
+    tl.store(grad_h_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(grad_h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
 
@@ -137,7 +139,7 @@ def moe_gate_backward_kernel(
     u`` recomputed (as the forward rounded it); ``dr[n-tile, p] = sum_n G * h[r, n]``; ``routing[p] * h`` for the
     down weights' gradient.
 
-    grad_h_ptr:       G, fp32 ``[padded rows, N]``.
+    grad_h_ptr:       G ``[padded rows, N]`` (:func:`moe_down_backward_kernel`), read into fp32.
     gu_ptr:           the forward's pre-activation gate and up ``[padded rows, 2N]`` (gate columns first).
     h_ptr:            out ``[padded rows, N]`` if STORE_H: ``routing[p] * act(g) * u``, h recomputed and scaled by
                       its pair's routing weight (the down weights' gradient then reads both operands straight into
@@ -165,7 +167,7 @@ def moe_gate_backward_kernel(
     # Padding rows load as zeros and store zeros (dgu, h): the grouped GEMM of the weight gradients sums them.
     store_mask = (offs_m >= 0)[:, None] & (offs_n < N)[None, :]
     rows = offs_m[:, None].to(tl.int64)
-    grad = tl.load(grad_h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0)
+    grad = tl.load(grad_h_ptr + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = dgu_ptr.dtype.element_ty
