@@ -1058,31 +1058,33 @@ def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_ker
     monkeypatch.setattr(wg, "_gpu_us", lambda run: us[run()[0]])
     shape = (8, 64, 32, False, 16, True, True)
     with caplog.at_level(logging.INFO, logger=wg.__name__):
-        assert wg.weight_grads_by(shape, 100, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
+        assert wg.weight_grads_by("d down", shape, 100, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
     assert runs.count("grouped_mm") == 1 + 2 and runs[-1] == "triton"  # (a first call each, two timed rounds)
     assert "grouped_mm 5.0 us, the Triton kernel 3.0 us: runs triton" in caplog.text
     runs.clear()
-    assert wg.weight_grads_by(shape, 120, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
+    assert wg.weight_grads_by("d down", shape, 120, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
     assert runs == ["triton"]  # the same pair bucket (128): kept, untimed
     us["grouped_mm"] = 1.0
-    assert wg.weight_grads_by(shape, 300, runner("grouped_mm"), runner("triton"))[0] == "grouped_mm"  # a new bucket
+    grad = wg.weight_grads_by("d down", shape, 300, runner("grouped_mm"), runner("triton"))
+    assert grad[0] == "grouped_mm"  # a new bucket
     monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "force", "triton")
-    assert wg.weight_grads_by(shape, 300, runner("grouped_mm"), runner("triton"))[0] == "triton"
+    assert wg.weight_grads_by("d down", shape, 300, runner("grouped_mm"), runner("triton"))[0] == "triton"
     monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "force", None)
     us["grouped_mm"] = None  # grouped_mm raises: the Triton kernel, from now on (logged)
     with caplog.at_level(logging.WARNING, logger=wg.__name__):
-        assert wg.weight_grads_by(shape, 1000, runner("grouped_mm"), runner("triton"))[0] == "triton"
+        assert wg.weight_grads_by("d down", shape, 1000, runner("grouped_mm"), runner("triton"))[0] == "triton"
     assert not wg.GROUPED_WEIGHT_GRADS["enabled"] and "failed for the experts' weight gradients" in caplog.text
     assert not wg.grouped_mm_takes(torch.bfloat16, torch.device("cuda"))
     runs.clear()
-    assert wg.weight_grads_by(shape, 300, runner("grouped_mm"), runner("triton"))[0] == "triton" and runs == ["triton"]
+    grad = wg.weight_grads_by("d down", shape, 300, runner("grouped_mm"), runner("triton"))
+    assert grad[0] == "triton" and runs == ["triton"]
 
 
 def test_grouped_weight_grads_sum_each_experts_rows_in_bf16():
     # torch._grouped_mm itself (torch's CPU fallback here; CUTLASS's kernel on a GPU): against float64 sums over
     # each expert's rows, an expert without rows summed to zeros.
     from fxfuse.kernels.moe_backward_launch import _segments
-    from fxfuse.kernels.moe_weight_grads import grouped_weight_grads
+    from fxfuse.kernels.moe_weight_grads import grouped_down_grad, grouped_gate_up_grad
 
     torch.manual_seed(12)
     tokens, top_k, num, hidden, inter, block_m = 13, 2, 5, 24, 40, 4
@@ -1102,15 +1104,15 @@ def test_grouped_weight_grads_sum_each_experts_rows_in_bf16():
             want_w2[e] += torch.outer(dout[t].double(), rh[row].double())
     bf16 = [t.bfloat16() for t in (x, dout, dgu, rh)]
     segments = _segments(layout, num)
+    x16, dout16, dgu16, rh16 = bf16
     for transposed in (False, True):
-        d_w1, d_w2 = grouped_weight_grads(layout, segments, top_k, *bf16, transposed)
+        d_w1 = grouped_gate_up_grad(layout, segments, top_k, x16, dgu16, transposed)
+        d_w2 = grouped_down_grad(layout, segments, top_k, dout16, rh16, transposed)
         if transposed:
             d_w1, d_w2 = d_w1.transpose(1, 2), d_w2.transpose(1, 2)
         assert d_w1.dtype == d_w2.dtype == torch.bfloat16
         assert rel_err(d_w1, want_w1) < TOL[torch.bfloat16] and rel_err(d_w2, want_w2) < TOL[torch.bfloat16]
         assert not d_w1[4].any() and not d_w2[4].any()
-    only_down = grouped_weight_grads(layout, segments, top_k, bf16[0], bf16[1], None, bf16[3], False)
-    assert only_down[0] is None and only_down[1] is not None
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")

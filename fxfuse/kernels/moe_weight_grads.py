@@ -10,26 +10,26 @@ copies), and the other operands' padding rows must be zeros (the gate backward w
 Neither wins everywhere (H100, bf16, forward + backward of one layer, ``probe_moe.py --train
 --weight-grads``): grouped_mm at Mixtral-8x7B's shapes at every token count (4096 tokens: 17.8 against
 20.8 ms), the Triton kernel at Qwen3-30B-A3B's 128 experts at 4096 tokens (3.6 against 5.5 ms) and at
-gpt-oss-20b's at 64-256 tokens. So the first backward at each shape and pair bucket times both
-(:func:`weight_grads_by`, logged at INFO) and keeps the faster for that key.
+gpt-oss-20b's at 64-256 tokens. So the first backward at each shape and pair bucket times both,
+for each weight apart (:func:`weight_grads_by`, logged at INFO), and keeps the faster for that key.
 
 Example:
-    >>> d_w1, d_w2 = weight_grads_by(key, grouped, triton)  # doctest: +SKIP
+    >>> d_w1 = weight_grads_by("d gate_up", shape, pairs, grouped, triton)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Optional
+from typing import Any
 
 import torch
 
 from .moe_launch import PairLayout
 from .template import autotune_enabled, next_pow2
 
-__all__ = ["GROUPED_WEIGHT_GRADS", "WEIGHT_GRAD_CHOICES", "grouped_mm_takes", "grouped_weight_grads",
-           "weight_grads_by"]
+__all__ = ["GROUPED_WEIGHT_GRADS", "WEIGHT_GRAD_CHOICES", "grouped_down_grad", "grouped_gate_up_grad",
+           "grouped_mm_takes", "weight_grads_by"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,9 @@ logger = logging.getLogger(__name__)
 # the first time it fails (a torch without this GPU's kernel), and the Triton kernel runs instead. "force": None
 # (the measured choice) or "grouped_mm" / "triton" for every shape (probes and tests compare the two).
 GROUPED_WEIGHT_GRADS: dict = {"enabled": True, "force": None}
-# (E, 2I, H, transposed, rows per block, d gate_up wanted, d down wanted, pair bucket) -> "grouped_mm" or "triton"
+# (weight, E, 2I, H, transposed, rows per block, pair bucket) -> "grouped_mm" or "triton"
 WEIGHT_GRAD_CHOICES: dict[tuple, str] = {}
 _ROUNDS = 2  # interleaved timing rounds per candidate (the best median of each kept)
-
-Gradients = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
 def grouped_mm_takes(dtype: torch.dtype, device: torch.device) -> bool:
@@ -58,51 +56,52 @@ def _sorted_rows(src: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Ten
     return out.masked_fill_((rows < 0).unsqueeze(1), 0)
 
 
-def grouped_weight_grads(layout: PairLayout, segments: torch.Tensor, top_k: int, x: torch.Tensor,
-                         dout: torch.Tensor, dgu: Optional[torch.Tensor], rh: Optional[torch.Tensor],
-                         transposed: bool) -> Gradients:
-    """``(d gate_up, d down)`` in the parameters' layouts (``[E, 2I, H]`` / ``[E, H, I]``, or ``[E, H, 2I]`` /
-    ``[E, I, H]`` when ``transposed``) by ``torch._grouped_mm``, K split at each expert's end row
-    (``segments[1:] * block_m``): ``d gate_up[e] = dgu[e's rows]^T x[their tokens]`` and ``d down[e] = dout[their
-    tokens]^T rh[e's rows]`` (``rh``: h scaled by the routing weights). ``dgu`` / ``rh`` (None: that gradient is
-    not wanted) must be zero at padding rows. An expert with no rows gets zeros (an empty group of the sum).
+def grouped_gate_up_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, x: torch.Tensor,
+                         dgu: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """d gate_up in the parameter's layout (``[E, 2I, H]``, or ``[E, H, 2I]`` when ``transposed``) by
+    ``torch._grouped_mm``, K split at each expert's end row (``segments[1:] * block_m``): ``d gate_up[e] =
+    dgu[e's rows]^T x[their tokens]``. ``dgu`` must be zero at padding rows; an expert with no rows gets zeros (an
+    empty group of the sum).
 
     Example:
-        >>> d_w1, d_w2 = grouped_weight_grads(layout, segments, 2, x, dout, dgu, rh, False)  # doctest: +SKIP
+        >>> d_w1 = grouped_gate_up_grad(layout, segments, 2, x, dgu, False)  # doctest: +SKIP
     """
     offs = (segments[1:] * layout.block_m).to(torch.int32)
-    d_w1 = d_w2 = None
-    if rh is not None:
-        dout_rows = _sorted_rows(dout, layout.rows, top_k)
-        d_w2 = (torch._grouped_mm(rh.t(), dout_rows, offs=offs) if transposed
-                else torch._grouped_mm(dout_rows.t(), rh, offs=offs))
-        del dout_rows
-    if dgu is not None:
-        x_rows = _sorted_rows(x, layout.rows, top_k)
-        d_w1 = (torch._grouped_mm(x_rows.t(), dgu, offs=offs) if transposed
-                else torch._grouped_mm(dgu.t(), x_rows, offs=offs))
-    return d_w1, d_w2
+    x_rows = _sorted_rows(x, layout.rows, top_k)
+    return (torch._grouped_mm(x_rows.t(), dgu, offs=offs) if transposed
+            else torch._grouped_mm(dgu.t(), x_rows, offs=offs))
 
 
-def _gpu_us(run: Callable[[], Gradients]) -> float:
+def grouped_down_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, dout: torch.Tensor,
+                      rh: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """d down in the parameter's layout (``[E, H, I]``, or ``[E, I, H]`` when ``transposed``) as
+    :func:`grouped_gate_up_grad`: ``d down[e] = dout[e's tokens]^T rh[e's rows]`` (``rh``: h scaled by the routing
+    weights, zero at padding rows)."""
+    offs = (segments[1:] * layout.block_m).to(torch.int32)
+    dout_rows = _sorted_rows(dout, layout.rows, top_k)
+    return (torch._grouped_mm(rh.t(), dout_rows, offs=offs) if transposed
+            else torch._grouped_mm(dout_rows.t(), rh, offs=offs))
+
+
+def _gpu_us(run: Callable[[], Any]) -> float:
     from triton.testing import do_bench
 
     return do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
 
 
-def weight_grads_by(shape: tuple, pairs: int, grouped: Callable[[], Gradients],
-                    triton: Callable[[], Gradients]) -> Gradients:
-    """The weight gradients by ``grouped`` (torch._grouped_mm) or ``triton`` (the Triton kernel), whichever was
-    faster at the first backward of ``shape`` (``(E, 2I, H, ...)``: what else sets the kernels' work) and
-    ``pairs`` bucketed to a power of two: both timed there in interleaved rounds, the choice logged at INFO and
-    kept. Untimed (``FXFUSE_AUTOTUNE=0``, or inside a CUDA graph capture): grouped_mm. A grouped_mm that raises
+def weight_grads_by(what: str, shape: tuple, pairs: int, grouped: Callable[[], Any],
+                    triton: Callable[[], Any]) -> Any:
+    """A weight gradient by ``grouped`` (torch._grouped_mm) or ``triton`` (the Triton kernel), whichever was
+    faster at the first backward of ``shape`` (the weight and what sets its sums' work) and ``pairs`` bucketed to
+    a power of two: both timed there in interleaved rounds, the choice logged at INFO (``what``: its name there)
+    and kept. Untimed (``FXFUSE_AUTOTUNE=0``, or inside a CUDA graph capture): grouped_mm. A grouped_mm that raises
     turns it off for the process (logged); the Triton kernel runs.
     """
     key = tuple(shape) + (next_pow2(pairs),)
     choice = GROUPED_WEIGHT_GRADS["force"] or WEIGHT_GRAD_CHOICES.get(key)
     if choice is None and autotune_enabled() and not (torch.cuda.is_available()
                                                       and torch.cuda.is_current_stream_capturing()):
-        choice = _time_choice(key, grouped, triton)
+        choice = _time_choice(what, key, grouped, triton)
     if choice == "triton" or not GROUPED_WEIGHT_GRADS["enabled"]:
         return triton()
     try:
@@ -112,7 +111,7 @@ def weight_grads_by(shape: tuple, pairs: int, grouped: Callable[[], Gradients],
         return triton()
 
 
-def _time_choice(key: tuple, grouped: Callable[[], Gradients], triton: Callable[[], Gradients]) -> str:
+def _time_choice(what: str, key: tuple, grouped: Callable[[], Any], triton: Callable[[], Any]) -> str:
     runners = {"grouped_mm": grouped, "triton": triton}
     try:
         grouped()  # (a failure here is grouped_mm's own: the Triton kernel from now on)
@@ -126,9 +125,8 @@ def _time_choice(key: tuple, grouped: Callable[[], Gradients], triton: Callable[
             times[name] = min(times.get(name, float("inf")), _gpu_us(run))
     choice = min(times, key=times.get)
     WEIGHT_GRAD_CHOICES[key] = choice
-    logger.info("fxfuse.moe: experts' weight gradients at E=%d, 2I=%d, H=%d, up to %d pairs: grouped_mm %.1f us, "
-                "the Triton kernel %.1f us: runs %s", key[0], key[1], key[2], key[-1], times["grouped_mm"],
-                times["triton"], choice)
+    logger.info("fxfuse.moe: experts' weight gradient %s, up to %d pairs: grouped_mm %.1f us, the Triton kernel "
+                "%.1f us: runs %s", what, key[-1], times["grouped_mm"], times["triton"], choice)
     return choice
 
 
