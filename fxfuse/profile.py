@@ -250,8 +250,8 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
         if r.experts and r.module_path in profiled:
             continue
         if r.experts and r.module_path not in {site.path for site in experts.values()}:
-            rep.notes.append(f"{r.module_path}: MoE experts, not profiled here (its forward is the model's own); "
-                             f"each token bucket's times and bound: {r.measured_cell()} (fxfuse.report)")
+            rep.notes.append(f"{r.module_path}: MoE experts, not found in the optimized model to profile; each token "
+                             f"bucket's times and bound: {r.measured_cell()} (fxfuse.report)")
         else:
             rep.notes.append(f"{r.module_path}: fused, but not run by these inputs")
     return rep
