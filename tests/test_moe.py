@@ -1043,6 +1043,7 @@ def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_ker
 
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
     monkeypatch.setattr(wg, "WEIGHT_GRAD_CHOICES", {})
+    monkeypatch.setattr(wg, "_TIMES", {})
     monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "enabled", True)
     us = {"grouped_mm": 5.0, "triton": 3.0}
     runs = []
@@ -1056,11 +1057,15 @@ def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_ker
         return run
 
     monkeypatch.setattr(wg, "_gpu_us", lambda run: us[run()[0]])
-    shape = (8, 64, 32, False, 16, True, True)
+    shape = ("down", 8, 64, 32, False, 16)  # (the backward's key: weight, E, 2I, H, transposed, rows per block)
     with caplog.at_level(logging.INFO, logger=wg.__name__):
         assert wg.weight_grads_by("d down", shape, 100, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
     assert runs.count("grouped_mm") == 1 + 2 and runs[-1] == "triton"  # (a first call each, two timed rounds)
     assert "grouped_mm 5.0 us, the Triton kernel 3.0 us: runs triton" in caplog.text
+    # fxfuse.report's cell for experts of this shape, in either layout ([E, 2I, H] or [E, H, 2I])
+    assert wg.weight_grad_timings((8, 64, 32)) == wg.weight_grad_timings((8, 32, 64)) == [
+        "d down up to 128 pairs: triton (5 / 3 µs grouped_mm / Triton)"]
+    assert wg.weight_grad_timings((4, 64, 32)) == []
     runs.clear()
     assert wg.weight_grads_by("d down", shape, 120, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
     assert runs == ["triton"]  # the same pair bucket (128): kept, untimed
