@@ -185,7 +185,8 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, wh
         device = key[8]
         ceilings = ceilings_for(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         # (launches: routing, gate/up, down, combine; a training step adds G, the gate's backward, dx and the two
-        # weight gradients. key[7]: the autocast dtype the kernels ran in)
+        # weight gradients, a few more where those run on grouped_mm (its gathers): the count only weighs the
+        # overhead-bound verdict, which a step of milliseconds is not. key[7]: the autocast dtype the kernels ran in)
         verdict = classify(flops, nbytes, 4 if what == "forward" else 9, ceilings, str(key[7] or key[6]),
                            gpu_us=kernels_us)
     _TIMINGS[key] = ExpertsTiming((bucket // 2 + 1, bucket), what != "forward", kernels_us, times[ORIGINAL_OPS],
