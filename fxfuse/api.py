@@ -94,9 +94,8 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
             "the (token, expert) pairs routed by expert, then two grouped kernels (training: one autograd node "
             "whose backward runs G, the gate's derivative, dx and the weight gradients, these on the Triton kernel "
             "or torch._grouped_mm, whichever measured faster); checked against the module's forward at its first "
-            "call (kept if they "
-            "differ) and timed against it at each power-of-two token bucket's first call, forward and training "
-            "step apart (the faster runs; logged, and measured here)"],
+            "call (kept if they differ) and timed against it at each power-of-two token bucket's first call, "
+            "forward and training step apart (the faster runs; logged, and measured here)"],
             experts=(type(experts_module), tuple(experts_module.gate_up_proj.shape))))
     if cuda_graphs:
         full_report.cuda_graphs = cuda_graphed(result, static_outputs=cuda_graphs == "static").forward.describe()

@@ -58,6 +58,16 @@ def _sorted_rows(src: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Ten
     return out.masked_fill_((rows < 0).unsqueeze(1), 0)
 
 
+def _grouped_sum(layout: PairLayout, segments: torch.Tensor, top_k: int, by_token: torch.Tensor,
+                 by_row: torch.Tensor, by_token_first: bool) -> torch.Tensor:
+    """Each expert's sum over its rows of ``by_token[row's token]^T by_row[row]`` (``by_token_first``) or of
+    ``by_row[row]^T by_token[row's token]``, by ``torch._grouped_mm`` with K split at each expert's end row."""
+    offs = (segments[1:] * layout.block_m).to(torch.int32)
+    rows = _sorted_rows(by_token, layout.rows, top_k)
+    return (torch._grouped_mm(rows.t(), by_row, offs=offs) if by_token_first
+            else torch._grouped_mm(by_row.t(), rows, offs=offs))
+
+
 def grouped_gate_up_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, x: torch.Tensor,
                          dgu: torch.Tensor, transposed: bool) -> torch.Tensor:
     """d gate_up in the parameter's layout (``[E, 2I, H]``, or ``[E, H, 2I]`` when ``transposed``) by
@@ -68,10 +78,7 @@ def grouped_gate_up_grad(layout: PairLayout, segments: torch.Tensor, top_k: int,
     Example:
         >>> d_w1 = grouped_gate_up_grad(layout, segments, 2, x, dgu, False)  # doctest: +SKIP
     """
-    offs = (segments[1:] * layout.block_m).to(torch.int32)
-    x_rows = _sorted_rows(x, layout.rows, top_k)
-    return (torch._grouped_mm(x_rows.t(), dgu, offs=offs) if transposed
-            else torch._grouped_mm(dgu.t(), x_rows, offs=offs))
+    return _grouped_sum(layout, segments, top_k, x, dgu, by_token_first=transposed)
 
 
 def grouped_down_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, dout: torch.Tensor,
@@ -79,10 +86,7 @@ def grouped_down_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, do
     """d down in the parameter's layout (``[E, H, I]``, or ``[E, I, H]`` when ``transposed``) as
     :func:`grouped_gate_up_grad`: ``d down[e] = dout[e's tokens]^T rh[e's rows]`` (``rh``: h scaled by the routing
     weights, zero at padding rows)."""
-    offs = (segments[1:] * layout.block_m).to(torch.int32)
-    dout_rows = _sorted_rows(dout, layout.rows, top_k)
-    return (torch._grouped_mm(rh.t(), dout_rows, offs=offs) if transposed
-            else torch._grouped_mm(dout_rows.t(), rh, offs=offs))
+    return _grouped_sum(layout, segments, top_k, dout, rh, by_token_first=not transposed)
 
 
 def _gpu_us(run: Callable[[], Any]) -> float:
