@@ -242,7 +242,6 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
         on_gpu = hidden_states.device.type == "cuda"
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
         training = _records_grad(self, hidden_states, top_k_weights)
-        timed = _timed_here(hidden_states)
 
         def original():
             return orig(self, *args)
@@ -273,7 +272,8 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
                     return original()
             if choice is None:
                 choice = _CHOICES[key] = _training_choice(
-                    self, node_at, lambda hidden, weights: orig(self, hidden, top_k_index, weights), args, key, timed)
+                    self, node_at, lambda hidden, weights: orig(self, hidden, top_k_index, weights), args, key,
+                    _timed_here(hidden_states))
             node = functools.partial(node_at, hidden_states, top_k_weights)
             return _guarded(self, node, original) if choice == "kernels" else original()
         if not state:
@@ -289,7 +289,7 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
             # everywhere with FXFUSE_AUTOTUNE=0.
             choice = _CHOICES[key] = _timed_choice(
                 self, kernels, original, key, work=lambda: _experts_work(self, x, top_k_index, False)) \
-                if timed else "kernels"
+                if _timed_here(hidden_states) else "kernels"
             if choice == "original":
                 return original()
         return fused

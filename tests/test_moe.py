@@ -191,13 +191,20 @@ def test_bad_arguments_raise_clearly():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 7, 300, 3000])  # (3000: a routing program per expert)
 def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
+    from fxfuse.kernels import moe_launch
+
     torch.manual_seed(0)
     module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)
-    x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
-    index, weights = routing(tokens, 2, 8, "cuda", dtype)
-    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
-    ref = reference(module, x, index, weights, "silu")
-    assert rel_err(out, ref) < TOL[dtype]
+    launchers = [moe_launch.moe_gate_up_kernel, moe_launch.moe_down_kernel,
+                 moe_launch.moe_route_kernel if tokens < 3000 else moe_launch.moe_place_kernel]
+    for _call in range(2):  # (the second call's launches skip Triton's Python path: the lean launcher's entries)
+        hits = [getattr(getattr(k, "_fxfuse_lean", None), "hits", 0) for k in launchers]
+        x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
+        index, weights = routing(tokens, 2, 8, "cuda", dtype)
+        out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
+        ref = reference(module, x, index, weights, "silu")
+        assert rel_err(out, ref) < TOL[dtype]
+    assert all(k._fxfuse_lean.hits > n for k, n in zip(launchers, hits))
 
 
 class ClampedExperts(MixtralExperts):
@@ -1207,9 +1214,10 @@ class OneConfig:
 
     def __init__(self, tuner, index: int, launched: set):
         self.tuner, self.index, self.launched = tuner, index, launched
+        self.arg_names, self.configs = tuner.arg_names, tuner.configs  # (as the lean launcher reads a kernel)
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
+        def launch(*args, **kwargs):  # (positional, or by name as the lean launcher calls it)
             named = dict(zip(self.tuner.arg_names, args))
             prune = self.tuner.early_config_prune  # (None in the interpreter: its one config)
             kept = prune(self.tuner.configs, named, **kwargs) if prune else self.tuner.configs

@@ -249,7 +249,8 @@ class LeanLauncher:
     """Launches one autotuned Triton kernel, directly through its compiled launcher when it can.
 
     Args:
-        kernel: the ``triton.autotune``-wrapped ``@triton.jit`` function.
+        kernel: the ``triton.autotune``-wrapped ``@triton.jit`` function, or a plain ``@triton.jit`` one (launch
+            options such as ``num_warps`` then go in the arguments).
         varying: names of int arguments that change from call to call (the row count): they key the cache by
             Triton's specialization of them, not by value.
     """
@@ -350,12 +351,17 @@ class LeanLauncher:
         return launch_bound
 
     def _record(self, key: tuple, compiled: Any, args: dict) -> None:
-        config = getattr(self.kernel, "best_config", None)
-        if config is None or not hasattr(compiled, "packed_metadata"):
+        if not hasattr(compiled, "packed_metadata"):
             return  # not a Triton version this path knows: keep Triton's own path
-        if config.pre_hook is not None and not self.pre_hook_is_launch_free:
-            return  # a config's pre-hook must run before every launch: only Triton's path runs it
-        meta = dict(config.kwargs)
+        if hasattr(self.kernel, "configs"):  # autotuned: the config it chose for this key
+            config = getattr(self.kernel, "best_config", None)
+            if config is None:
+                return
+            if config.pre_hook is not None and not self.pre_hook_is_launch_free:
+                return  # a config's pre-hook must run before every launch: only Triton's path runs it
+            meta = dict(config.kwargs)
+        else:  # a plain @triton.jit kernel: its launch options (num_warps, ...) are in ``args``, so in the key
+            meta = {}
         order = self.arg_names
         if any(n not in args and n not in meta for n in order):
             return  # an argument with a default we did not pass: let Triton bind it

@@ -17,12 +17,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
+from .fastlaunch import launch
 from .launch import _input_precision
 from .moe_template import (
     ACTIVATIONS,
@@ -47,6 +49,16 @@ ELSEWHERE_BLOCK = -2  # pairs routed to an expert outside [0, E): the down kerne
 _ROUTE_CELLS = 8192
 _ROUTE_MAX_STEPS = 8
 _PLACE_CHUNK = 1024
+# The routing kernels' int arguments that change with the token count (keyed by Triton's specialization of them).
+_ROUTE_VARYING = ("pairs", "blocks")
+
+
+def _ONE_PROGRAM(meta: dict) -> tuple[int]:
+    return (1,)
+
+
+def _per_expert_grid(programs: int, meta: dict) -> tuple[int]:
+    return (programs,)
 
 
 @dataclass(frozen=True)
@@ -116,13 +128,18 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pa
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     if cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
-        moe_route_kernel[(1,)](flat, rows, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
-                               E_PAD=e_pad, CHUNK=chunk, num_warps=8)
+        launch(moe_route_kernel, _ONE_PROGRAM, dict(
+            index_ptr=flat, rows_ptr=rows, block_expert_ptr=block_expert, pairs=pairs, num_experts=num_experts,
+            blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=8), _ROUTE_VARYING)
     else:
         counts = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-        moe_count_kernel[(num_experts + 1,)](flat, counts, pairs, num_experts, CHUNK=_PLACE_CHUNK)
-        moe_place_kernel[(num_experts + 1,)](flat, counts, rows, block_expert, pairs, num_experts, blocks,
-                                             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_PLACE_CHUNK)
+        per_expert = functools.partial(_per_expert_grid, num_experts + 1)
+        launch(moe_count_kernel, per_expert, dict(index_ptr=flat, counts_ptr=counts, pairs=pairs,
+                                                  num_experts=num_experts, CHUNK=_PLACE_CHUNK), _ROUTE_VARYING)
+        launch(moe_place_kernel, per_expert, dict(
+            index_ptr=flat, counts_ptr=counts, rows_ptr=rows, block_expert_ptr=block_expert, pairs=pairs,
+            num_experts=num_experts, blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_PLACE_CHUNK),
+            _ROUTE_VARYING)
     return PairLayout(rows, block_expert, block_m)
 
 
@@ -213,17 +230,22 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     gu = torch.empty(layout.rows.numel(), 2 * inter, dtype=hidden.dtype, device=hidden.device) if save else h
     # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
     columns = 2 * inter if form.interleaved else inter
-    moe_gate_up_kernel[lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"]))](
-        x, w1, b1 if b1 is not None else w1, h, gu, layout.rows, layout.block_expert, H, inter, top_k, x.stride(0),
-        w1.stride(0), w1.stride(1), w1.stride(2), b1.stride(0) if b1 is not None else 0, h.stride(0), form.alpha,
-        _finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
-        STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm)
+    # (through the lean launcher: after a signature's first launch, ~3x less host time than ``kernel[grid]``)
+    launch(moe_gate_up_kernel, lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"])), dict(
+        x_ptr=x, w_ptr=w1, b_ptr=b1 if b1 is not None else w1, h_ptr=h, gu_ptr=gu, rows_ptr=layout.rows,
+        block_expert_ptr=layout.block_expert, K=H, N=inter, TOP_K=top_k, stride_xm=x.stride(0),
+        stride_we=w1.stride(0), stride_wn=w1.stride(1), stride_wk=w1.stride(2),
+        stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0), alpha=form.alpha,
+        limit=_finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
+        STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm), ())
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
     routing = top_k_weights.reshape(-1).contiguous()
-    moe_down_kernel[lambda meta: (blocks, cdiv(H, meta["BLOCK_N"]))](
-        h, w2, b2 if b2 is not None else w2, pairs_out, layout.rows, layout.block_expert, routing, inter, H,
-        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), b2.stride(0) if b2 is not None else 0,
-        pairs_out.stride(0), HAS_BIAS=b2 is not None, INPUT_PRECISION=precision, BLOCK_M=bm)
+    launch(moe_down_kernel, lambda meta: (blocks, cdiv(H, meta["BLOCK_N"])), dict(
+        h_ptr=h, w_ptr=w2, b_ptr=b2 if b2 is not None else w2, out_ptr=pairs_out, rows_ptr=layout.rows,
+        block_expert_ptr=layout.block_expert, routing_ptr=routing, K=inter, N=H, stride_hm=h.stride(0),
+        stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_wk=w2.stride(2),
+        stride_be=b2.stride(0) if b2 is not None else 0, stride_om=pairs_out.stride(0), HAS_BIAS=b2 is not None,
+        INPUT_PRECISION=precision, BLOCK_M=bm), ())
     saved = MoESaved(layout, x, h, gu, w1, w2, form) if save else None
     # Each token's top_k rows, summed in fp32 and rounded once (eager adds them one expert at a time in the hidden
     # dtype). Two rows: one elementwise add (fp32 inside, one rounding: the same bits), ~2.5x faster than a

@@ -121,10 +121,11 @@ def prune_moe_configs(weight_grad: bool = False) -> dict | None:
                           else (_TENSOR_CORE_TILES, _SMALL_TILES))
 
     def prune(configs, named_args, **kwargs):
-        activations = next(iter(named_args.values()), None)
-        elem = activations.element_size() if hasattr(activations, "element_size") else 2
-        exact = {**named_args, **kwargs}.get("INPUT_PRECISION") == "ieee"
-        rows = {**named_args, **kwargs}.get("BLOCK_M", 128)
+        args = {**named_args, **kwargs}  # (a launch by name passes every argument in kwargs, in the kernel's order)
+        activations = next((v for v in args.values() if hasattr(v, "element_size")), None)
+        elem = activations.element_size() if activations is not None else 2
+        exact = args.get("INPUT_PRECISION") == "ieee"
+        rows = args.get("BLOCK_M", 128)
         wanted = set(small) if exact else set(tensor_core) | (set(small) if elem == 4 else set()) | (
             set(_DECODE_TILES) if elem == 2 and rows <= _DECODE_ROWS and not weight_grad else set())
         kept = [c for c in configs if _tile(c) in wanted] or configs[:1]
