@@ -180,8 +180,11 @@ def moe_gate_backward_kernel(
     dg, du = _gate_backward(g, u, grad * scale[:, None], alpha, limit, ACT)
     out = dgu_ptr + rows * (2 * N)
     if INTERLEAVED:
-        tl.store(out + 2 * offs_n[None, :], dg.to(dtype), mask=store_mask)
-        tl.store(out + 2 * offs_n[None, :] + 1, du.to(dtype), mask=store_mask)
+        # One contiguous store of the pairs joined in registers: two stores at a 2-element stride (each half of
+        # every sector) ran the gpt-oss-20b backward's gate kernel at ~0.35 TB/s (H200, 4096 tokens: 1.64 ms).
+        cols = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        both = tl.reshape(tl.join(dg.to(dtype), du.to(dtype)), (BLOCK_M, 2 * BLOCK_N))
+        tl.store(out + cols[None, :], both, mask=(offs_m >= 0)[:, None] & (cols < 2 * N)[None, :])
     else:
         tl.store(out + offs_n[None, :], dg.to(dtype), mask=store_mask)
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=store_mask)
