@@ -277,12 +277,13 @@ def env_info(args) -> dict:
     import transformers
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True).stdout.strip()
     return dict(date=datetime.datetime.now().isoformat(timespec="minutes"), torch=torch.__version__,
                 triton=triton.__version__, transformers=transformers.__version__,
                 gpu=torch.cuda.get_device_name() if args.device == "cuda" else "CPU (interpreter)",
                 argv="python3 benchmarks/bench_moe.py " + " ".join(sys.argv[1:]),
-                commit=commit.stdout.strip() or "?",
+                commit=commit or "?",
                 fxfuse_env=", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("FXFUSE_")))
 
 
@@ -305,6 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in the interpreter, a host timer")
+    ap.add_argument("--commit", help="the commit to name in the table (a copied working tree's git may differ)")
     args = ap.parse_args(argv)
     args.device = "cpu" if args.cpu_smoke else "cuda"
     tokens = [int(t) for t in (args.tokens or ("512,4096" if args.train else "1,16,256,4096")).split(",")]
