@@ -191,10 +191,14 @@ def run_point(family: str, variants: dict, module, reference, tokens: int, top_k
             if args.train:
                 row["peak_mib"][name] = peak_mib(fns[name], timer.sync)
             elif tokens <= DECODE_TOKENS:
-                row["wall"][name] = timer.wall_us(fns[name])["median"]
+                loops = {"calls": 2, "loops": 1} if timer.cpu else {}  # (the interpreter: the code path only)
+                row["wall"][name] = timer.wall_us(fns[name], **loops)["median"]
                 if not timer.cpu:
                     row["graph"][name] = graphed_us(fns[name], timer)
     row["fxfuse_choice"] = choice_of(variants.get("fxfuse"), tokens, args.train)
+    # (whether the optimized module's kernels agreed with its own forward at their first call: False keeps its
+    # forward for good, None: they never ran)
+    row["kernels_agreed"] = vars(variants["fxfuse"]).get("_fxfuse_moe") if "fxfuse" in variants else None
     print_point(row)
     return row
 

@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_session.sh probe         # probe_decode/probe_tma --quick, probe.py -> probe_*.log, probe.txt
 #   bash benchmarks/gpu_session.sh moe           # MoE experts kernels: GPU tests + probe_moe.py (gpt-oss, Mixtral,
 #                                                #   Qwen3-MoE shapes; training steps) -> moe_*.log
+#   bash benchmarks/gpu_session.sh moe-bench     # MoE experts beside eager and torch.compile, with the floor
+#                                                #   (benchmarks/bench_moe.py, forward and training) -> moe*.md
 #   bash benchmarks/gpu_session.sh decode-moe    # whole MoE models' prefill + decode (Mixtral, Qwen3-MoE, gpt-oss
 #                                                #   shapes; MOE_FAMILIES picks; DECODE_MOE_ARGS="--compile --static":
 #                                                #   the compiled variants too) -> decode_<family>.md
@@ -205,6 +207,17 @@ case "$mode" in
       cat "$OUT/moe_train_$family.log"
     done
     ;;
+  moe-bench)
+    # The MoE experts benchmark (benchmarks/bench_moe.py): Mixtral-8x7B's, Qwen3-30B-A3B's and gpt-oss-20b's experts
+    # beside eager (transformers' grouped_mm) and torch.compile, with the floor: forward at 1-4096 tokens, then a
+    # training step at 512 and 4096 -> moe.md, moe_train.md (+ .json); ~2 + ~3 min on an H200. benchmarks/moe.md
+    # is the two tables.
+    step moe-bench-forward "${BENCH_TIMEOUT:-280}" moe_bench.log python3 benchmarks/bench_moe.py --out "$OUT" \
+      ${BENCH_MOE_ARGS:-}
+    step moe-bench-train "${BENCH_TIMEOUT:-280}" moe_bench_train.log python3 benchmarks/bench_moe.py --out "$OUT" \
+      --train ${BENCH_MOE_ARGS:-}
+    grep -h "^|" "$OUT/moe.md" "$OUT/moe_train.md" | cut -d'|' -f2,3,6,8,9,10,11,14
+    ;;
   decode-moe)
     # Whole MoE models (4 layers of Mixtral-8x7B's / Qwen3-30B-A3B's / gpt-oss-20b's shapes): a 512-token prefill
     # and greedy decode, eager (transformers' grouped_mm experts) against fxfuse -> decode_<family>.md
@@ -223,7 +236,7 @@ case "$mode" in
     cp /tmp/fxfuse-probe/probe.txt "$OUT/" 2>/dev/null  # (also a partial one, after a timeout)
     ;;
   *)
-    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | training | decode-model | probe"; exit 2
+    echo "unknown mode '$mode': tests-core | tests-models | tests | tests-parallel | bench | bench-quick | training | decode-model | probe | moe | moe-bench | decode-moe"; exit 2
     ;;
 esac
 n_files=$(find "$OUT" -type f | wc -l)

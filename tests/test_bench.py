@@ -309,6 +309,25 @@ def test_generate_bench_runs_on_cpu(tmp_path):
     assert int(backend[-2]) >= 1 and backend[-1].strip(" |") == "3 / 3"  # (fp32 here: the same tokens)
 
 
+def test_moe_bench_runs_on_cpu(tmp_path):
+    # The MoE experts benchmark on tiny stand-ins of transformers' experts classes in the interpreter: every point
+    # correct against float64, the optimized module's kernels checked and running, a floor, one table line a point.
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_moe.py"), "--cpu-smoke", "--no-compile",
+                          "--families", "mixtral,gpt_oss", "--tokens", "1,5", "--rounds", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads((tmp_path / "moe.json").read_text())["rows"]
+    assert [(r["family"], r["tokens"]) for r in rows] == [("mixtral", 1), ("mixtral", 5), ("gpt_oss", 1),
+                                                          ("gpt_oss", 5)]
+    for r in rows:
+        assert r["kernels_agreed"] is True and r["floor"] > 0 and r["gflop"] > 0
+        assert set(r["err"]) == {"eager", "fxfuse"} and max(r["err"].values()) < 1e-4
+        assert all(isinstance(r["us"][name], float) for name in ("eager", "fxfuse"))
+    table = [line for line in (tmp_path / "moe.md").read_text().splitlines() if line.startswith("| mixtral")
+             or line.startswith("| gpt_oss")]
+    assert len(table) == 4
+
+
 def test_sweep_bench_runs_on_cpu(tmp_path):
     # The batch-size sweep on tiny stand-ins in the interpreter: every point fused, correct against float64, and
     # written with its strategy; sweep.json keeps each shape's rows in the order visited.
