@@ -1214,7 +1214,6 @@ class OneConfig:
 
     def __init__(self, tuner, index: int, launched: set):
         self.tuner, self.index, self.launched = tuner, index, launched
-        self.arg_names, self.configs = tuner.arg_names, tuner.configs  # (as the lean launcher reads a kernel)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):  # (positional, or by name as the lean launcher calls it)
