@@ -1,0 +1,135 @@
+"""Host time of the MoE experts' calls: the lean launcher against Triton's own launch path, in one process.
+
+For each family (``benchmarks/bench_moe.py``'s shapes), at one token: wall and host µs per call of eager
+(transformers' grouped_mm), the optimized module's installed forward and ``run_moe`` alone, each also with every MoE
+launch through ``kernel[grid](**args)`` (the launcher swapped out); ``--train``: the wall µs of a training step at 16
+tokens both ways, in interleaved rounds; ``--profile``: a cProfile of the installed forward (the first family).
+
+    python3 benchmarks/probes/probe_moe_host.py [--families gpt_oss,qwen3_moe] [--train] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import fxfuse  # noqa: E402
+from benchmarks.bench_moe import build, routing  # noqa: E402
+from fxfuse.kernels import moe_backward_launch, moe_launch  # noqa: E402
+from fxfuse.kernels.moe_launch import run_moe  # noqa: E402
+from fxfuse.moe import experts_form  # noqa: E402
+
+LEAN = moe_launch.launch
+
+
+def triton_path(kernel, grid, args, varying=()):
+    kernel[grid](**args)
+
+
+def launching(launcher, fn):
+    """``fn`` with every MoE launch through ``launcher``."""
+    def run():
+        moe_launch.launch = moe_backward_launch.launch = launcher
+        try:
+            return fn()
+        finally:
+            moe_launch.launch = moe_backward_launch.launch = LEAN
+    return run
+
+
+def per_call_us(fn, calls: int = 200, synced: bool = True) -> float:
+    """Fastest of 5 loops: wall µs per call of ``calls`` back-to-back calls (``synced``) or the host time of 20."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        n = calls if synced else 20
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if synced:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def forward_rows(family: str, profile: bool) -> None:
+    module, _, top_k = build(family, "cuda", False)
+    fast = fxfuse.optimize(module)
+    x, index, weights = routing(1, len(module.gate_up_proj), top_k, module.config.hidden_size, "cuda", 0)
+    form = experts_form(module)
+    biases = dict(gate_up_bias=module._parameters.get("gate_up_proj_bias"),
+                  down_bias=module._parameters.get("down_proj_bias"))
+
+    def kernels():
+        return run_moe(x, index, weights, module.gate_up_proj, module.down_proj, form, **biases)
+
+    with torch.no_grad():
+        fast(x, index, weights)  # (its first call: the check and the bucket's timing)
+        fns = {"eager": lambda: module(x, index, weights), "installed": lambda: fast(x, index, weights),
+               "run_moe": kernels, "installed, Triton's launch path": launching(triton_path,
+                                                                                lambda: fast(x, index, weights)),
+               "run_moe, Triton's launch path": launching(triton_path, kernels)}
+        for name, fn in [*fns.items()] * 2:  # (two rounds)
+            print(f"{family} T=1 {name}: wall {per_call_us(fn):.1f} us/call, host {per_call_us(fn, synced=False):.1f}"
+                  " us/call", flush=True)
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                fast(x, index, weights)
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue())
+
+
+def train_row(family: str) -> None:
+    module, _, top_k = build(family, "cuda", False)
+    fast = fxfuse.optimize(module).train()
+    x, index, weights = routing(16, len(module.gate_up_proj), top_k, module.config.hidden_size, "cuda", 0)
+    x.requires_grad_()
+    weights.requires_grad_()
+    dout = torch.randn_like(x)
+    inputs = [x, weights, *module.parameters()]
+
+    def step():
+        return torch.autograd.grad(fast(x, index, weights), inputs, dout)
+
+    times = {"lean": [], "Triton's launch path": []}
+    for _ in range(3):
+        for name, launcher in (("lean", LEAN), ("Triton's launch path", triton_path)):
+            times[name].append(per_call_us(launching(launcher, step), calls=20))
+    print(f"{family} T=16 training step wall us/call: "
+          + ", ".join(f"{name} {[round(t) for t in ts]}" for name, ts in times.items()), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default="gpt_oss,qwen3_moe")
+    ap.add_argument("--train", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    for i, family in enumerate(args.families.split(",")):
+        if args.train:
+            train_row(family)
+        else:
+            forward_rows(family, args.profile and i == 0)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
