@@ -16,7 +16,6 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxfuse  # noqa: E402
 from benchmarks.bench_moe import build, routing  # noqa: E402
+from benchmarks.timing import host_us, wall_us  # noqa: E402
 from fxfuse.kernels import moe_backward_launch, moe_launch  # noqa: E402
 from fxfuse.kernels.moe_launch import run_moe  # noqa: E402
 from fxfuse.moe import experts_form  # noqa: E402
@@ -46,25 +46,6 @@ def launching(launcher, fn):
     return run
 
 
-def per_call_us(fn, calls: int = 200, synced: bool = True) -> float:
-    """Fastest of 5 loops: wall µs per call of ``calls`` back-to-back calls (``synced``) or the host time of 20."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        n = calls if synced else 20
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if synced:
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
 def forward_rows(family: str, profile: bool) -> None:
     module, _, top_k = build(family, "cuda", False)
     fast = fxfuse.optimize(module)
@@ -83,7 +64,7 @@ def forward_rows(family: str, profile: bool) -> None:
                                                                                 lambda: fast(x, index, weights)),
                "run_moe, Triton's launch path": launching(triton_path, kernels)}
         for name, fn in [*fns.items()] * 2:  # (two rounds)
-            print(f"{family} T=1 {name}: wall {per_call_us(fn):.1f} us/call, host {per_call_us(fn, synced=False):.1f}"
+            print(f"{family} T=1 {name}: wall {wall_us(fn):.1f} us/call, host {host_us(fn, calls=20, loops=5):.1f}"
                   " us/call", flush=True)
         if profile:
             prof = cProfile.Profile()
@@ -112,7 +93,7 @@ def train_row(family: str) -> None:
     times = {"lean": [], "Triton's launch path": []}
     for _ in range(3):
         for name, launcher in (("lean", LEAN), ("Triton's launch path", triton_path)):
-            times[name].append(per_call_us(launching(launcher, step), calls=20))
+            times[name].append(wall_us(launching(launcher, step), calls=20))
     print(f"{family} T=16 training step wall us/call: "
           + ", ".join(f"{name} {[round(t) for t in ts]}" for name, ts in times.items()), flush=True)
 
