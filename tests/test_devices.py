@@ -53,3 +53,28 @@ def test_gpu_moe_experts_on_the_second_gpu_run_there():
             out = forward(module, x, index, weights)
         assert out.device == x.device and rel_err(out, reference(module, x, index, weights, "silu")) < 2e-2
     assert module.__dict__["_fxfuse_moe"] is True and torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_the_same_shapes_on_both_gpus_launch_on_each():
+    # A model split across GPUs has layers of one shape on each: a launch that skips Triton's Python path
+    # (fxfuse.kernels.fastlaunch) must use the kernel loaded on its tensors' GPU, not the one recorded on the other.
+    from test_moe import experts, local_routing, reference
+
+    from fxfuse import moe
+
+    torch.cuda.set_device(0)
+    mlps = [GPT2MLP(256, 1024).to(f"cuda:{i}", torch.bfloat16).eval() for i in range(2)]
+    fasts = [fxfuse.optimize(m) for m in mlps]
+    layers = [experts("silu", torch.bfloat16, f"cuda:{i}", hidden=256, inter=512, num=8) for i in range(2)]
+    forward = moe.moe_forward(type(layers[0]).forward, "silu")
+    with torch.no_grad():
+        for _ in range(3):  # (alternating: each GPU's second and third calls find the other's entries recorded)
+            for i in range(2):
+                x = torch.randn(64, 256, device=f"cuda:{i}", dtype=torch.bfloat16)
+                assert rel_err(fasts[i](x), mlps[i](x)) < 2e-2
+                index, weights = local_routing(64, 2, 8, f"cuda:{i}", torch.bfloat16)
+                out = forward(layers[i], x, index, weights)
+                assert rel_err(out, reference(layers[i], x, index, weights, "silu")) < 2e-2
+    assert all(layer.__dict__["_fxfuse_moe"] is True for layer in layers)  # (no launch failed over to the original)

@@ -331,7 +331,7 @@ def test_gpu_lean_launch_matches_and_respects_alignment():
 
 
 def test_lean_launch_signature():
-    # What the lean path keys a compiled kernel by: dtype and 16-byte alignment of tensors, Triton's
+    # What the lean path keys a compiled kernel by: dtype, 16-byte alignment and GPU of tensors, Triton's
     # specialization of the varying row count, other plain values as they are; anything else opts out.
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -343,7 +343,7 @@ def test_lean_launch_signature():
     lean = LeanLauncher(Kernel(), varying=("M",))
     buf = torch.zeros(64, dtype=torch.float16)
     sig = lean.signature({"x_ptr": buf, "M": 33, "N": 64, "FLAG": True})
-    assert sig == ((torch.float16, True), (False, False, False), 64, True)
+    assert sig == ((torch.float16, True, -1), (False, False, False), 64, True)  # (-1: no GPU)
     assert lean.signature({"x_ptr": buf, "M": 35, "N": 64, "FLAG": True}) == sig  # same specialization of M
     assert lean.signature({"x_ptr": buf, "M": 48, "N": 64, "FLAG": True}) != sig  # M % 16 == 0
     assert lean.signature({"x_ptr": buf, "M": 1, "N": 64, "FLAG": True}) != sig  # M == 1

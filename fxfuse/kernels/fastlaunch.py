@@ -280,7 +280,9 @@ class LeanLauncher:
             if t is int:
                 append((v == 1, v % 16 == 0, v > 0x7FFFFFFF) if name in varying else v)
             elif isinstance(v, torch.Tensor):
-                append((v.dtype, v.data_ptr() % 16 == 0))
+                # (and its GPU: a compiled kernel's function is loaded on one device's context; a model split
+                # across GPUs launches the same signature on each)
+                append((v.dtype, v.data_ptr() % 16 == 0, v.get_device()))
             elif v is None or t in _PLAIN:
                 append(v)
             else:

@@ -279,9 +279,9 @@ class _TmaLeanLauncher(fastlaunch.LeanLauncher):
     pre_hook_is_launch_free = True  # set_block_shapes only fills block_shape, which the launcher does not read
 
     def other_key(self, value) -> Optional[tuple]:
-        # A descriptor is keyed as its tensor is: dtype and 16-byte alignment.
+        # A descriptor is keyed as its tensor is: dtype, 16-byte alignment and GPU.
         if type(value) is _tensor_descriptor():
-            return (value.base.dtype, value.base.data_ptr() % 16 == 0)
+            return (value.base.dtype, value.base.data_ptr() % 16 == 0, value.base.get_device())
         return None
 
 
