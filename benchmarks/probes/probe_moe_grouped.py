@@ -13,7 +13,8 @@ faster. This probe measures, per family and token count (bf16, ``benchmarks/benc
 * whole forwards: fxfuse's ``run_moe``; the grouped_mm forward (fxfuse's routing kernel, the gathered rows, grouped_mm,
   ``act(g) * u`` and the per-token weighted sum in torch ops); ``torch.compile`` of transformers' forward.
 
-    python3 benchmarks/probes/probe_moe_grouped.py [--families mixtral,qwen3_moe,gpt_oss] [--tokens 512,4096] [--profile]
+    python3 benchmarks/probes/probe_moe_grouped.py [--families mixtral,qwen3_moe,gpt_oss] [--tokens 512,4096]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -97,6 +98,48 @@ def profile(fn, calls: int = 10) -> list[tuple[str, float]]:
     return [(e.key[:70], e.device_time_total / calls) for e in sorted(events, key=lambda e: -e.device_time_total)]
 
 
+def point(module, form, fast, compiled, tokens: int, top_k: int, with_profile: bool) -> None:
+    """Every measurement at one token count."""
+    biases = dict(gate_up_bias=module._parameters.get("gate_up_proj_bias"),
+                  down_bias=module._parameters.get("down_proj_bias"))
+    x, index, weights = routing(tokens, len(module.gate_up_proj), top_k, module.config.hidden_size, "cuda", 0)
+    for name, (t, gflop) in gemms(module, form, x, index).items():
+        print(f"   grouped_mm {name:18s} {t:9.1f} us  ({gflop / t * 1e3:5.0f} TFLOP/s)", flush=True)
+
+    def kernels():
+        return run_moe(x, index, weights, module.gate_up_proj, module.down_proj, form, **biases)
+
+    forwards = {"fxfuse kernels": kernels, "compile": lambda: compiled(x, index, weights),
+                "installed": lambda: fast(x, index, weights)}
+    if form.act == "silu" and not form.interleaved and biases["gate_up_bias"] is None:
+        forwards["grouped_mm + torch glue"] = lambda: grouped_forward(module, form, x, index, weights)
+    with torch.no_grad():
+        ref = kernels().float()
+        for name, fn in forwards.items():
+            err = ((fn().float() - ref).norm() / ref.norm()).item()
+            print(f"   forward {name:24s} {us(fn):9.1f} us  (rel diff to the kernels {err:.1e})", flush=True)
+        if with_profile:
+            for name in ("fxfuse kernels", "grouped_mm + torch glue"):
+                if name in forwards:
+                    print(f"   {name} forward, its kernels:")
+                    for key, t in profile(forwards[name])[:8]:
+                        print(f"      {t:9.1f} us  {key}")
+    if with_profile:  # the node's backward: G, the gate, dx, the weight gradients
+        xg, wg = x.detach().requires_grad_(), weights.detach().requires_grad_()
+        params = module._parameters
+        wanted = [xg, wg, *module.parameters()]
+
+        def step():
+            out = MoEExpertsFunction.apply(xg, index, wg, params["gate_up_proj"], params["down_proj"],
+                                           params.get("gate_up_proj_bias"), params.get("down_proj_bias"), form)
+            return torch.autograd.grad(out, wanted, torch.ones_like(out))
+
+        step()
+        print("   fxfuse training step, its kernels:")
+        for key, t in profile(step)[:12]:
+            print(f"      {t:9.1f} us  {key}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="mixtral,qwen3_moe,gpt_oss")
@@ -106,49 +149,10 @@ def main() -> None:
     for family in args.families.split(","):
         module, _, top_k = build(family, "cuda", False)
         form = experts_form(module)
-        fast = fxfuse.optimize(module)
-        compiled = torch.compile(module)
-        biases = dict(gate_up_bias=module._parameters.get("gate_up_proj_bias"),
-                      down_bias=module._parameters.get("down_proj_bias"))
+        fast, compiled = fxfuse.optimize(module), torch.compile(module)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            x, index, weights = routing(tokens, len(module.gate_up_proj), top_k, module.config.hidden_size, "cuda", 0)
             print(f"== {family} T={tokens}", flush=True)
-            for name, (t, gflop) in gemms(module, form, x, index).items():
-                print(f"   grouped_mm {name:18s} {t:9.1f} us  ({gflop / t * 1e3:5.0f} TFLOP/s)", flush=True)
-            with torch.no_grad():
-                def kernels():
-                    return run_moe(x, index, weights, module.gate_up_proj, module.down_proj, form, **biases)
-
-                forwards = {"fxfuse kernels": kernels, "compile": lambda: compiled(x, index, weights),
-                            "installed": lambda: fast(x, index, weights)}
-                if form.act == "silu" and not form.interleaved and biases["gate_up_bias"] is None:
-                    forwards["grouped_mm + torch glue"] = lambda: grouped_forward(module, form, x, index, weights)
-                ref = kernels().float()
-                for name, fn in forwards.items():
-                    err = ((fn().float() - ref).norm() / ref.norm()).item()
-                    print(f"   forward {name:24s} {us(fn):9.1f} us  (rel diff to the kernels {err:.1e})", flush=True)
-                if args.profile:
-                    for name, fn in (("fxfuse forward", kernels),
-                                     ("grouped_mm forward", forwards.get("grouped_mm + torch glue"))):
-                        if fn is not None:
-                            print(f"   {name} kernels:")
-                            for key, t in profile(fn)[:8]:
-                                print(f"      {t:9.1f} us  {key}")
-            if args.profile:  # the node's backward: G, the gate, dx, the weight gradients
-                xg, wg = x.detach().requires_grad_(), weights.detach().requires_grad_()
-                params = module._parameters
-
-                def step():
-                    out = MoEExpertsFunction.apply(xg, index, wg, params["gate_up_proj"], params["down_proj"],
-                                                   params.get("gate_up_proj_bias"), params.get("down_proj_bias"),
-                                                   form)
-                    return torch.autograd.grad(out, [xg, wg, *module.parameters()], torch.ones_like(out))
-
-                step()
-                print("   fxfuse training step kernels:")
-                for key, t in profile(step)[:12]:
-                    print(f"      {t:9.1f} us  {key}")
-        del module, fast, compiled
+            point(module, form, fast, compiled, tokens, top_k, args.profile)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
 
