@@ -955,6 +955,7 @@ def test_the_gradients_survive_the_autotuner_running_every_config(monkeypatch):
     class EveryConfig:
         def __init__(self, kernel, configs):
             self.kernel, self.configs = kernel, configs
+            self.arg_names = kernel.arg_names  # (what the lean launcher reads of a kernel)
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: [self.kernel.fn[grid(c.kwargs)](*args, **kwargs, **c.kwargs)
@@ -981,6 +982,8 @@ def test_the_weight_gradient_sums_any_rows_a_step_in_any_tile_order(monkeypatch,
     config = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": rows_per_step, "GROUP_N": 3}
 
     class Fixed:
+        arg_names = kernel.arg_names  # (what the lean launcher reads of a kernel)
+
         def __getitem__(self, grid):
             return lambda *args, **kwargs: kernel.fn[grid(config)](*args, **kwargs, **config)
 
@@ -1214,6 +1217,7 @@ class OneConfig:
 
     def __init__(self, tuner, index: int, launched: set):
         self.tuner, self.index, self.launched = tuner, index, launched
+        self.arg_names, self.configs = tuner.arg_names, tuner.configs  # (what the lean launcher reads of a kernel)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):  # (positional, or by name as the lean launcher calls it)

@@ -261,9 +261,7 @@ class LeanLauncher:
     def __init__(self, kernel: Any, varying: Sequence[str] = ("M",)):
         self.kernel = kernel
         self.varying = frozenset(varying)
-        names = getattr(kernel, "arg_names", None) or getattr(getattr(kernel, "fn", None), "arg_names", None)
-        # (None: not a Triton kernel this class can read, such as a test's stand-in: launched by its own [grid])
-        self.arg_names: Optional[list[str]] = list(names) if names is not None else None
+        self.arg_names: list[str] = list(getattr(kernel, "arg_names", None) or kernel.fn.arg_names)
         self.entries: dict[tuple, _Entry] = {}
         self.hits = 0  # launches that skipped Triton's Python path (tests read it)
 
@@ -299,7 +297,7 @@ class LeanLauncher:
 
     def launch(self, grid: Callable[[dict], tuple], args: dict) -> None:
         """Launch with ``args`` (every non-config argument, by name); ``grid(meta)`` as in ``kernel[grid]``."""
-        if self.arg_names is None or not lean_launch_enabled():
+        if not lean_launch_enabled():
             self.kernel[grid](**args)
             return
         key = self.signature(args)
@@ -325,7 +323,7 @@ class LeanLauncher:
 
     def bind(self, grid: Callable[[dict], tuple], args: dict, slots: Sequence[str]) -> Optional[Callable[..., None]]:
         """See :func:`bind`."""
-        if self.arg_names is None or not lean_launch_enabled():
+        if not lean_launch_enabled():
             return None
         key = self.signature(args)
         entry = None if key is None else self.entries.get(key)

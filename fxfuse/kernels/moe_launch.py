@@ -53,7 +53,7 @@ _PLACE_CHUNK = 1024
 _ROUTE_VARYING = ("pairs", "blocks")
 
 
-def _ONE_PROGRAM(meta: dict) -> tuple[int]:
+def _one_program(meta: dict) -> tuple[int]:
     return (1,)
 
 
@@ -128,7 +128,7 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pa
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     if cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
-        launch(moe_route_kernel, _ONE_PROGRAM, dict(
+        launch(moe_route_kernel, _one_program, dict(
             index_ptr=flat, rows_ptr=rows, block_expert_ptr=block_expert, pairs=pairs, num_experts=num_experts,
             blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=8), _ROUTE_VARYING)
     else:
