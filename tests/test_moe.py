@@ -195,16 +195,22 @@ def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
 
     torch.manual_seed(0)
     module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)
-    launchers = [moe_launch.moe_gate_up_kernel, moe_launch.moe_down_kernel,
-                 moe_launch.moe_route_kernel if tokens < 3000 else moe_launch.moe_place_kernel]
+    # (the down projection runs one of two kernels: TMA for 16-bit blocks of 64+ rows, else by pointer)
+    launchers = [[moe_launch.moe_gate_up_kernel], [moe_launch.moe_down_kernel, moe_launch.moe_down_tma_kernel],
+                 [moe_launch.moe_route_kernel if tokens < 3000 else moe_launch.moe_place_kernel]]
+
+    def lean_hits(kernels):
+        return sum(getattr(getattr(k, "_fxfuse_lean", getattr(k, "_fxfuse_tma_lean", None)), "hits", 0)
+                   for k in kernels)
+
     for _call in range(2):  # (the second call's launches skip Triton's Python path: the lean launcher's entries)
-        hits = [getattr(getattr(k, "_fxfuse_lean", None), "hits", 0) for k in launchers]
+        hits = [lean_hits(k) for k in launchers]
         x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
         index, weights = routing(tokens, 2, 8, "cuda", dtype)
         out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, "silu")
         ref = reference(module, x, index, weights, "silu")
         assert rel_err(out, ref) < TOL[dtype]
-    assert all(k._fxfuse_lean.hits > n for k, n in zip(launchers, hits))
+    assert all(lean_hits(k) > n for k, n in zip(launchers, hits))
 
 
 class ClampedExperts(MixtralExperts):
@@ -596,7 +602,11 @@ def check_gradients(module, x, index, weights, reference_forward, tol):
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
-def test_moe_gradients_match_float64_in_the_interpreter(act, dtype):
+@pytest.mark.parametrize("down", ["tma", "pointer"])  # (the interpreter takes TMA wherever it can; forced off)
+def test_moe_gradients_match_float64_in_the_interpreter(down, act, dtype, monkeypatch):
+    picks = []
+    decide = moe_launch.down_by_tma
+    monkeypatch.setattr(moe_launch, "down_by_tma", lambda *a: picks.append(down == "tma" and decide(*a)) or picks[-1])
     torch.manual_seed(5)
     module = experts(act, dtype, "cpu")
     x = torch.randn(10, 32, dtype=dtype)
@@ -614,6 +624,7 @@ def test_moe_gradients_match_float64_in_the_interpreter(act, dtype):
         return torch.stack(rows)
 
     check_gradients(module, x, index, weights, reference_forward, GRAD_TOL[dtype])
+    assert picks and all(picks) == (down == "tma")  # (the forward's down projection and dx each took it)
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
@@ -1226,6 +1237,8 @@ class OneConfig:
             kept = prune(self.tuner.configs, named, **kwargs) if prune else self.tuner.configs
             config = kept[self.index % len(kept)]
             self.launched.add((self.tuner.fn.__name__, str(config)))
+            if config.pre_hook is not None:  # (the TMA kernel's: its descriptors' block shapes)
+                config.pre_hook({**named, **kwargs, **config.all_kwargs()})
             return self.tuner.fn[grid(config.kwargs)](*args, **kwargs, **config.all_kwargs())
 
         return launch
@@ -1238,9 +1251,9 @@ def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch
     from fxfuse.kernels import moe_backward_launch
 
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")  # (each precision's whole list; the autotuner itself never runs)
-    sites = [(moe_launch, "moe_gate_up_kernel"), (moe_launch, "moe_down_kernel"),
-             (moe_backward_launch, "moe_down_backward_kernel"), (moe_backward_launch, "moe_down_kernel"),
-             (moe_backward_launch, "moe_weight_grad_kernel")]
+    # (moe_launch's down kernels serve the forward and dx: launch_down picks TMA or pointer by dtype and rows)
+    sites = [(moe_launch, "moe_gate_up_kernel"), (moe_launch, "moe_down_kernel"), (moe_launch, "moe_down_tma_kernel"),
+             (moe_backward_launch, "moe_down_backward_kernel"), (moe_backward_launch, "moe_weight_grad_kernel")]
     tuners = {(module, name): getattr(module, name) for module, name in sites}
     most = max(len(tuner.configs) for tuner in tuners.values())
     torch.manual_seed(0)
@@ -1261,7 +1274,7 @@ def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch
         except OutOfResources:  # (the autotuner drops such a config too)
             continue
         ran += 1
-    assert ran >= min(2, most) and len({name for name, _ in launched}) == 4  # (moe_down_kernel serves two sites)
+    assert ran >= min(2, most) and len({name for name, _ in launched}) == 4  # (one of the two down kernels)
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")

@@ -20,8 +20,8 @@ import torch
 from .fastlaunch import launch
 from .launch import _input_precision
 from .moe_backward_template import moe_down_backward_kernel, moe_gate_backward_kernel, moe_weight_grad_kernel
-from .moe_launch import ExpertsForm, MoESaved, PairLayout, _finite, _strided, moe_forward_pass
-from .moe_template import ACTIVATIONS, moe_down_kernel
+from .moe_launch import ExpertsForm, MoESaved, PairLayout, _finite, _strided, launch_down, moe_forward_pass
+from .moe_template import ACTIVATIONS
 from .moe_weight_grads import grouped_down_grad, grouped_gate_up_grad, grouped_mm_takes, weight_grads_by
 from .template import cdiv
 
@@ -80,11 +80,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
         ones = torch.ones(pairs, dtype=torch.float32, device=device)
-        launch(moe_down_kernel, lambda meta: (blocks, cdiv(H, meta["BLOCK_N"])), dict(
-            h_ptr=dgu, w_ptr=w1, b_ptr=w1, out_ptr=dx_pairs, rows_ptr=layout.rows,
-            block_expert_ptr=layout.block_expert, routing_ptr=ones, K=two_i, N=H, stride_hm=dgu.stride(0),
-            stride_we=w1.stride(0), stride_wn=w1.stride(2), stride_wk=w1.stride(1), stride_be=0,
-            stride_om=dx_pairs.stride(0), HAS_BIAS=False, INPUT_PRECISION=precision, BLOCK_M=bm), ())
+        launch_down(dgu, w1.transpose(1, 2), None, dx_pairs, layout, ones, precision)
         dx = dx_pairs.view(T, top_k, H).sum(1)
     if needs[1]:
         dr = dr_parts.sum(0).view(T, top_k)

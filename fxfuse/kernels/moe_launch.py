@@ -34,10 +34,12 @@ from .moe_template import (
     moe_place_kernel,
     moe_route_kernel,
 )
+from .moe_tma_template import moe_down_tma_kernel
 from .template import cdiv, interpreting, next_pow2
+from .tma_launch import _tensor_descriptor, launch_with_descriptors, tma_supported
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "layout_blocks",
-           "moe_forward_pass", "route_pairs", "run_moe"]
+__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "down_by_tma",
+           "launch_down", "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
 
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
@@ -239,13 +241,7 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         limit=_finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
         STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm), ())
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
-    routing = top_k_weights.reshape(-1).contiguous()
-    launch(moe_down_kernel, lambda meta: (blocks, cdiv(H, meta["BLOCK_N"])), dict(
-        h_ptr=h, w_ptr=w2, b_ptr=b2 if b2 is not None else w2, out_ptr=pairs_out, rows_ptr=layout.rows,
-        block_expert_ptr=layout.block_expert, routing_ptr=routing, K=inter, N=H, stride_hm=h.stride(0),
-        stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_wk=w2.stride(2),
-        stride_be=b2.stride(0) if b2 is not None else 0, stride_om=pairs_out.stride(0), HAS_BIAS=b2 is not None,
-        INPUT_PRECISION=precision, BLOCK_M=bm), ())
+    launch_down(h, w2, b2, pairs_out, layout, top_k_weights.reshape(-1).contiguous(), precision)
     saved = MoESaved(layout, x, h, gu, w1, w2, form) if save else None
     # Each token's top_k rows, summed in fp32 and rounded once (eager adds them one expert at a time in the hidden
     # dtype). Two rows: one elementwise add (fp32 inside, one rounding: the same bits), ~2.5x faster than a
@@ -254,6 +250,50 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     if top_k == 2:
         return per_token[:, 0] + per_token[:, 1], saved
     return per_token.sum(1), saved  # (torch accumulates 16-bit sums in fp32: one rounding, no fp32 copy)
+
+
+def launch_down(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                layout: PairLayout, routing: torch.Tensor, precision: str) -> None:
+    """``out[p] = routing[p] * (a[row of p] @ w[e]^T + bias[e])`` for every pair p of ``layout``: the down kernel
+    (forward: ``a`` = h) and dx (``a`` = the gate/up gradient, ``w`` = gate_up's transpose). ``a`` ``[padded rows,
+    K]`` (last dim contiguous), ``w`` an ``[E, N, K]`` view (either dim of its last two contiguous), ``out``
+    ``[pairs, N]``. By TMA (:mod:`fxfuse.kernels.moe_tma_template`) where :func:`down_by_tma` says, else by pointer
+    (:func:`~fxfuse.kernels.moe_template.moe_down_kernel`)."""
+    E, N, K = w.shape
+    blocks, bm = layout.block_expert.numel(), layout.block_m
+    bias_args = dict(b_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
+                     HAS_BIAS=bias is not None)
+    if down_by_tma(a, w, bm):
+        TensorDescriptor = _tensor_descriptor()
+        w_kn = w.stride(2) != 1  # stored [E, K, N] (gpt-oss's down, gate_up read for dx)
+        memory = w.transpose(1, 2) if w_kn else w
+        # (block shapes: placeholders that the config's pre-hook sets)
+        launch_with_descriptors(moe_down_tma_kernel, lambda meta: (blocks * cdiv(N, meta["BLOCK_N"]),), dict(
+            h_desc=TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 16]),
+            w_desc=TensorDescriptor(memory, list(memory.shape), list(memory.stride()), [1, 16, 16]),
+            out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, routing_ptr=routing, K=K, N=N,
+            blocks=blocks, stride_om=out.stride(0), W_KN=w_kn, DTYPE=str(a.dtype).removeprefix("torch."),
+            BLOCK_M=bm, **bias_args), ("blocks",))
+        return
+    launch(moe_down_kernel, lambda meta: (blocks, cdiv(N, meta["BLOCK_N"])), dict(
+        h_ptr=a, w_ptr=w, out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert,
+        routing_ptr=routing, K=K, N=N, stride_hm=a.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1),
+        stride_wk=w.stride(2), stride_om=out.stride(0), INPUT_PRECISION=precision, BLOCK_M=bm, **bias_args), ())
+
+
+def down_by_tma(a: torch.Tensor, w: torch.Tensor, block_m: int) -> bool:
+    """Whether :func:`launch_down` takes the TMA kernel: a Hopper GPU (or the interpreter, which emulates TMA),
+    ``a`` and ``w`` of one dtype, TMA-describable (last dim contiguous, 16-byte aligned base and strides), and on
+    a GPU 16-bit operands at 64 or more rows per block (where it was measured faster; decode-size blocks keep the
+    pointer kernel's tuned tiles, fp32 its exact-precision ones)."""
+    if not tma_supported(a.device) or a.dtype != w.dtype or a.stride(1) != 1 or not (
+            w.stride(2) == 1 or w.stride(1) == 1):
+        return False
+    elem = a.element_size()
+    if not interpreting() and (elem != 2 or block_m < 64):
+        return False
+    strides = [a.stride(0)] + [s for s in w.stride() if s != 1]
+    return (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in strides))
 
 
 def _finite(limit: float) -> float:

@@ -239,7 +239,6 @@ def moe_gate_up_kernel(
     pairs = tl.load(rows_ptr + offs_m)
     valid = pairs >= 0
     tokens = tl.where(valid, pairs // TOP_K, 0)
-    offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     if INTERLEAVED:
         # BLOCK_N adjacent columns, gate and up alternating: one dot, then the pairs split apart.
@@ -252,21 +251,17 @@ def moe_gate_up_kernel(
         g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
+        # Gate columns then up columns as ONE [BLOCK_K, 2 * BLOCK_N] weight tile and one dot (a wider MMA reads x's
+        # tile once per K step: Mixtral's gate/up at 4096 tokens 3696 -> 3094 µs on an H200 against two dots,
+        # benchmarks/probes/probe_moe_gemm_variants.py), split into gate and up after the K loop.
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            k_mask = k < K
-            x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
-                        mask=valid[:, None] & k_mask[None, :], other=0.0)
-            w_mask = n_mask[None, :] & k_mask[:, None]
-            wg = tl.load(w_base + offs_n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-            wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + k[:, None] * stride_wk, mask=w_mask,
-                         other=0.0)
-            g = tl.dot(x, wg, g, input_precision=INPUT_PRECISION)
-            u = tl.dot(x, wu, u, input_precision=INPUT_PRECISION)
+        both = tl.arange(0, 2 * BLOCK_N)
+        col = pid_n * BLOCK_N + both % BLOCK_N
+        cols = col + (both // BLOCK_N) * N  # the gate's column, then the up's (N further)
+        acc = _rows_dot(tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), x_ptr, tokens, stride_xm, valid, w_base,
+                        cols, col < N, stride_wn, stride_wk, K, INPUT_PRECISION, BLOCK_K)
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         if HAS_BIAS:
             b_base = b_ptr + expert.to(tl.int64) * stride_be
             g += tl.load(b_base + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -25,7 +25,7 @@ from .template import fast_math_enabled, interpreting, m_bucket
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_stage_tma", "tma_applicable", "tma_supported"]
+__all__ = ["launch_with_descriptors", "run_stage_tma", "tma_applicable", "tma_supported"]
 
 _TMA_ALIGN = 16  # bytes: TMA needs the base address and every stride but the last 16-byte aligned
 _TMA_MAX_STRIDE = 1 << 40  # bytes: the largest stride a TMA descriptor can hold
@@ -285,8 +285,18 @@ class _TmaLeanLauncher(fastlaunch.LeanLauncher):
         return None
 
 
-def _lean_launcher(kernel) -> _TmaLeanLauncher:
+def _lean_launcher(kernel, varying: tuple = ("M",)) -> _TmaLeanLauncher:
     lean = getattr(kernel, "_fxfuse_tma_lean", None)
     if lean is None:
-        lean = kernel._fxfuse_tma_lean = _TmaLeanLauncher(kernel, varying=("M",))
+        lean = kernel._fxfuse_tma_lean = _TmaLeanLauncher(kernel, varying=varying)
     return lean
+
+
+def launch_with_descriptors(kernel, grid, args: dict, varying: tuple = ()) -> None:
+    """:func:`fxfuse.kernels.fastlaunch.launch` for a kernel that takes host TMA descriptors (its configs' pre-hooks
+    only set the descriptors' block shapes): Triton's path on a GPU's first launch of a signature, then the lean
+    one; Triton's path in the interpreter."""
+    if interpreting():
+        kernel[grid](**args)
+    else:
+        _lean_launcher(kernel, varying).launch(grid, args)
