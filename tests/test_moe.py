@@ -1191,6 +1191,13 @@ def test_exact_fp32_tunes_over_small_tiles_16_bit_over_tensor_core_tiles_tf32_ov
     assert {tile(c) for c in prune(configs, {"x_ptr": fp32}, INPUT_PRECISION="tf32", BLOCK_M=16)} == tf32
     assert decode | small == {tile(c) for c in configs} and not half & small
     assert max(bn * bk for bn, bk, _, _ in small) <= 64 * 32 and min(bn * bk for bn, bk, _, _ in half) >= 64 * 64
+    # gate and up in halves are one dot over 2 x BLOCK_N columns: tiles whose fp32 accumulator would spill (more
+    # than 128 values a thread) are dropped; interleaved, BLOCK_N columns in all
+    halves = prune(configs, {"x_ptr": bf16, "INTERLEAVED": False}, INPUT_PRECISION="tf32", BLOCK_M=128)
+    assert halves and all(128 * 2 * c.kwargs["BLOCK_N"] <= 128 * 32 * c.num_warps for c in halves)
+    assert {tile(c) for c in halves} < half
+    assert {tile(c) for c in prune(configs, {"x_ptr": bf16, "INTERLEAVED": True}, INPUT_PRECISION="tf32",
+                                   BLOCK_M=128)} == half
     # FXFUSE_AUTOTUNE=0: one config that fits shared memory at 128 rows per block
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")
     for activations, precision, expected in ((bf16, "tf32", configs[0]), (fp32, "ieee", None), (fp32, "tf32", None)):

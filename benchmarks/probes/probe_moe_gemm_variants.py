@@ -167,7 +167,35 @@ GATE_UP_TILES = [(64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4
 DOWN_TILES = [(128, 64, 4, 4), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4)]
 
 
-def point(name: str, tokens: int, quick: bool, device: str) -> None:
+def sweep_library(name: str, kernel, launch_once) -> None:
+    """Time each config the autotuned ``kernel``'s pruning keeps for the call ``launch_once`` makes."""
+    captured = {}
+    original = kernel.run
+
+    def capture(*a, **kw):
+        captured.update(args=a, kwargs=kw)
+        return original(*a, **kw)
+
+    kernel.run = capture
+    launch_once()
+    del kernel.run  # (the class's method again)
+    args, kwargs = captured["args"], dict(captured["kwargs"])
+    grid = kwargs.pop("grid")
+    kwargs.pop("warmup", None)
+    kept = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **kwargs)
+    for config in kept:
+        meta = config.all_kwargs()
+
+        def one(meta=meta):
+            kernel.fn[grid(meta) if callable(grid) else grid](*args, **kwargs, **meta)
+
+        try:
+            print(f"   {name:7s} library {config}  {us(one):8.1f} us", flush=True)
+        except Exception as exc:  # (shared memory)
+            print(f"   {name:7s} library {config}  failed: {type(exc).__name__}", flush=True)
+
+
+def point(name: str, tokens: int, quick: bool, device: str, library_only: bool = False) -> None:
     E, H, inter, top_k = SHAPES[name]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -219,6 +247,11 @@ def point(name: str, tokens: int, quick: bool, device: str) -> None:
         t = us(lambda: torch._grouped_mm(h_ref, w2.transpose(1, 2), offs=offs))
         print(f"   down    grouped_mm     {t:8.1f} us {gflop_down / t * 1e3:5.0f} TFLOP/s", flush=True)
 
+    if device == "cuda":  # each config the library's pruning keeps, launched directly
+        sweep_library("gate/up", moe_gate_up_kernel, lib_gate_up)
+        sweep_library("down", moe_down_kernel, lib_down)
+    if library_only:
+        return
     tiles_gu = GATE_UP_TILES[:2] if quick else GATE_UP_TILES
     tiles_down = DOWN_TILES[:2] if quick else DOWN_TILES
     if device != "cuda":
@@ -256,11 +289,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="mixtral,qwen3_moe")
     ap.add_argument("--tokens", default="4096")
     ap.add_argument("--quick", action="store_true", help="two tiles per kernel")
+    ap.add_argument("--library-only", action="store_true", help="the library's kernels, config by config, only")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            point(name, tokens, args.quick, device)
+            point(name, tokens, args.quick, device, args.library_only)
 
 
 if __name__ == "__main__":
