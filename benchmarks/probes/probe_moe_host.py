@@ -3,9 +3,11 @@
 For each family (``benchmarks/bench_moe.py``'s shapes), at one token: wall and host µs per call of eager
 (transformers' grouped_mm), the optimized module's installed forward and ``run_moe`` alone, each also with every MoE
 launch through ``kernel[grid](**args)`` (the launcher swapped out); ``--train``: the wall µs of a training step at 16
-tokens both ways, in interleaved rounds; ``--profile``: a cProfile of the installed forward (the first family).
+tokens (``--train-tokens``) both ways, in interleaved rounds; ``--profile``: a cProfile of the installed forward (the
+first family), with ``--train`` of the training step beside its wall, host and GPU time (and eager's).
 
-    python3 benchmarks/probes/probe_moe_host.py [--families gpt_oss,qwen3_moe] [--train] [--profile]
+    python3 benchmarks/probes/probe_moe_host.py [--families gpt_oss,qwen3_moe] [--train [--train-tokens 512]]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -78,10 +80,10 @@ def forward_rows(family: str, profile: bool) -> None:
             print(text.getvalue())
 
 
-def train_row(family: str) -> None:
+def train_row(family: str, tokens: int, profile: bool) -> None:
     module, _, top_k = build(family, "cuda", False)
     fast = fxfuse.optimize(module).train()
-    x, index, weights = routing(16, len(module.gate_up_proj), top_k, module.config.hidden_size, "cuda", 0)
+    x, index, weights = routing(tokens, len(module.gate_up_proj), top_k, module.config.hidden_size, "cuda", 0)
     x.requires_grad_()
     weights.requires_grad_()
     dout = torch.randn_like(x)
@@ -90,12 +92,41 @@ def train_row(family: str) -> None:
     def step():
         return torch.autograd.grad(fast(x, index, weights), inputs, dout)
 
+    def eager_step():
+        return torch.autograd.grad(module(x, index, weights), inputs, dout)
+
+    step()
     times = {"lean": [], "Triton's launch path": []}
     for _ in range(3):
         for name, launcher in (("lean", LEAN), ("Triton's launch path", triton_path)):
             times[name].append(wall_us(launching(launcher, step), calls=20))
-    print(f"{family} T=16 training step wall us/call: "
+    print(f"{family} T={tokens} training step wall us/call: "
           + ", ".join(f"{name} {[round(t) for t in ts]}" for name, ts in times.items()), flush=True)
+    if not profile:
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, fn in (("fxfuse", step), ("eager", eager_step)):
+        fn()
+        print(f"{family} T={tokens} {name} step: wall {wall_us(fn, calls=20):.0f} us, host (no sync inside) "
+              f"{host_us(fn, calls=5, loops=5):.0f} us", flush=True)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        gpu = sum(e.device_time_total for e in prof.key_averages()) / 10
+        print(f"   its kernels: {gpu:.0f} us of GPU time per step", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumtime"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+        print(text.getvalue()[-9000:], flush=True)
 
 
 def main() -> None:
@@ -103,10 +134,11 @@ def main() -> None:
     ap.add_argument("--families", default="gpt_oss,qwen3_moe")
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--train-tokens", type=int, default=16, help="tokens of --train's step")
     args = ap.parse_args()
     for i, family in enumerate(args.families.split(",")):
         if args.train:
-            train_row(family)
+            train_row(family, args.train_tokens, args.profile)
         else:
             forward_rows(family, args.profile and i == 0)
         torch.cuda.empty_cache()
