@@ -6,7 +6,9 @@ token count, in ONE process on the GPU: the experts module as transformers runs 
 (``triton.testing.do_bench`` medians, L2 flushed; median over the rounds), each checked against a float64 copy
 (transformers' loop over experts) on the same routing. Decode counts (≤ 16 tokens) also get the wall time of 200
 back-to-back calls and the GPU time replayed from a CUDA graph (no host time). ``--train``: a training step instead
-(forward and the gradients of the input, the routing weights and every parameter), with each variant's peak memory.
+(forward and the gradients of the input, the routing weights and every parameter), with each variant's peak memory
+and the wall time of 20 steps back to back (as a training loop runs them: do_bench's flush before each step drains
+the GPU's queue, so a step's host time ahead of its first kernel counts there).
 
 Floor = max(FLOPs / matmul rate, bytes / copy bandwidth), the two ceilings measured in the same run: FLOPs = 2 x the
 routed pairs x (H x 2I + I x H) (x3 for a training step); bytes = the input and output once, the routing, and the
@@ -190,6 +192,10 @@ def run_point(family: str, variants: dict, module, reference, tokens: int, top_k
             row["us"][name] = statistics.median(row["rounds"][name])
             if args.train:
                 row["peak_mib"][name] = peak_mib(fns[name], timer.sync)
+                # steps back to back, as a training loop runs them (do_bench's flush before each step drains the
+                # queue: a step whose host time runs ahead of its GPU time is charged its launch latency there)
+                loops = {"calls": 1, "loops": 1} if timer.cpu else {"calls": 20, "loops": 3}  # (cpu: the path only)
+                row["wall"][name] = timer.wall_us(fns[name], **loops)["median"]
             elif tokens <= DECODE_TOKENS:
                 loops = {"calls": 2, "loops": 1} if timer.cpu else {}  # (the interpreter: the code path only)
                 row["wall"][name] = timer.wall_us(fns[name], **loops)["median"]
@@ -244,7 +250,8 @@ def markdown(rows: list[dict], env: dict, ceil: dict, args) -> str:
              "grouped_mm's µs as that call timed them). rel err: the worst "
              f"{'gradient' if args.train else 'output'} against float64 (tolerance "
              f"{TOL['train' if args.train else 'forward']}).", ""]
-    extra = " | peak MiB (eager / compile / fxfuse)" if args.train else \
+    extra = " | wall µs/step, back to back (eager / compile / fxfuse) | peak MiB (eager / compile / fxfuse)" \
+        if args.train else \
         " | wall µs/call (eager / compile / fxfuse) | CUDA-graph replay µs (eager / compile / fxfuse)"
     lines.append("| experts | tokens | GFLOP | min MB | floor µs | bound | eager | compile | fxfuse | fxfuse/floor | "
                  "vs eager | vs compile | fxfuse runs | rel err (eager / compile / fxfuse) | first call s "
@@ -259,7 +266,7 @@ def markdown(rows: list[dict], env: dict, ceil: dict, args) -> str:
         errs = " / ".join(f"{row['err'][n]:.1e}" if n in row["err"] else "—" for n in VARIANTS)
         first = " / ".join(fmt(row["first_s"].get(n), 2) for n in ("compile", "fxfuse"))
         if args.train:
-            more = trio(row["peak_mib"], 0)
+            more = f"{trio(row['wall'])} | {trio(row['peak_mib'], 0)}"
         elif row["wall"]:
             more = f"{trio(row['wall'])} | {trio(row['graph'])}"
         else:

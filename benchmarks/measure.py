@@ -51,7 +51,7 @@ class Timer:
         """Wall µs per call of ``calls`` back-to-back calls (synchronized before and after); median of loops."""
         if self.cpu:  # --cpu-smoke exercises the code path only (a CPU llama GEMV takes ~20 ms a call)
             calls = min(calls, 20)
-        for _ in range(10):
+        for _ in range(min(10, calls)):
             fn()
         self.sync()
         vals = []

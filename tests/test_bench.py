@@ -326,6 +326,14 @@ def test_moe_bench_runs_on_cpu(tmp_path):
     table = [line for line in (tmp_path / "moe.md").read_text().splitlines() if line.startswith("| mixtral")
              or line.startswith("| gpt_oss")]
     assert len(table) == 4
+    # --train: a training step's gradients against float64, its do_bench time, its steps back to back and its peak
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_moe.py"), "--cpu-smoke", "--no-compile",
+                          "--train", "--families", "mixtral", "--tokens", "5", "--rounds", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    [row] = json.loads((tmp_path / "moe_train.json").read_text())["rows"]
+    assert max(row["err"].values()) < 1e-4 and set(row["wall"]) == set(row["us"]) == {"eager", "fxfuse"}
+    assert all(isinstance(v, float) and v > 0 for v in row["wall"].values())
 
 
 def test_sweep_bench_runs_on_cpu(tmp_path):
