@@ -996,7 +996,7 @@ def test_the_weight_gradient_sums_any_rows_a_step_in_any_tile_order(monkeypatch,
         arg_names = kernel.arg_names  # (what the lean launcher reads of a kernel)
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: kernel.fn[grid(config)](*args, **kwargs, **config)
+            return lambda *args, **kwargs: kernel.fn[grid(config)](*args, **{**kwargs, **config})  # (its GROUP_N)
 
     monkeypatch.setattr(moe_backward_launch, "moe_weight_grad_kernel", Fixed())
     torch.manual_seed(10)
@@ -1295,6 +1295,37 @@ def test_gpu_every_moe_config_gives_the_gradients(family, dtype, monkeypatch):
     # (each config of each kernel compiles here, one at a time: the tensor-core tiles with gpt-oss's biases,
     # interleaved gate/up and clamp; exact fp32's small tiles with Mixtral's layout)
     check_every_config(family, dtype, "cuda", monkeypatch)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_every_moe_launch_names_each_argument_the_lean_launcher_needs(family, monkeypatch):
+    # The lean launcher records a launch only when it names every kernel argument its config does not set: one left
+    # to its default sends every launch of that call site through Triton's Python path, with nothing failing (the
+    # weight-gradient kernel's GROUP_N did, until session 36). A training step's forward and backward, biases
+    # included, the TMA down kernel too.
+    from fxfuse.kernels import fastlaunch
+
+    launched, unnamed = set(), []
+    original = fastlaunch.LeanLauncher.launch
+
+    def checked(self, grid, args):
+        configured = set().union(*(c.kwargs for c in getattr(self.kernel, "configs", [])))
+        kernel = self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__
+        launched.add(kernel)
+        unnamed.extend((kernel, name) for name in self.arg_names if name not in args and name not in configured)
+        return original(self, grid, args)
+
+    monkeypatch.setattr(fastlaunch.LeanLauncher, "launch", checked)
+    torch.manual_seed(0)
+    module = experts("silu", torch.float32, "cpu") if family == "mixtral" else biased_experts(family, torch.float32,
+                                                                                             "cpu")
+    x = torch.randn(9, 32, requires_grad=True)
+    index, weights = local_routing(9, 2, 4, "cpu", torch.float32)
+    kernels_forward(module, x, index, weights.requires_grad_()).square().sum().backward()
+    assert {"moe_gate_up_kernel", "moe_down_tma_kernel", "moe_down_backward_kernel", "moe_gate_backward_kernel",
+            "moe_weight_grad_kernel"} <= launched
+    assert not unnamed
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")

@@ -258,30 +258,28 @@ def point(name: str, tokens: int, quick: bool, device: str, library_only: bool =
         tiles_gu, tiles_down = [(16, 16, 4, 1)], [(16, 16, 4, 1)]
     for variant in ("ptr", "tma"):
         for group in (0, 8):
-            for bn, bk, warps, stages in tiles_gu:
+            for tile in tiles_gu:
                 h = torch.zeros_like(h_ref)
-                call = gate_up_call(x, w1, h, layout, top_k, variant, group, bn, bk, warps, stages)
-                try:
-                    call()
-                    err = ((h.float() - h_ref.float()).norm() / h_ref.float().norm()).item()
-                    t = us(call) if device == "cuda" else float("nan")
-                    print(f"   gate/up {variant} G{group} {bn}x{bk} w{warps} s{stages}  {t:8.1f} us "
-                          f"{gflop_gu / t * 1e3:5.0f} TFLOP/s  err {err:.1e}", flush=True)
-                except Exception as exc:  # a config that does not compile (shared memory)
-                    print(f"   gate/up {variant} G{group} {bn}x{bk} w{warps} s{stages}  failed: "
-                          f"{type(exc).__name__}: {str(exc)[:100]}", flush=True)
-            for bn, bk, warps, stages in tiles_down:
+                one_variant(f"gate/up {variant} G{group}", tile, h, h_ref, gflop_gu, device,
+                            gate_up_call(x, w1, h, layout, top_k, variant, group, *tile))
+            for tile in tiles_down:
                 out = torch.zeros_like(out_ref)
-                call = down_call(h_ref, w2, out, layout, routing, variant, group, bn, bk, warps, stages)
-                try:
-                    call()
-                    err = ((out.float() - out_ref.float()).norm() / out_ref.float().norm()).item()
-                    t = us(call) if device == "cuda" else float("nan")
-                    print(f"   down    {variant} G{group} {bn}x{bk} w{warps} s{stages}  {t:8.1f} us "
-                          f"{gflop_down / t * 1e3:5.0f} TFLOP/s  err {err:.1e}", flush=True)
-                except Exception as exc:
-                    print(f"   down    {variant} G{group} {bn}x{bk} w{warps} s{stages}  failed: "
-                          f"{type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                one_variant(f"down    {variant} G{group}", tile, out, out_ref, gflop_down, device,
+                            down_call(h_ref, w2, out, layout, routing, variant, group, *tile))
+
+
+def one_variant(name: str, tile: tuple, got: torch.Tensor, want: torch.Tensor, gflop: float, device: str,
+                call) -> None:
+    """Run ``call`` (it writes ``got``), its error against ``want``, its time; a config that fails says so."""
+    bn, bk, warps, stages = tile
+    label = f"   {name} {bn}x{bk} w{warps} s{stages}"
+    try:
+        call()
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        t = us(call) if device == "cuda" else float("nan")
+        print(f"{label}  {t:8.1f} us {gflop / t * 1e3:5.0f} TFLOP/s  err {err:.1e}", flush=True)
+    except Exception as exc:  # a config that does not compile (shared memory)
+        print(f"{label}  failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
 
 
 def main() -> None:

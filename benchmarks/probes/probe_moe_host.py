@@ -37,6 +37,14 @@ def triton_path(kernel, grid, args, varying=()):
     kernel[grid](**args)
 
 
+def without_group_n(kernel, grid, args, varying=()):
+    """The lean launch, but the weight-gradient kernel's GROUP_N left to its default as before session 36 (which
+    kept every such launch on Triton's path)."""
+    if "GROUP_N" in args:
+        args = {k: v for k, v in args.items() if k != "GROUP_N"}
+    LEAN(kernel, grid, args, varying)
+
+
 def launching(launcher, fn):
     """``fn`` with every MoE launch through ``launcher``."""
     def run():
@@ -96,10 +104,16 @@ def train_row(family: str, tokens: int, profile: bool) -> None:
         return torch.autograd.grad(module(x, index, weights), inputs, dout)
 
     step()
-    times = {"lean": [], "Triton's launch path": []}
+    launchers = {"lean": LEAN, "lean, weight gradients on Triton's path": without_group_n,
+                 "Triton's launch path": triton_path}
+    times = {name: [] for name in launchers}
+    hosts = {name: [] for name in launchers}
     for _ in range(3):
-        for name, launcher in (("lean", LEAN), ("Triton's launch path", triton_path)):
+        for name, launcher in launchers.items():
             times[name].append(wall_us(launching(launcher, step), calls=20))
+            hosts[name].append(host_us(launching(launcher, step), calls=5, loops=5))
+    print(f"{family} T={tokens} training step host us/call (no sync inside): "
+          + ", ".join(f"{name} {[round(t) for t in ts]}" for name, ts in hosts.items()), flush=True)
     print(f"{family} T={tokens} training step wall us/call: "
           + ", ".join(f"{name} {[round(t) for t in ts]}" for name, ts in times.items()), flush=True)
     if not profile:

@@ -366,7 +366,10 @@ class LeanLauncher:
             meta = {}
         order = self.arg_names
         if any(n not in args and n not in meta for n in order):
-            return  # an argument with a default we did not pass: let Triton bind it
+            # an argument with a default we did not pass: let Triton bind it (every launch of this call site)
+            logger.debug("fxfuse: no lean launch for %s: %s not passed", getattr(self.kernel, "fn", self.kernel),
+                         [n for n in order if n not in args and n not in meta])
+            return
         tensor_name = next((n for n, v in args.items() if isinstance(v, torch.Tensor)), None)
         if tensor_name is None:
             return  # nothing says which device's stream to launch on

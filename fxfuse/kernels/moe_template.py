@@ -35,7 +35,7 @@ from .tuning import autotune
 
 __all__ = ["ACTIVATIONS", "WEIGHT_GRAD_SMALL_TILES", "WEIGHT_GRAD_TENSOR_CORE_TILES", "moe_configs",
            "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel", "moe_place_kernel", "moe_route_kernel",
-           "prune_moe_configs"]
+           "prune_moe_configs", "store_pair_rows"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names, and gpt-oss's clamped
 # SwiGLU, ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
@@ -337,19 +337,29 @@ def moe_down_kernel(
     valid = pairs >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    safe = tl.where(valid, pairs, 0).to(tl.int64)
     if expert == -2:  # ELSEWHERE_BLOCK: pairs routed to no expert here add nothing to their token
-        tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :],
-                 tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        store_pair_rows(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), expert, pairs, valid, offs_n, n_mask, b_ptr,
+                        stride_be, routing_ptr, out_ptr, stride_om, False, False)
         return
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = _rows_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, offs_m, stride_hm, valid, w_base, offs_n,
                     n_mask, stride_wn, stride_wk, K, INPUT_PRECISION, BLOCK_K)
+    store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
+                    HAS_BIAS, True)
+
+
+@triton.jit
+def store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
+                    HAS_BIAS: tl.constexpr, SCALE: tl.constexpr):
+    """The down kernels' epilogue: each valid row of the fp32 ``acc`` ``[rows, columns offs_n]`` plus its expert's
+    bias (HAS_BIAS), times its pair's routing weight (SCALE; off for the zero rows of pairs held elsewhere, whose
+    weights are not read), cast once and stored at its pair's row of ``out``."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
-    out = acc * scale[:, None]
-    tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+    if SCALE:
+        acc = acc * tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)[:, None]
+    safe = tl.where(valid, pairs, 0).to(tl.int64)
+    tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
 

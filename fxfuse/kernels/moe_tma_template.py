@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .moe_template import store_pair_rows
 from .template import autotune_enabled, interpreting
 from .tuning import autotune
 
@@ -127,13 +128,11 @@ def moe_down_tma_kernel(
     valid = pairs >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    safe = tl.where(valid, pairs, 0).to(tl.int64)
-    out_rows = out_ptr + safe[:, None] * stride_om + offs_n[None, :]
-    out_mask = valid[:, None] & n_mask[None, :]
-    if expert == -2:  # ELSEWHERE_BLOCK: pairs routed to no expert here add nothing to their token
-        tl.store(out_rows, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=out_mask)
-        return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if expert == -2:  # ELSEWHERE_BLOCK: pairs routed to no expert here add nothing to their token
+        store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
+                        False, False)
+        return
     for k0 in range(0, K, BLOCK_K):
         a = h_desc.load([block * BLOCK_M, k0])
         if W_KN:
@@ -142,7 +141,5 @@ def moe_down_tma_kernel(
         else:
             w = w_desc.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
             acc = tl.dot(a, w.T, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    scale = tl.load(routing_ptr + tl.where(valid, pairs, 0), mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_rows, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
+                    HAS_BIAS, True)

@@ -295,8 +295,5 @@ def _lean_launcher(kernel, varying: tuple = ("M",)) -> _TmaLeanLauncher:
 def launch_with_descriptors(kernel, grid, args: dict, varying: tuple = ()) -> None:
     """:func:`fxfuse.kernels.fastlaunch.launch` for a kernel that takes host TMA descriptors (its configs' pre-hooks
     only set the descriptors' block shapes): Triton's path on a GPU's first launch of a signature, then the lean
-    one; Triton's path in the interpreter."""
-    if interpreting():
-        kernel[grid](**args)
-    else:
-        _lean_launcher(kernel, varying).launch(grid, args)
+    one (the interpreter always takes Triton's: it records nothing there)."""
+    _lean_launcher(kernel, varying).launch(grid, args)
