@@ -170,6 +170,25 @@ def test_moe_matches_mixtral_experts_in_the_interpreter(act, dtype):
             assert rel_err(run_moe(x, index, weights, module.gate_up_proj, module.down_proj, act), ref) < TOL[dtype]
 
 
+def test_the_down_projection_takes_tma_for_16_bit_blocks_of_64_rows_or_more(monkeypatch):
+    # On a GPU: 16-bit operands of one dtype, TMA-describable, 64+ rows per block (where it measured faster); fp32,
+    # decode-size blocks, a wider gradient than the weights or a misaligned row stride keep the pointer kernel.
+    monkeypatch.setattr(moe_launch, "tma_supported", lambda device: True)
+    monkeypatch.setattr(moe_launch, "interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    a, w = torch.empty(256, 96, dtype=bf16), torch.empty(4, 64, 96, dtype=bf16)
+    down_by_tma = moe_launch.down_by_tma
+    assert down_by_tma(a, w, 64) and down_by_tma(a, w, 128)
+    assert down_by_tma(a, torch.empty(4, 96, 64, dtype=bf16).transpose(1, 2), 128)  # [E, K, N] in memory
+    assert not down_by_tma(a, w, 32)
+    assert not down_by_tma(a.float(), w.float(), 128)
+    assert not down_by_tma(a.float(), w, 128)
+    assert not down_by_tma(torch.empty(256, 100, dtype=bf16)[:, :96], w, 128)  # 200-byte rows: not 16-byte aligned
+    assert not down_by_tma(a, torch.empty(4, 96, 64, 2, dtype=bf16)[..., 0].transpose(1, 2), 128)  # no dim contiguous
+    monkeypatch.setattr(moe_launch, "tma_supported", lambda device: False)  # (no Hopper, no host descriptors)
+    assert not down_by_tma(a, w, 128)
+
+
 def test_no_tokens_give_no_rows():
     module = experts("silu", torch.float32, "cpu")
     index, weights = routing(1, 2, 4, "cpu", torch.float32)
