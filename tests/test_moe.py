@@ -185,6 +185,7 @@ def test_the_down_projection_takes_tma_for_16_bit_blocks_of_64_rows_or_more(monk
     assert not down_by_tma(a.float(), w, 128)
     assert not down_by_tma(torch.empty(256, 100, dtype=bf16)[:, :96], w, 128)  # 200-byte rows: not 16-byte aligned
     assert not down_by_tma(a, torch.empty(4, 96, 64, 2, dtype=bf16)[..., 0].transpose(1, 2), 128)  # no dim contiguous
+    assert not down_by_tma(a, torch.empty(64, 96, 1, dtype=bf16).permute(2, 0, 1), 128)  # one expert, stride 1
     monkeypatch.setattr(moe_launch, "tma_supported", lambda device: False)  # (no Hopper, no host descriptors)
     assert not down_by_tma(a, w, 128)
 

@@ -273,7 +273,7 @@ def launch_down(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
             w_desc=TensorDescriptor(memory, list(memory.shape), list(memory.stride()), [1, 16, 16]),
             out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, routing_ptr=routing, K=K, N=N,
             blocks=blocks, stride_om=out.stride(0), W_KN=w_kn, DTYPE=str(a.dtype).removeprefix("torch."),
-            BLOCK_M=bm, **bias_args), ("blocks",))
+            INPUT_PRECISION=precision, BLOCK_M=bm, **bias_args), ("blocks",))
         return
     launch(moe_down_kernel, lambda meta: (blocks, cdiv(N, meta["BLOCK_N"])), dict(
         h_ptr=a, w_ptr=w, out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert,
@@ -292,7 +292,8 @@ def down_by_tma(a: torch.Tensor, w: torch.Tensor, block_m: int) -> bool:
     elem = a.element_size()
     if not interpreting() and (elem != 2 or block_m < 64):
         return False
-    strides = [a.stride(0)] + [s for s in w.stride() if s != 1]
+    # every stride the descriptors keep but the contiguous one, by position (a size-1 dim may have stride 1)
+    strides = [a.stride(0), w.stride(0), w.stride(2) if w.stride(2) != 1 else w.stride(1)]
     return (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in strides))
 
 

@@ -70,7 +70,7 @@ def _prune(configs, named_args, **kwargs):
     return kept if autotune_enabled() else kept[:1]
 
 
-@autotune(configs=moe_tma_configs(), key=["K", "N", "BLOCK_M", "W_KN", "DTYPE"],
+@autotune(configs=moe_tma_configs(), key=["K", "N", "BLOCK_M", "W_KN", "DTYPE", "INPUT_PRECISION"],
           prune_configs_by=None if interpreting() else {"early_config_prune": _prune})
 @triton.jit
 def moe_down_tma_kernel(
@@ -89,6 +89,7 @@ def moe_down_tma_kernel(
     HAS_BIAS: tl.constexpr,
     W_KN: tl.constexpr,
     DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,6 +111,7 @@ def moe_down_tma_kernel(
     K, N:             the reduced size (intermediate size; dx: 2 x it) and the output columns (hidden size).
     blocks:           the layout's blocks; the grid is ``blocks * cdiv(N, BLOCK_N)`` programs.
     DTYPE:            the operands' dtype name: only an autotuning key (descriptors carry none Triton keys on).
+    INPUT_PRECISION:  ``tl.dot`` precision ("ieee" for exact fp32, "tf32"; 16-bit operands ignore it).
     BLOCK_M:          rows per block (the layout's); BLOCK_N, BLOCK_K: tuned; GROUP_M: blocks whose column tiles
                       are walked together (their A rows stay in L2 while the weights' tiles pass).
     """
@@ -137,9 +139,9 @@ def moe_down_tma_kernel(
         a = h_desc.load([block * BLOCK_M, k0])
         if W_KN:
             w = w_desc.load([expert, k0, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
         else:
             w = w_desc.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, w.T, acc)
+            acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
     store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
                     HAS_BIAS, True)
