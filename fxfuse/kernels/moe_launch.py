@@ -36,7 +36,7 @@ from .moe_template import (
 )
 from .moe_tma_template import moe_down_tma_kernel
 from .template import cdiv, interpreting, next_pow2
-from .tma_launch import _tensor_descriptor, launch_with_descriptors, tma_supported
+from .tma_launch import _TMA_ALIGN, _describable, _tensor_descriptor, launch_with_descriptors, tma_supported
 
 __all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "down_by_tma",
            "launch_down", "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
@@ -286,15 +286,15 @@ def down_by_tma(a: torch.Tensor, w: torch.Tensor, block_m: int) -> bool:
     ``a`` and ``w`` of one dtype, TMA-describable (last dim contiguous, 16-byte aligned base and strides), and on
     a GPU 16-bit operands at 64 or more rows per block (where it was measured faster; decode-size blocks keep the
     pointer kernel's tuned tiles, fp32 its exact-precision ones)."""
-    if not tma_supported(a.device) or a.dtype != w.dtype or a.stride(1) != 1 or not (
+    if not tma_supported(a.device) or a.dtype != w.dtype or not _describable(a) or not (
             w.stride(2) == 1 or w.stride(1) == 1):
         return False
     elem = a.element_size()
     if not interpreting() and (elem != 2 or block_m < 64):
         return False
-    # every stride the descriptors keep but the contiguous one, by position (a size-1 dim may have stride 1)
-    strides = [a.stride(0), w.stride(0), w.stride(2) if w.stride(2) != 1 else w.stride(1)]
-    return (a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in strides))
+    # the weight's strides but the contiguous one, by position (a size-1 dim may have stride 1)
+    strides = (w.stride(0), w.stride(2) if w.stride(2) != 1 else w.stride(1))
+    return w.data_ptr() % _TMA_ALIGN == 0 and all(s * elem % _TMA_ALIGN == 0 for s in strides)
 
 
 def _finite(limit: float) -> float:
