@@ -4,7 +4,8 @@ For each family (``benchmarks/bench_moe.py``'s shapes), at one token: wall and h
 (transformers' grouped_mm), the optimized module's installed forward and ``run_moe`` alone, each also with every MoE
 launch through ``kernel[grid](**args)`` (the launcher swapped out); ``--train``: the wall µs of a training step at 16
 tokens (``--train-tokens``) both ways, in interleaved rounds; ``--profile``: a cProfile of the installed forward (the
-first family), with ``--train`` of the training step beside its wall, host and GPU time (and eager's).
+first family), with ``--train`` of the training step beside its wall, host and GPU time (and eager's), and the
+torch ops' host time (torch.profiler, CPU).
 
     python3 benchmarks/probes/probe_moe_host.py [--families gpt_oss,qwen3_moe] [--train [--train-tokens 512]]
         [--profile]
@@ -131,6 +132,12 @@ def train_row(family: str, tokens: int, profile: bool) -> None:
             torch.cuda.synchronize()
         gpu = sum(e.device_time_total for e in prof.key_averages()) / 10
         print(f"   its kernels: {gpu:.0f} us of GPU time per step", flush=True)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:  # where the fxfuse step's host time goes
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+          flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
