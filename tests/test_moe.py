@@ -980,8 +980,8 @@ def test_the_gradients_survive_the_autotuner_running_every_config(monkeypatch):
     # As Triton's autotuner on a GPU: every config of the backward's GEMMs runs on the real buffers, then the chosen
     # one again; nothing a config leaves behind may stay in the gradients.
     configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}), triton.Config({"BLOCK_N": 32, "BLOCK_K": 16})]
-    sums = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16}),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "BLOCK_R": 32})]
+    sums = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16, "K_TILES": 1}),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "BLOCK_R": 32, "K_TILES": 2})]
 
     class EveryConfig:
         def __init__(self, kernel, configs):
@@ -1004,19 +1004,22 @@ def test_the_gradients_survive_the_autotuner_running_every_config(monkeypatch):
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("rows_per_step", [8, 64])
-def test_the_weight_gradient_sums_any_rows_a_step_in_any_tile_order(monkeypatch, family, rows_per_step):
+@pytest.mark.parametrize("k_tiles", [1, 3])
+def test_the_weight_gradient_sums_any_rows_a_step_over_any_tiles_a_program(monkeypatch, family, rows_per_step,
+                                                                            k_tiles):
     from fxfuse.kernels import moe_backward_launch
 
     # The layout's blocks are 16 rows here: 8 rows a step splits them, 64 runs past an expert's last block (masked).
-    # Groups of 3 output row tiles leave a partial group at the end of each expert's tiles.
+    # Three column tiles a program leave a partial group at the end of each row tile (hidden 32: 2 tiles of 16,
+    # intermediate 64: 4), and one loop then walks (column tile, row step) with several steps a tile.
     kernel = moe_backward_launch.moe_weight_grad_kernel
-    config = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": rows_per_step, "GROUP_N": 3}
+    config = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": rows_per_step, "K_TILES": k_tiles}
 
     class Fixed:
         arg_names = kernel.arg_names  # (what the lean launcher reads of a kernel)
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: kernel.fn[grid(config)](*args, **{**kwargs, **config})  # (its GROUP_N)
+            return lambda *args, **kwargs: kernel.fn[grid(config)](*args, **kwargs, **config)
 
     monkeypatch.setattr(moe_backward_launch, "moe_weight_grad_kernel", Fixed())
     torch.manual_seed(10)
@@ -1236,7 +1239,7 @@ def test_the_weight_gradient_tunes_over_its_own_tiles_by_precision(monkeypatch):
     prune = moe_template.prune_moe_configs(weight_grad=True)["early_config_prune"]
     tile = moe_template._tile
     bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
-    assert all(set(c.kwargs) == {"BLOCK_N", "BLOCK_K", "BLOCK_R"} for c in configs)
+    assert all(set(c.kwargs) == {"BLOCK_N", "BLOCK_K", "BLOCK_R", "K_TILES"} for c in configs)
     exact = {tile(c) for c in prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="ieee")}
     half = {tile(c) for c in prune(configs, {"a_ptr": bf16}, INPUT_PRECISION="tf32")}
     assert exact == set(moe_template.WEIGHT_GRAD_SMALL_TILES)
@@ -1244,7 +1247,7 @@ def test_the_weight_gradient_tunes_over_its_own_tiles_by_precision(monkeypatch):
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")  # one config: the first listed that fits shared memory
     for activations in (bf16, fp32):
         [one] = prune(configs, {"a_ptr": activations}, INPUT_PRECISION="tf32", BLOCK_M=128)
-        assert one is configs[0]  # (two stages of 64 rows: 64 KB in bf16, 128 KB in fp32)
+        assert one is configs[0]  # (three stages of 32 rows: 48 KB in bf16, 96 KB in fp32)
         assert moe_template._pipelined_bytes(one, 128, activations.element_size()) <= (
             moe_template._SHARED_MEMORY_BUDGET)
 
@@ -1322,8 +1325,8 @@ def test_gpu_every_moe_config_gives_the_gradients(family, dtype, monkeypatch):
 def test_every_moe_launch_names_each_argument_the_lean_launcher_needs(family, monkeypatch):
     # The lean launcher records a launch only when it names every kernel argument its config does not set: one left
     # to its default sends every launch of that call site through Triton's Python path, with nothing failing (the
-    # weight-gradient kernel's GROUP_N did, until session 36). A training step's forward and backward, biases
-    # included, the TMA down kernel too.
+    # weight-gradient kernel's GROUP_N, a default since removed, did until session 36). A training step's forward
+    # and backward, biases included, the TMA down kernel too.
     from fxfuse.kernels import fastlaunch
 
     launched, unnamed = set(), []

@@ -24,10 +24,9 @@ from fxfuse.moe import experts_form  # noqa: E402
 
 DOWN_BACKWARD = [(128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
                  (256, 64, 8, 4), (256, 128, 8, 3), (128, 256, 8, 3), (256, 32, 8, 4)]
-WEIGHT_GRAD = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 2), (128, 128, 32, 8, 4),
-               (128, 128, 32, 8, 3), (128, 128, 64, 4, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3),
-               (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (256, 128, 32, 8, 4), (64, 128, 64, 4, 4),
-               (128, 64, 64, 4, 4), (128, 128, 128, 8, 3)]
+# (BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, warps, stages)
+WEIGHT_GRAD = [(128, 128, 32, 8, 8, 3), (128, 128, 64, 4, 8, 3), (128, 128, 64, 1, 8, 2), (128, 128, 64, 1, 8, 4),
+               (128, 256, 64, 2, 8, 3), (256, 128, 64, 2, 8, 3), (128, 128, 128, 1, 8, 3), (64, 128, 64, 4, 4, 4)]
 
 
 class Recorder:
@@ -101,10 +100,8 @@ def main() -> None:
             if K == 1:
                 continue  # (a bias's sum)
             flops = 2 * args.tokens * top_k * N * K
-            candidates = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br}, num_warps=w, num_stages=s)
-                          for bn, bk, br, w, s in WEIGHT_GRAD]
-            candidates += [triton.Config({"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_R": 64, "GROUP_N": g},
-                                         num_warps=8, num_stages=4) for g in (1, 4, 16)]
+            candidates = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "K_TILES": kt}, num_warps=w,
+                                        num_stages=s) for bn, bk, br, kt, w, s in WEIGHT_GRAD]
             what = f"N={N} K={K} A_BY_TOKEN={named['A_BY_TOKEN']} B_BY_TOKEN={named['B_BY_TOKEN']}"
         print(f"  {name} {what} BLOCK_M={kwargs['BLOCK_M']} ({flops / 1e12:.2f} TFLOP)")
         for config in candidates:

@@ -38,14 +38,6 @@ def triton_path(kernel, grid, args, varying=()):
     kernel[grid](**args)
 
 
-def without_group_n(kernel, grid, args, varying=()):
-    """The lean launch, but the weight-gradient kernel's GROUP_N left to its default as before session 36 (which
-    kept every such launch on Triton's path)."""
-    if "GROUP_N" in args:
-        args = {k: v for k, v in args.items() if k != "GROUP_N"}
-    LEAN(kernel, grid, args, varying)
-
-
 def launching(launcher, fn):
     """``fn`` with every MoE launch through ``launcher``."""
     def run():
@@ -105,8 +97,7 @@ def train_row(family: str, tokens: int, profile: bool) -> None:
         return torch.autograd.grad(module(x, index, weights), inputs, dout)
 
     step()
-    launchers = {"lean": LEAN, "lean, weight gradients on Triton's path": without_group_n,
-                 "Triton's launch path": triton_path}
+    launchers = {"lean": LEAN, "Triton's launch path": triton_path}
     times = {name: [] for name in launchers}
     hosts = {name: [] for name in launchers}
     for _ in range(3):

@@ -29,10 +29,6 @@ __all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
 _GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
-# The weight-gradient kernel's tile grouping, its default, passed by name: the lean launcher records only a launch
-# that names every argument (with GROUP_N left to its default, every weight-gradient launch took Triton's Python
-# path, the autotuner's key and the JIT binder: two to four launches a training step, tens of µs of host each).
-_GROUP_N = 8
 
 
 def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
@@ -100,11 +96,12 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         """``out[e] = sum over e's rows of A[row]^T B[row]`` (``scale_a``: A's rows times their routing weights),
         ``out`` an ``[E, N, K]`` view (K may be 1: a bias's sum against ones)."""
         n, k = out.shape[1], out.shape[2]
-        launch(moe_weight_grad_kernel, lambda meta: (E * cdiv(n, meta["BLOCK_N"]) * cdiv(k, meta["BLOCK_K"]),), dict(
+        launch(moe_weight_grad_kernel, lambda meta: (
+            E * cdiv(n, meta["BLOCK_N"]) * cdiv(cdiv(k, meta["BLOCK_K"]), meta["K_TILES"]),), dict(
             a_ptr=a, b_ptr=b, routing_ptr=routing, out_ptr=out, rows_ptr=layout.rows, seg_ptr=segments, N=n, K=k,
             TOP_K=top_k, stride_am=a.stride(0), stride_bm=b.stride(0), stride_oe=out.stride(0),
             stride_on=out.stride(1), stride_ok=out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token,
-            SCALE_A=scale_a, INPUT_PRECISION=precision, BLOCK_M=bm, GROUP_N=_GROUP_N), ())
+            SCALE_A=scale_a, INPUT_PRECISION=precision, BLOCK_M=bm), ())
 
     segments = _segments(layout, E) if any(needs[2:]) else None
     ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[4] or needs[5] else None

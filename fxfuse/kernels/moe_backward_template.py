@@ -216,7 +216,7 @@ def moe_weight_grad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    GROUP_N: tl.constexpr = 8,
+    K_TILES: tl.constexpr,
 ):
     """``out[e, n, k] = sum over the rows r of expert e of A[r, n] * B[r, k]``, every element of ``out`` written.
 
@@ -232,28 +232,35 @@ def moe_weight_grad_kernel(
     N, K:             the gradient's two dims; TOP_K: experts per token.
     INPUT_PRECISION:  ``tl.dot`` precision; BLOCK_M: the layout's rows per block; BLOCK_N x BLOCK_K: the output
                       tile, summed BLOCK_R rows a step (any size: the rows past the expert's are masked).
-    GROUP_N:          output row tiles that run together over every column tile (their A columns and the
-                      expert's B stay in L2). The grid is (E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K),), an
-                      expert's tiles consecutive.
+    K_TILES:          output tiles a program writes: one row tile of an expert, K_TILES column tiles, walked as ONE
+                      loop over (column tile, row step) so the pipeliner loads the next tile's rows while this
+                      tile is summed and stored. At few rows an expert (Qwen3-MoE at 512 tokens: ~32) the sums are
+                      short and the kernel is bound by its writes; a tile a program (load, a short sum, store,
+                      exit) wrote 2.1 TB/s there on an H200, eight tiles 2.9 (``out.zero_()``: 3.35;
+                      ``benchmarks/probes/probe_moe_weight_grad.py``). The grid is
+                      ``(E * cdiv(N, BLOCK_N) * cdiv(cdiv(K, BLOCK_K), K_TILES),)``, an expert's programs consecutive
+                      and the row tiles of one column group next to each other (B's columns shared in L2).
     """
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_k = tl.cdiv(K, BLOCK_K)
+    k_groups = tl.cdiv(tiles_k, K_TILES)
     pid = tl.program_id(0)
-    expert = pid // (tiles_n * tiles_k)
-    tile = pid % (tiles_n * tiles_k)
-    group = tile // (GROUP_N * tiles_k)
-    first_n = group * GROUP_N
-    group_size = tl.minimum(tiles_n - first_n, GROUP_N)
-    pid_n = first_n + (tile % (GROUP_N * tiles_k)) % group_size
-    pid_k = (tile % (GROUP_N * tiles_k)) // group_size
+    expert = pid // (tiles_n * k_groups)
+    tile = pid % (tiles_n * k_groups)
+    pid_n = tile % tiles_n
+    first_k = (tile // tiles_n) * K_TILES
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    k_mask = offs_k < K
+    row_start = tl.load(seg_ptr + expert) * BLOCK_M
     row_end = tl.load(seg_ptr + expert + 1) * BLOCK_M
+    steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_R), 1)  # (an expert without rows: one step of zeros)
+    out = out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(tl.load(seg_ptr + expert) * BLOCK_M, row_end, BLOCK_R):
-        offs_m = start + tl.arange(0, BLOCK_R)
+    for i in range(0, tl.minimum(tiles_k - first_k, K_TILES) * steps):
+        step = i % steps
+        offs_k = (first_k + i // steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        offs_m = row_start + step * BLOCK_R + tl.arange(0, BLOCK_R)
         pair = tl.load(rows_ptr + offs_m, mask=offs_m < row_end, other=-1)
         valid = pair >= 0
         safe = tl.where(valid, pair, 0)
@@ -267,5 +274,7 @@ def moe_weight_grad_kernel(
             scale = tl.load(routing_ptr + safe, mask=valid, other=0.0).to(tl.float32)
             a = (a.to(tl.float32) * scale[:, None]).to(bb.dtype)
         acc = tl.dot(tl.trans(a.to(bb.dtype)), bb, acc, input_precision=INPUT_PRECISION)
-    tl.store(out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on + offs_k[None, :] * stride_ok,
-             acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+        if step == steps - 1:  # this column tile's sum is complete
+            tl.store(out + offs_k[None, :] * stride_ok, acc.to(out_ptr.dtype.element_ty),
+                     mask=n_mask[:, None] & k_mask[None, :])
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -57,19 +57,20 @@ _DECODE_ROWS = 16
 _SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take (an H100 has 228 KB per block)
 
 
-# The weight gradient's (BLOCK_N, BLOCK_K, BLOCK_R, warps, stages): an output tile of BLOCK_N x BLOCK_K summed over
-# BLOCK_R rows a step. Its sum runs over an expert's rows only (~T * top_k / E), so each tile's epilogue (a store
-# of the whole tile) comes after few steps: two stages leave room for two programs per SM, one's epilogue beside
-# the other's dots (the fastest for Mixtral's shapes at 4096 tokens on an H100,
-# benchmarks/probes/probe_moe_backward_tiles.py).
-WEIGHT_GRAD_TENSOR_CORE_TILES = ((128, 128, 64, 8, 2), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
-                                 (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
-WEIGHT_GRAD_SMALL_TILES = ((64, 32, 32, 4, 2), (32, 32, 32, 4, 2))
+# The weight gradient's (BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, warps, stages): output tiles of BLOCK_N x BLOCK_K
+# summed over BLOCK_R rows a step, K_TILES of them a program. Each sum runs over an expert's rows only
+# (~T * top_k / E), so at few rows the kernel is bound by writing its output: eight tiles a program summed 32 rows a
+# step wrote Qwen3-MoE's d gate_up at 512 tokens at 2.9 TB/s on an H200 (one tile a program, 64 rows a step: 2.1;
+# out.zero_() 3.35), benchmarks/probes/probe_moe_weight_grad.py. The 64-row steps are for long sums (more rows).
+WEIGHT_GRAD_TENSOR_CORE_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 32, 8, 4, 3), (64, 128, 32, 8, 4, 4),
+                                 (128, 128, 64, 4, 8, 3), (128, 128, 64, 1, 8, 2), (128, 256, 64, 2, 8, 3))
+WEIGHT_GRAD_SMALL_TILES = ((64, 32, 32, 4, 4, 2), (32, 32, 32, 4, 4, 2))
 
 
 def _tile(config: triton.Config) -> tuple[int, ...]:
     return (config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]) + (
-        (config.kwargs["BLOCK_R"],) if "BLOCK_R" in config.kwargs else ()) + (config.num_warps, config.num_stages)
+        (config.kwargs["BLOCK_R"], config.kwargs["K_TILES"]) if "BLOCK_R" in config.kwargs else ()) + (
+        config.num_warps, config.num_stages)
 
 
 def _pipelined_bytes(config: triton.Config, rows: int, elem: int) -> int:
@@ -105,9 +106,10 @@ def moe_configs(weight_grad: bool = False) -> list[triton.Config]:
     """
     if weight_grad:
         if interpreting():
-            return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16}, num_warps=4, num_stages=1)]
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br}, num_warps=w, num_stages=s)
-                for bn, bk, br, w, s in WEIGHT_GRAD_TENSOR_CORE_TILES + WEIGHT_GRAD_SMALL_TILES]
+            return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16, "K_TILES": 2}, num_warps=4,
+                                  num_stages=1)]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "K_TILES": kt}, num_warps=w, num_stages=s)
+                for bn, bk, br, kt, w, s in WEIGHT_GRAD_TENSOR_CORE_TILES + WEIGHT_GRAD_SMALL_TILES]
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
