@@ -980,8 +980,8 @@ def test_the_gradients_survive_the_autotuner_running_every_config(monkeypatch):
     # As Triton's autotuner on a GPU: every config of the backward's GEMMs runs on the real buffers, then the chosen
     # one again; nothing a config leaves behind may stay in the gradients.
     configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}), triton.Config({"BLOCK_N": 32, "BLOCK_K": 16})]
-    sums = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16, "K_TILES": 1}),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "BLOCK_R": 32, "K_TILES": 2})]
+    sums = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16, "K_TILES": 1, "GROUP_N": 1}),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "BLOCK_R": 32, "K_TILES": 2, "GROUP_N": 3})]
 
     class EveryConfig:
         def __init__(self, kernel, configs):
@@ -1011,9 +1011,10 @@ def test_the_weight_gradient_sums_any_rows_a_step_over_any_tiles_a_program(monke
 
     # The layout's blocks are 16 rows here: 8 rows a step splits them, 64 runs past an expert's last block (masked).
     # Three column tiles a program leave a partial group at the end of each row tile (hidden 32: 2 tiles of 16,
-    # intermediate 64: 4), and one loop then walks (column tile, row step) with several steps a tile.
+    # intermediate 64: 4), and one loop then walks (column tile, row step) with several steps a tile. Groups of 3
+    # row tiles leave a partial group at the end of each expert's tiles.
     kernel = moe_backward_launch.moe_weight_grad_kernel
-    config = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": rows_per_step, "K_TILES": k_tiles}
+    config = {"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": rows_per_step, "K_TILES": k_tiles, "GROUP_N": 3}
 
     class Fixed:
         arg_names = kernel.arg_names  # (what the lean launcher reads of a kernel)
@@ -1239,7 +1240,7 @@ def test_the_weight_gradient_tunes_over_its_own_tiles_by_precision(monkeypatch):
     prune = moe_template.prune_moe_configs(weight_grad=True)["early_config_prune"]
     tile = moe_template._tile
     bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
-    assert all(set(c.kwargs) == {"BLOCK_N", "BLOCK_K", "BLOCK_R", "K_TILES"} for c in configs)
+    assert all(set(c.kwargs) == {"BLOCK_N", "BLOCK_K", "BLOCK_R", "K_TILES", "GROUP_N"} for c in configs)
     exact = {tile(c) for c in prune(configs, {"a_ptr": fp32}, INPUT_PRECISION="ieee")}
     half = {tile(c) for c in prune(configs, {"a_ptr": bf16}, INPUT_PRECISION="tf32")}
     assert exact == set(moe_template.WEIGHT_GRAD_SMALL_TILES)

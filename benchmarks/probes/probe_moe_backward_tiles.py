@@ -100,8 +100,8 @@ def main() -> None:
             if K == 1:
                 continue  # (a bias's sum)
             flops = 2 * args.tokens * top_k * N * K
-            candidates = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "K_TILES": kt}, num_warps=w,
-                                        num_stages=s) for bn, bk, br, kt, w, s in WEIGHT_GRAD]
+            candidates = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "K_TILES": kt, "GROUP_N": 8},
+                                        num_warps=w, num_stages=s) for bn, bk, br, kt, w, s in WEIGHT_GRAD]
             what = f"N={N} K={K} A_BY_TOKEN={named['A_BY_TOKEN']} B_BY_TOKEN={named['B_BY_TOKEN']}"
         print(f"  {name} {what} BLOCK_M={kwargs['BLOCK_M']} ({flops / 1e12:.2f} TFLOP)")
         for config in candidates:

@@ -59,12 +59,14 @@ _SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take 
 
 # The weight gradient's (BLOCK_N, BLOCK_K, BLOCK_R, K_TILES, warps, stages): output tiles of BLOCK_N x BLOCK_K
 # summed over BLOCK_R rows a step, K_TILES of them a program. Each sum runs over an expert's rows only
-# (~T * top_k / E), so at few rows the kernel is bound by writing its output: eight tiles a program summed 32 rows a
-# step wrote Qwen3-MoE's d gate_up at 512 tokens at 2.9 TB/s on an H200 (one tile a program, 64 rows a step: 2.1;
-# out.zero_() 3.35), benchmarks/probes/probe_moe_weight_grad.py. The 64-row steps are for long sums (more rows).
-WEIGHT_GRAD_TENSOR_CORE_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 32, 8, 4, 3), (64, 128, 32, 8, 4, 4),
-                                 (128, 128, 64, 4, 8, 3), (128, 128, 64, 1, 8, 2), (128, 256, 64, 2, 8, 3))
+# (~T * top_k / E), so at few rows the kernel is bound by writing its output (benchmarks/probes/
+# probe_moe_weight_grad.py, H200): Qwen3-MoE at 512 tokens (32 rows an expert) ran fastest on 32-row steps, eight
+# tiles a program (d gate_up 275 µs, 2.9 TB/s; one tile a program 410), gpt-oss-20b at 512 (64 rows) on 64-row steps
+# (475); long sums (4096 tokens) on a tile a program, two stages, or four tiles on 4 warps.
+WEIGHT_GRAD_TENSOR_CORE_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 4, 4, 3),
+                                 (128, 128, 64, 1, 8, 2), (64, 128, 32, 8, 4, 4), (128, 128, 64, 2, 8, 4))
 WEIGHT_GRAD_SMALL_TILES = ((64, 32, 32, 4, 4, 2), (32, 32, 32, 4, 4, 2))
+_WEIGHT_GRAD_GROUP_N = 8  # (row tiles walked together; a config constant so that no launch has to name it)
 
 
 def _tile(config: triton.Config) -> tuple[int, ...]:
@@ -106,9 +108,10 @@ def moe_configs(weight_grad: bool = False) -> list[triton.Config]:
     """
     if weight_grad:
         if interpreting():
-            return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16, "K_TILES": 2}, num_warps=4,
-                                  num_stages=1)]
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "K_TILES": kt}, num_warps=w, num_stages=s)
+            return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_R": 16, "K_TILES": 2, "GROUP_N": 2},
+                                  num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "K_TILES": kt,
+                               "GROUP_N": _WEIGHT_GRAD_GROUP_N}, num_warps=w, num_stages=s)
                 for bn, bk, br, kt, w, s in WEIGHT_GRAD_TENSOR_CORE_TILES + WEIGHT_GRAD_SMALL_TILES]
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
