@@ -25,7 +25,7 @@ from .moe_template import ACTIVATIONS
 from .moe_weight_grads import grouped_down_grad, grouped_gate_up_grad, grouped_mm_takes, weight_grads_by
 from .template import cdiv
 
-__all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward", "store_along_rows"]
+__all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
 _GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
@@ -38,23 +38,6 @@ def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
     owner = torch.where(owner >= 0, owner, torch.full_like(owner, num_experts))
     bounds = torch.arange(num_experts + 1, device=owner.device, dtype=owner.dtype)
     return torch.searchsorted(owner, bounds).to(torch.int32)
-
-
-def store_along_rows(out: torch.Tensor, a: torch.Tensor, a_by_token: bool, b: torch.Tensor, b_by_token: bool):
-    """The weight-gradient kernel's operands for ``out[e] = A^T B`` with ``out`` ``[E, N, K]`` laid out as
-    ``[E, K, N]`` in memory (gpt-oss's weights): the transposed sum ``out^T[e] = B^T A`` instead, so that the kernel
-    stores each tile along its contiguous rows. Any other ``out`` as it is.
-
-    Example:
-        >>> out = torch.empty(2, 4, 3).transpose(1, 2)  # [E, N=3, K=4], memory [E, K, N]
-        >>> a, b = torch.empty(5, 3), torch.empty(5, 4)
-        >>> view, first, _, second, _ = store_along_rows(out, a, True, b, False)
-        >>> view.stride(2), first is b, second is a
-        (1, True, True)
-    """
-    if out.stride(2) != 1 and out.stride(1) == 1:
-        return out.transpose(1, 2), b, b_by_token, a, a_by_token
-    return out, a, a_by_token, b, b_by_token
 
 
 def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -112,8 +95,6 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
                     scale_a: bool = False):
         """``out[e] = sum over e's rows of A[row]^T B[row]`` (``scale_a``: A's rows times their routing weights),
         ``out`` an ``[E, N, K]`` view (K may be 1: a bias's sum against ones)."""
-        if not scale_a:
-            out, a, a_by_token, b, b_by_token = store_along_rows(out, a, a_by_token, b, b_by_token)
         n, k = out.shape[1], out.shape[2]
         launch(moe_weight_grad_kernel, lambda meta: (
             E * cdiv(n, meta["BLOCK_N"]) * cdiv(cdiv(k, meta["BLOCK_K"]), meta["K_TILES"]),), dict(
