@@ -258,6 +258,11 @@ def moe_weight_grad_kernel(
     n_mask = offs_n < N
     row_start = tl.load(seg_ptr + expert) * BLOCK_M
     row_end = tl.load(seg_ptr + expert + 1) * BLOCK_M
+    # The expert's padding is at the end of its last block: stop at its last pair, not at the block's end (row steps
+    # shorter than a block then skip the all-padding ones; Qwen3-MoE at 4096 tokens pads ~64 of ~320 rows).
+    last = row_end - BLOCK_M + tl.arange(0, BLOCK_M)
+    in_last = tl.load(rows_ptr + last, mask=last >= row_start, other=-1) >= 0
+    row_end = tl.maximum(row_end - BLOCK_M + tl.sum(in_last.to(tl.int32), axis=0), row_start)
     steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_R), 1)  # (an expert without rows: one step of zeros)
     out = out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
