@@ -659,6 +659,28 @@ def test_biased_experts_gradients_match_float64_in_the_interpreter(family, dtype
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+def test_the_down_bias_routing_gradient_is_zero_for_experts_held_elsewhere():
+    from fxfuse.kernels import moe_backward_template
+    from fxfuse.kernels.fastlaunch import launch
+
+    # dr[p] = dout[t] . down_bias[e], 0 where e is outside [0, E) (transformers' marker: E; -1 too); pairs past a
+    # program's block and hidden columns past a 64-column step masked.
+    torch.manual_seed(11)
+    T, top_k, E, H = 13, 3, 4, 70
+    dout, bias = torch.randn(T, H), torch.randn(E, H + 5)[:, :H]  # (the bias's rows strided)
+    index = torch.randint(0, E, (T, top_k))
+    index[0, 0], index[5, 2] = E, -1
+    dr = torch.full((T * top_k,), float("nan"))
+    launch(moe_backward_template.moe_bias_routing_grad_kernel, lambda meta: (triton.cdiv(T * top_k, 16),), dict(
+        dout_ptr=dout, index_ptr=index.reshape(-1), bias_ptr=bias, dr_ptr=dr, pairs=T * top_k, K=H, TOP_K=top_k,
+        num_experts=E, stride_dm=dout.stride(0), stride_be=bias.stride(0), BLOCK_P=16, BLOCK_K=64), ("pairs",))
+    local = (index >= 0) & (index < E)
+    want = (dout.double() @ bias.double().t()).gather(1, index.clamp(0, E - 1)) * local
+    torch.testing.assert_close(dr.view(T, top_k).double(), want, rtol=1e-5, atol=1e-5)
+    assert dr[0] == 0 and dr[5 * top_k + 2] == 0
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 def test_training_calls_run_the_kernels_unless_turned_off(monkeypatch):
     from fxfuse.kernels import moe_backward_launch
 

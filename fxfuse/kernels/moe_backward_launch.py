@@ -19,7 +19,12 @@ import torch
 
 from .fastlaunch import launch
 from .launch import _input_precision
-from .moe_backward_template import moe_down_backward_kernel, moe_gate_backward_kernel, moe_weight_grad_kernel
+from .moe_backward_template import (
+    moe_bias_routing_grad_kernel,
+    moe_down_backward_kernel,
+    moe_gate_backward_kernel,
+    moe_weight_grad_kernel,
+)
 from .moe_launch import ExpertsForm, MoESaved, PairLayout, _finite, _strided, launch_down, moe_forward_pass
 from .moe_template import ACTIVATIONS
 from .moe_weight_grads import grouped_down_grad, grouped_gate_up_grad, grouped_mm_takes, weight_grads_by
@@ -29,6 +34,7 @@ __all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
 _GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
+_BIAS_PAIRS = 32  # pairs a program of the down bias's routing gradient takes
 
 
 def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
@@ -68,7 +74,9 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     dgu = torch.empty(layout.rows.numel(), two_i, dtype=dtype, device=device)
     h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device) if needs[3] else None
     gate_n = _GATE_ELEMENTS // bm
-    dr_parts = torch.zeros(cdiv(inter, gate_n), pairs, dtype=torch.float32, device=device)
+    bias_part = needs[1] and down_bias is not None
+    # (one row per gate column tile, and with a down bias one for dout[t] . down_bias[e])
+    dr_parts = torch.zeros(cdiv(inter, gate_n) + bias_part, pairs, dtype=torch.float32, device=device)
     gate_grid = (blocks, cdiv(inter, gate_n))
     launch(moe_gate_backward_kernel, lambda meta: gate_grid, dict(
         grad_h_ptr=grad_h, gu_ptr=saved.gu, h_ptr=h if h is not None else dgu, routing_ptr=routing, dgu_ptr=dgu,
@@ -83,13 +91,13 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         launch_down(dgu, w1.transpose(1, 2), None, dx_pairs, layout, ones, precision)
         dx = dx_pairs.view(T, top_k, H).sum(1)
     if needs[1]:
-        dr = dr_parts.sum(0).view(T, top_k)
-        if down_bias is not None:  # the bias is inside the routing scale: dr += dout[t] . down_bias[e]
-            expert = top_k_index.long()
-            local = (expert >= 0) & (expert < E)
-            per_expert = dout.float() @ down_bias.float().t()  # [T, E]
-            dr = dr + per_expert.gather(1, torch.where(local, expert, torch.zeros_like(expert))) * local
-        dr = dr.to(top_k_weights.dtype)
+        if bias_part:  # the bias is inside the routing scale: dr += dout[t] . down_bias[e]
+            bias = down_bias if down_bias.stride(1) == 1 else down_bias.contiguous()
+            launch(moe_bias_routing_grad_kernel, lambda meta: (cdiv(pairs, _BIAS_PAIRS),), dict(
+                dout_ptr=dout, index_ptr=top_k_index.reshape(-1).contiguous(), bias_ptr=bias, dr_ptr=dr_parts[-1],
+                pairs=pairs, K=H, TOP_K=top_k, num_experts=E, stride_dm=dout.stride(0), stride_be=bias.stride(0),
+                BLOCK_P=_BIAS_PAIRS, BLOCK_K=64, num_warps=4), ("pairs",))
+        dr = dr_parts.sum(0).view(T, top_k).to(top_k_weights.dtype)
 
     def expert_sums(out: torch.Tensor, a: torch.Tensor, a_by_token: bool, b: torch.Tensor, b_by_token: bool,
                     scale_a: bool = False):

@@ -8,13 +8,14 @@ expert ``e``) gets ``G = dout[t] @ down[e]`` (``[I]``), and:
 * :func:`moe_gate_backward_kernel`: ``dh = r * G`` through the gate's derivative into ``dgate`` and ``dup``
   (``dgu``, in the weights' column order), ``h = act(g) * u`` recomputed from the saved pre-activations (the
   forward keeps ``g, u`` only: a third less activation memory) and written times ``r`` for the down weights'
-  gradient, and each column tile's part of the routing weight's gradient ``dr = G . h`` (+ ``dout[t] .
-  down_bias[e]``, added by the caller);
+  gradient, and each column tile's part of the routing weight's gradient ``dr = G . h``;
+* :func:`moe_bias_routing_grad_kernel`: with a down bias (inside the routing scale), ``dr``'s part ``dout[t] .
+  down_bias[e]``;
 * ``dx``: ``dgu @ gate_up[e]`` per pair, the forward's down kernel over the weights read transposed, summed per
   token by the caller;
 * :func:`moe_weight_grad_kernel`: ``dW[e] = sum over e's rows of A[row]^T B[row]``, for ``down`` (A = ``dout[t]``,
-  B = ``r * h``) and for ``gate_up`` (A = ``dgu``, B = ``x[t]``): one program per expert and output tile, looping
-  over the expert's rows (no atomics: deterministic), an expert's tiles in grouped order (L2 reuse).
+  B = ``r * h``) and for ``gate_up`` (A = ``dgu``, B = ``x[t]``): a program per expert and a few output tiles,
+  looping over the expert's rows (no atomics: deterministic).
 
 Example:
     >>> "moe_down_backward_kernel" in globals() and "moe_weight_grad_kernel" in globals()
@@ -29,7 +30,8 @@ import triton.language as tl
 from .moe_template import _gate, _rows_dot, moe_configs, prune_moe_configs
 from .tuning import autotune
 
-__all__ = ["moe_down_backward_kernel", "moe_gate_backward_kernel", "moe_weight_grad_kernel"]
+__all__ = ["moe_bias_routing_grad_kernel", "moe_down_backward_kernel", "moe_gate_backward_kernel",
+           "moe_weight_grad_kernel"]
 
 
 @triton.jit
@@ -188,6 +190,47 @@ def moe_gate_backward_kernel(
     else:
         tl.store(out + offs_n[None, :], dg.to(dtype), mask=store_mask)
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=store_mask)
+
+
+@triton.jit
+def moe_bias_routing_grad_kernel(
+    dout_ptr,
+    index_ptr,
+    bias_ptr,
+    dr_ptr,
+    pairs,
+    K,
+    TOP_K,
+    num_experts,
+    stride_dm,
+    stride_be,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``dr[p] = dout[t] . bias[e]`` in fp32 for each pair p (token ``t = p // TOP_K``, expert ``e = index[p]``), 0
+    where ``e`` is outside ``[0, num_experts)`` (an expert held elsewhere): the routing weight's gradient through a
+    down bias that sits inside the routing scale (gpt-oss). One launch in place of a ``[T, E]`` matmul, a gather
+    and the masks around it (about a dozen torch launches a backward).
+
+    dout_ptr:   the output's gradient ``[T, K]`` (last dim contiguous, row stride ``stride_dm``).
+    index_ptr:  the expert of each pair ``[pairs]`` (any integer dtype, contiguous).
+    bias_ptr:   the down biases ``[E, K]`` (last dim contiguous, row stride ``stride_be``).
+    dr_ptr:     out: fp32 ``[pairs]``.
+    BLOCK_P:    pairs a program; BLOCK_K: hidden columns a step. The grid is ``(cdiv(pairs, BLOCK_P),)``.
+    """
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < pairs
+    expert = tl.load(index_ptr + offs_p, mask=p_mask, other=-1).to(tl.int64)
+    local = p_mask & (expert >= 0) & (expert < num_experts)
+    token = (offs_p // TOP_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = local[:, None] & (offs_k < K)[None, :]
+        d = tl.load(dout_ptr + token[:, None] * stride_dm + offs_k[None, :], mask=mask, other=0.0)
+        b = tl.load(bias_ptr + expert[:, None] * stride_be + offs_k[None, :], mask=mask, other=0.0)
+        acc += tl.sum(d.to(tl.float32) * b.to(tl.float32), axis=1)
+    tl.store(dr_ptr + offs_p, acc, mask=p_mask)
 
 
 @autotune(configs=moe_configs(weight_grad=True), prune_configs_by=prune_moe_configs(weight_grad=True),
