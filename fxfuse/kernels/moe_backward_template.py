@@ -233,6 +233,30 @@ def moe_bias_routing_grad_kernel(
     tl.store(dr_ptr + offs_p, acc, mask=p_mask)
 
 
+@triton.jit
+def _step_rows(rows_ptr, offs_m, row_end, TOP_K, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr):
+    """A row step of the weight gradient's sum: which rows are pairs (``valid``), the pair of each (``safe``: 0 at
+    padding), and the rows of A and of B to read (the pair's token's, or the sorted row itself)."""
+    pair = tl.load(rows_ptr + offs_m, mask=offs_m < row_end, other=-1)
+    valid = pair >= 0
+    safe = tl.where(valid, pair, 0)
+    a_rows = (safe // TOP_K) if A_BY_TOKEN else offs_m
+    b_rows = (safe // TOP_K) if B_BY_TOKEN else offs_m
+    return valid, safe, a_rows, b_rows
+
+
+@triton.jit
+def _a_tile(a_ptr, a_rows, stride_am, offs_n, n_mask, valid, safe, routing_ptr, SCALE_A: tl.constexpr, dtype):
+    """A's ``[rows, BLOCK_N]`` tile of a row step in ``dtype`` (zeros at padding), times each pair's routing weight
+    (in fp32) with SCALE_A."""
+    a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_n[None, :],
+                mask=valid[:, None] & n_mask[None, :], other=0.0)
+    if SCALE_A:
+        scale = tl.load(routing_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+        a = a.to(tl.float32) * scale[:, None]
+    return a.to(dtype)
+
+
 @autotune(configs=moe_configs(weight_grad=True), prune_configs_by=prune_moe_configs(weight_grad=True),
           key=["N", "K", "BLOCK_M", "A_BY_TOKEN", "B_BY_TOKEN", "SCALE_A", "stride_on", "INPUT_PRECISION"])
 @triton.jit
@@ -281,7 +305,8 @@ def moe_weight_grad_kernel(
                       tile is summed and stored. At few rows an expert (Qwen3-MoE at 512 tokens: ~32) the sums are
                       short and the kernel is bound by its writes; a tile a program (load, a short sum, store,
                       exit) wrote 2.1 TB/s there on an H200, eight tiles 2.9 (``out.zero_()``: 3.35;
-                      ``benchmarks/probes/probe_moe_weight_grad.py``).
+                      ``benchmarks/probes/probe_moe_weight_grad.py``). When the expert's rows fit one step, A's tile
+                      is loaded once for the program's column tiles.
     GROUP_N:          row tiles whose programs run together over every column group (their A columns and the
                       expert's B stay in L2: long sums, Qwen3-MoE's at 4096 tokens ~10% faster than row tiles side
                       by side). The grid is ``(E * cdiv(N, BLOCK_N) * cdiv(cdiv(K, BLOCK_K), K_TILES),)``, an
@@ -308,26 +333,33 @@ def moe_weight_grad_kernel(
     row_end = tl.maximum(row_end - BLOCK_M + tl.sum(in_last.to(tl.int32), axis=0), row_start)
     steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_R), 1)  # (an expert without rows: one step of zeros)
     out = out_ptr + expert.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for i in range(0, tl.minimum(tiles_k - first_k, K_TILES) * steps):
-        step = i % steps
-        offs_k = (first_k + i // steps) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        offs_m = row_start + step * BLOCK_R + tl.arange(0, BLOCK_R)
-        pair = tl.load(rows_ptr + offs_m, mask=offs_m < row_end, other=-1)
-        valid = pair >= 0
-        safe = tl.where(valid, pair, 0)
-        a_rows = (safe // TOP_K) if A_BY_TOKEN else offs_m
-        b_rows = (safe // TOP_K) if B_BY_TOKEN else offs_m
-        a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_n[None, :],
-                    mask=valid[:, None] & n_mask[None, :], other=0.0)
-        bb = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_k[None, :],
-                     mask=valid[:, None] & k_mask[None, :], other=0.0)
-        if SCALE_A:
-            scale = tl.load(routing_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * scale[:, None]).to(bb.dtype)
-        acc = tl.dot(tl.trans(a.to(bb.dtype)), bb, acc, input_precision=INPUT_PRECISION)
-        if step == steps - 1:  # this column tile's sum is complete
+    k_count = tl.minimum(tiles_k - first_k, K_TILES)
+    dtype = b_ptr.dtype.element_ty
+    if steps == 1:  # the expert's rows fit one step (few rows an expert): A's tile is the same for every column tile
+        offs_m = row_start + tl.arange(0, BLOCK_R)
+        valid, safe, a_rows, b_rows = _step_rows(rows_ptr, offs_m, row_end, TOP_K, A_BY_TOKEN, B_BY_TOKEN)
+        a_t = tl.trans(_a_tile(a_ptr, a_rows, stride_am, offs_n, n_mask, valid, safe, routing_ptr, SCALE_A, dtype))
+        for j in range(0, k_count):
+            offs_k = (first_k + j) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            bb = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_k[None, :],
+                         mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(a_t, bb, tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), input_precision=INPUT_PRECISION)
             tl.store(out + offs_k[None, :] * stride_ok, acc.to(out_ptr.dtype.element_ty),
                      mask=n_mask[:, None] & k_mask[None, :])
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for i in range(0, k_count * steps):
+            step = i % steps
+            offs_k = (first_k + i // steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            offs_m = row_start + step * BLOCK_R + tl.arange(0, BLOCK_R)
+            valid, safe, a_rows, b_rows = _step_rows(rows_ptr, offs_m, row_end, TOP_K, A_BY_TOKEN, B_BY_TOKEN)
+            a = _a_tile(a_ptr, a_rows, stride_am, offs_n, n_mask, valid, safe, routing_ptr, SCALE_A, dtype)
+            bb = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_k[None, :],
+                         mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(tl.trans(a), bb, acc, input_precision=INPUT_PRECISION)
+            if step == steps - 1:  # this column tile's sum is complete
+                tl.store(out + offs_k[None, :] * stride_ok, acc.to(out_ptr.dtype.element_ty),
+                         mask=n_mask[:, None] & k_mask[None, :])
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
