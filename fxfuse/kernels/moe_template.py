@@ -61,8 +61,8 @@ _SHARED_MEMORY_BUDGET = 200 << 10  # bytes of pipelined tiles a config may take 
 # summed over BLOCK_R rows a step, K_TILES of them a program. Each sum runs over an expert's rows only
 # (~T * top_k / E), so at few rows the kernel is bound by writing its output (benchmarks/probes/
 # probe_moe_weight_grad.py, H200): Qwen3-MoE at 512 tokens (32 rows an expert) ran fastest on 32-row steps, eight
-# tiles a program (d gate_up 275 µs, 2.9 TB/s; one tile a program 410), gpt-oss-20b at 512 (64 rows) on 64-row steps
-# (475); long sums (4096 tokens) on a tile a program, two stages, or four tiles on 4 warps.
+# tiles a program (d gate_up 263 µs, 3.06 TB/s; one tile a program 410), gpt-oss-20b at 512 (64 rows) on 64-row steps
+# (435); long sums (4096 tokens) on a tile a program, two stages, or four tiles on 4 warps.
 WEIGHT_GRAD_TENSOR_CORE_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 4, 4, 3),
                                  (128, 128, 64, 1, 8, 2), (64, 128, 32, 8, 4, 4), (128, 128, 64, 2, 8, 4))
 WEIGHT_GRAD_SMALL_TILES = ((64, 32, 32, 4, 4, 2), (32, 32, 32, 4, 4, 2))
