@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from fxfuse.kernels.moe_backward_launch import _segments  # noqa: E402
 from fxfuse.kernels.moe_launch import block_rows, route_pairs, run_moe  # noqa: E402
-from fxfuse.kernels.moe_template import moe_down_kernel, moe_gate_up_kernel  # noqa: E402
+from fxfuse.kernels.moe_template import grouped_tile, moe_down_kernel, moe_gate_up_kernel  # noqa: E402
 from fxfuse.kernels.moe_weight_grads import _sorted_rows  # noqa: E402
 
 SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3_moe": (128, 2048, 768, 8), "small": (4, 64, 96, 2)}
@@ -45,22 +45,16 @@ SHAPES = {"mixtral": (8, 4096, 14336, 2), "qwen3_moe": (128, 2048, 768, 8), "sma
 def _block_and_tile(pid, blocks, n_tiles, GROUP: tl.constexpr):
     if GROUP == 0:
         return pid % blocks, pid // blocks
-    width = GROUP * n_tiles
-    first = (pid // width) * GROUP
-    size = min(blocks - first, GROUP)
-    return first + (pid % width) % size, (pid % width) // size
+    return grouped_tile(pid, blocks, n_tiles, GROUP)
 
 
 @triton.jit
-def gate_up_variant(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block_expert_ptr, K, N, TOP_K, stride_xm, stride_we,
-                    stride_wn, stride_hm, blocks, W_TMA: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    block, pid_n = _block_and_tile(pid, blocks, tl.cdiv(N, BLOCK_N), GROUP)
-    expert = tl.load(block_expert_ptr + block)
-    if expert < 0:
-        return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+def gate_up_rows(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
+                 stride_wn, stride_hm, W_TMA: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first ROWS rows of one block: gate and up as one dot over a ``[BLOCK_K, 2 * BLOCK_N]`` weight tile (by
+    pointer, or by TMA with W_TMA), ``silu(g) * u`` stored."""
+    offs_m = block * BLOCK_M + tl.arange(0, ROWS)
     pairs = tl.load(rows_ptr + offs_m)
     valid = pairs >= 0
     tokens = tl.where(valid, pairs // TOP_K, 0)
@@ -71,7 +65,7 @@ def gate_up_variant(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block_expert_ptr, K, 
     wcol = col + (c // BLOCK_N) * N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     x_base = x_ptr + tokens[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, 2 * BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         x = tl.load(x_base + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
@@ -82,7 +76,7 @@ def gate_up_variant(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block_expert_ptr, K, 
             w = tl.load(w_base + wcol[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & (k < K)[:, None],
                         other=0.0)
             acc = tl.dot(x, w, acc)
-    g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    g, u = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, BLOCK_N)), (0, 2, 1)))
     h = g / (1.0 + tl.exp(-g)) * u
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
@@ -90,22 +84,31 @@ def gate_up_variant(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block_expert_ptr, K, 
 
 
 @triton.jit
-def down_variant(h_ptr, h_desc, w_ptr, w_desc, out_ptr, rows_ptr, block_expert_ptr, routing_ptr, K, N, stride_hm,
-                 stride_we, stride_wn, stride_om, blocks, TMA: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    block, pid_n = _block_and_tile(pid, blocks, tl.cdiv(N, BLOCK_N), GROUP)
+def gate_up_variant(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block_expert_ptr, K, N, TOP_K, stride_xm, stride_we,
+                    stride_wn, stride_hm, blocks, W_TMA: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block, pid_n = _block_and_tile(tl.program_id(0), blocks, tl.cdiv(N, BLOCK_N), GROUP)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    gate_up_rows(x_ptr, w_ptr, w_desc, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
+                 stride_wn, stride_hm, W_TMA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def down_rows(h_ptr, h_desc, w_ptr, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N, stride_hm,
+              stride_we, stride_wn, stride_om, TMA: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first ROWS rows of one block times the expert's down weights (both tiles by pointer, or by TMA: then
+    ``h_desc``'s blocks are ``[ROWS, BLOCK_K]``), scaled by the routing weight and stored per pair."""
+    offs_m = block * BLOCK_M + tl.arange(0, ROWS)
     pairs = tl.load(rows_ptr + offs_m)
     valid = pairs >= 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if TMA:
             a = h_desc.load([block * BLOCK_M, k0])
@@ -122,6 +125,18 @@ def down_variant(h_ptr, h_desc, w_ptr, w_desc, out_ptr, rows_ptr, block_expert_p
     safe = tl.where(valid, pairs, 0).to(tl.int64)
     tl.store(out_ptr + safe[:, None] * stride_om + offs_n[None, :], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_variant(h_ptr, h_desc, w_ptr, w_desc, out_ptr, rows_ptr, block_expert_ptr, routing_ptr, K, N, stride_hm,
+                 stride_we, stride_wn, stride_om, blocks, TMA: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    block, pid_n = _block_and_tile(tl.program_id(0), blocks, tl.cdiv(N, BLOCK_N), GROUP)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    down_rows(h_ptr, h_desc, w_ptr, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N, stride_hm,
+              stride_we, stride_wn, stride_om, TMA, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def descriptor(t, shape, strides, block):

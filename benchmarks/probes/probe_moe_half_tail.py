@@ -30,8 +30,9 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from benchmarks.probes.probe_moe_gemm_variants import _block_and_tile, descriptor, us  # noqa: E402
+from benchmarks.probes.probe_moe_gemm_variants import descriptor, down_rows, gate_up_rows, us  # noqa: E402
 from fxfuse.kernels.moe_launch import block_rows, route_pairs  # noqa: E402
+from fxfuse.kernels.moe_template import grouped_tile  # noqa: E402
 
 # (E, H, I, top_k): weights [E, 2I, H] and [E, H, I] for every family here (the padding is what differs)
 SHAPES = {"qwen3_moe": (128, 2048, 768, 8), "gpt_oss": (32, 2880, 2880, 4), "mixtral": (8, 4096, 14336, 2),
@@ -41,31 +42,9 @@ DOWN_TILE = (256, 64, 8, 3)
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, w_ptr, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
-                  stride_wn, stride_hm, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    offs_m = block * BLOCK_M + tl.arange(0, ROWS)
-    pairs = tl.load(rows_ptr + offs_m)
-    valid = pairs >= 0
-    tokens = tl.where(valid, pairs // TOP_K, 0)
-    offs_k = tl.arange(0, BLOCK_K)
-    c = tl.arange(0, 2 * BLOCK_N)
-    col = pid_n * BLOCK_N + c % BLOCK_N
-    n_ok = col < N
-    wcol = col + (c // BLOCK_N) * N
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    x_base = x_ptr + tokens[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((ROWS, 2 * BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        x = tl.load(x_base + k[None, :], mask=valid[:, None] & (k < K)[None, :], other=0.0)
-        w = tl.load(w_base + wcol[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & (k < K)[:, None], other=0.0)
-        acc = tl.dot(x, w, acc)
-    g, u = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, BLOCK_N)), (0, 2, 1)))
-    h = g / (1.0 + tl.exp(-g)) * u
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n < N)[None, :])
+def _half(rows_ptr, block, BLOCK_M: tl.constexpr):
+    """Whether the block's pairs fit its first half (they come first: padding only ends an expert's last block)."""
+    return tl.sum((tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)) >= 0).to(tl.int32)) <= BLOCK_M // 2
 
 
 @triton.jit
@@ -78,51 +57,34 @@ def gate_up_half_tail(x_ptr, w_ptr, h_ptr, rows_ptr, block_expert_ptr, K, N, TOP
     if expert < 0:
         return
     half = False
-    if HALF_TAIL:  # (the block's pairs come first: padding only ends an expert's last block)
-        half = tl.sum((tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)) >= 0).to(tl.int32)) <= BLOCK_M // 2
+    if HALF_TAIL:
+        half = _half(rows_ptr, block, BLOCK_M)
     if half:
-        _gate_up_rows(x_ptr, w_ptr, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
-                      stride_wn, stride_hm, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K)
+        gate_up_rows(x_ptr, w_ptr, w_ptr, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
+                     stride_wn, stride_hm, False, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        _gate_up_rows(x_ptr, w_ptr, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
-                      stride_wn, stride_hm, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _down_rows(h_desc, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N, stride_om,
-               ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = block * BLOCK_M + tl.arange(0, ROWS)
-    pairs = tl.load(rows_ptr + offs_m)
-    valid = pairs >= 0
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = h_desc.load([block * BLOCK_M, k0])
-        w = w_desc.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
-        acc = tl.dot(a, w.T, acc)
-    safe = tl.where(valid, pairs, 0)
-    scale = tl.load(routing_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + safe[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n < N)[None, :])
+        gate_up_rows(x_ptr, w_ptr, w_ptr, h_ptr, rows_ptr, block, expert, pid_n, K, N, TOP_K, stride_xm, stride_we,
+                     stride_wn, stride_hm, False, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def down_half_tail(h_desc, h_half_desc, w_desc, out_ptr, rows_ptr, block_expert_ptr, routing_ptr, K, N, stride_om,
                    blocks, HALF_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    block, pid_n = _block_and_tile(tl.program_id(0), blocks, tl.cdiv(N, BLOCK_N), 8)
+    block, pid_n = grouped_tile(tl.program_id(0), blocks, tl.cdiv(N, BLOCK_N), 8)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     half = False
     if HALF_TAIL:
-        half = tl.sum((tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)) >= 0).to(tl.int32)) <= BLOCK_M // 2
+        half = _half(rows_ptr, block, BLOCK_M)
+    # (TMA: the pointer arguments are unused, any pointer does)
     if half:
-        _down_rows(h_half_desc, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N, stride_om,
-                   BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K)
+        down_rows(out_ptr, h_half_desc, out_ptr, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N,
+                  0, 0, 0, stride_om, True, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        _down_rows(h_desc, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N, stride_om,
-                   BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
+        down_rows(out_ptr, h_desc, out_ptr, w_desc, out_ptr, rows_ptr, routing_ptr, block, expert, pid_n, K, N,
+                  0, 0, 0, stride_om, True, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def point(name: str, tokens: int, device: str) -> None:

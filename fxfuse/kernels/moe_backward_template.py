@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_template import _gate, _rows_dot, moe_configs, prune_moe_configs
+from .moe_template import _gate, _rows_dot, grouped_tile, moe_configs, prune_moe_configs
 from .tuning import autotune
 
 __all__ = ["moe_bias_routing_grad_kernel", "moe_down_backward_kernel", "moe_gate_backward_kernel",
@@ -317,11 +317,8 @@ def moe_weight_grad_kernel(
     k_groups = tl.cdiv(tiles_k, K_TILES)
     pid = tl.program_id(0)
     expert = pid // (tiles_n * k_groups)
-    tile = pid % (tiles_n * k_groups)
-    first_n = (tile // (GROUP_N * k_groups)) * GROUP_N
-    group_size = tl.minimum(tiles_n - first_n, GROUP_N)
-    pid_n = first_n + (tile % (GROUP_N * k_groups)) % group_size
-    first_k = ((tile % (GROUP_N * k_groups)) // group_size) * K_TILES
+    pid_n, k_group = grouped_tile(pid % (tiles_n * k_groups), tiles_n, k_groups, GROUP_N)
+    first_k = k_group * K_TILES
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     row_start = tl.load(seg_ptr + expert) * BLOCK_M

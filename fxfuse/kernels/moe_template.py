@@ -354,6 +354,17 @@ def moe_down_kernel(
 
 
 @triton.jit
+def grouped_tile(pid, rows, cols, GROUP: tl.constexpr):
+    """Program ``pid``'s (row tile, column tile) of a ``rows x cols`` grid walked GROUP row tiles at a time: the
+    group's programs cover every column tile before the next group starts, so what the group's rows share (their
+    A rows, or an expert's weights) stays in L2. A last group of fewer rows takes the same order."""
+    width = GROUP * cols
+    first = (pid // width) * GROUP
+    size = tl.minimum(rows - first, GROUP)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
 def store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
                     HAS_BIAS: tl.constexpr, SCALE: tl.constexpr):
     """The down kernels' epilogue: each valid row of the fp32 ``acc`` ``[rows, columns offs_n]`` plus its expert's

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_template import store_pair_rows
+from .moe_template import grouped_tile, store_pair_rows
 from .template import autotune_enabled, interpreting
 from .tuning import autotune
 
@@ -115,13 +115,7 @@ def moe_down_tma_kernel(
     BLOCK_M:          rows per block (the layout's); BLOCK_N, BLOCK_K: tuned; GROUP_M: blocks whose column tiles
                       are walked together (their A rows stay in L2 while the weights' tiles pass).
     """
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_width = GROUP_M * num_pid_n
-    first_block = (pid // group_width) * GROUP_M
-    group_size = min(blocks - first_block, GROUP_M)
-    block = first_block + (pid % group_width) % group_size
-    pid_n = (pid % group_width) // group_size
+    block, pid_n = grouped_tile(tl.program_id(0), blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + block)
     if expert == -1:  # UNUSED_BLOCK
         return
