@@ -161,13 +161,15 @@ class RegionReport:
     def measured_cell(self) -> str:
         """The table's text, read now, e.g. ``95.1 / 110.4 at M~1; 120.3 / 115.0 at M~16 (original ops kept)``
         (``at M~1 in a CUDA graph``: planned by GPU time for a graph's replays). A MoE experts region: the
-        kernels' and its own forward's times at each token bucket timed, with what bounds the kernels, and the
-        weight gradients' timed choices (training)."""
+        kernels' and its own forward's times at each token bucket timed, with what bounds the kernels, the
+        gate/up GEMM's timed form (TMA or pointer) and the weight gradients' timed choices (training)."""
         if self.experts:
+            from .kernels.moe_launch import gate_up_timings
             from .kernels.moe_weight_grads import weight_grad_timings
             from .moe import experts_timings
 
-            cells = [*map(str, experts_timings(*self.experts)), *weight_grad_timings(self.experts[1])]
+            cells = [*map(str, experts_timings(*self.experts)), *gate_up_timings(self.experts[1]),
+                     *weight_grad_timings(self.experts[1])]
             return "; ".join(cells) or "not yet"
         if not self.widths:  # shapes unknown here: the measurements cannot be told apart
             return "—"

@@ -151,6 +151,17 @@ def test_moe_with_three_experts_per_token_and_a_program_per_expert(monkeypatch):
     assert rel_err(out, reference(module, x, index, weights, "silu")) < TOL[torch.float32]
 
 
+def force_tma(on: bool, monkeypatch) -> list:
+    """The MoE GEMMs by TMA where the launchers' rules allow (``on``) or by pointer everywhere; returns the list of
+    each TMA decision taken (gate/up, then down projections)."""
+    picks = []
+    for rule in ("gate_up_by_tma", "down_by_tma"):
+        decide = getattr(moe_launch, rule)
+        monkeypatch.setattr(moe_launch, rule, lambda *a, decide=decide: picks.append(on and decide(*a)) or picks[-1])
+    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", "TMA" if on else "pointer")
+    return picks
+
+
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
@@ -215,8 +226,9 @@ def test_gpu_moe_matches_mixtral_experts(tokens, dtype):
 
     torch.manual_seed(0)
     module = experts("silu", dtype, "cuda", hidden=256, inter=512, num=8)
-    # (the down projection runs one of two kernels: TMA for 16-bit blocks of 64+ rows, else by pointer)
-    launchers = [[moe_launch.moe_gate_up_kernel], [moe_launch.moe_down_kernel, moe_launch.moe_down_tma_kernel],
+    # (each GEMM runs one of two kernels: TMA for 16-bit blocks of 64+ rows, else by pointer)
+    launchers = [[moe_launch.moe_gate_up_kernel, moe_launch.moe_gate_up_tma_kernel],
+                 [moe_launch.moe_down_kernel, moe_launch.moe_down_tma_kernel],
                  [moe_launch.moe_route_kernel if tokens < 3000 else moe_launch.moe_place_kernel]]
 
     def lean_hits(kernels):
@@ -624,9 +636,7 @@ def check_gradients(module, x, index, weights, reference_forward, tol):
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("down", ["tma", "pointer"])  # (the interpreter takes TMA wherever it can; forced off)
 def test_moe_gradients_match_float64_in_the_interpreter(down, act, dtype, monkeypatch):
-    picks = []
-    decide = moe_launch.down_by_tma
-    monkeypatch.setattr(moe_launch, "down_by_tma", lambda *a: picks.append(down == "tma" and decide(*a)) or picks[-1])
+    picks = force_tma(down == "tma", monkeypatch)
     torch.manual_seed(5)
     module = experts(act, dtype, "cpu")
     x = torch.randn(10, 32, dtype=dtype)
@@ -644,13 +654,16 @@ def test_moe_gradients_match_float64_in_the_interpreter(down, act, dtype, monkey
         return torch.stack(rows)
 
     check_gradients(module, x, index, weights, reference_forward, GRAD_TOL[dtype])
-    assert picks and all(picks) == (down == "tma")  # (the forward's down projection and dx each took it)
+    # (the forward's gate/up and down projections and dx each took it)
+    assert len(picks) == 3 and all(picks) == (down == "tma")
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("family", ["gpt_oss", "privacy"])
-def test_biased_experts_gradients_match_float64_in_the_interpreter(family, dtype):
+@pytest.mark.parametrize("gemms", ["tma", "pointer"])
+def test_biased_experts_gradients_match_float64_in_the_interpreter(gemms, family, dtype, monkeypatch):
+    force_tma(gemms == "tma", monkeypatch)
     torch.manual_seed(6)
     module = biased_experts(family, dtype, "cpu")
     x = 2 * torch.randn(9, 32, dtype=dtype)
@@ -1106,6 +1119,7 @@ def test_the_grouped_weight_gradients_get_zero_padding_and_the_right_operands(mo
 
 
 def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_kernel(monkeypatch, caplog):
+    from fxfuse.kernels import measured
     from fxfuse.kernels import moe_weight_grads as wg
 
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
@@ -1123,7 +1137,7 @@ def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_ker
             return name, name
         return run
 
-    monkeypatch.setattr(wg, "_gpu_us", lambda run: us[run()[0]])
+    monkeypatch.setattr(measured, "gpu_us", lambda run: us[run()[0]])
     shape = ("down", 8, 64, 32, False, 16)  # (the backward's key: weight, E, 2I, H, transposed, rows per block)
     with caplog.at_level(logging.INFO, logger=wg.__name__):
         assert wg.weight_grads_by("d down", shape, 100, runner("grouped_mm"), runner("triton")) == ("triton", "triton")
@@ -1150,6 +1164,70 @@ def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_ker
     runs.clear()
     grad = wg.weight_grads_by("d down", shape, 300, runner("grouped_mm"), runner("triton"))
     assert grad[0] == "triton" and runs == ["triton"]
+
+
+def test_the_gate_up_gemm_runs_on_the_faster_of_tma_and_the_pointer_kernel(monkeypatch, caplog):
+    # Timed once per key (shape, form, rows per block, training, dtype, pair bucket) where TMA applies, logged, kept,
+    # listed for fxfuse.report; untimed (the interpreter, FXFUSE_AUTOTUNE=0) or where TMA does not apply: pointer.
+    monkeypatch.setattr(moe_launch, "GATE_UP_CHOICES", {})
+    monkeypatch.setattr(moe_launch, "_GATE_UP_TIMES", {})
+    monkeypatch.setattr(moe_launch, "may_time", lambda device: True)
+    us = {"TMA": 3.0, "pointer": 5.0}
+    runs = []
+    monkeypatch.setattr(moe_launch, "time_runners", lambda runners: {name: us[name] for name in runners})
+    runners = {name: (lambda name=name: runs.append(name)) for name in us}
+    form = ExpertsForm("silu")
+    key = (8, 64, 32, form, 128, True, torch.bfloat16, 4096)
+    gpu = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger=moe_launch.__name__):
+        assert moe_launch._gate_up_choice(key, runners, gpu) == "TMA"
+    assert sorted(runs) == ["TMA", "pointer"]  # (a first call each before the timing)
+    assert "TMA 3.0 us (x's rows gathered), pointer 5.0 us: runs TMA" in caplog.text
+    runs.clear()
+    us["TMA"] = 9.0
+    assert moe_launch._gate_up_choice(key, runners, gpu) == "TMA" and not runs  # kept, untimed
+    assert moe_launch.gate_up_timings((8, 64, 32)) == moe_launch.gate_up_timings((8, 32, 64)) == [
+        "gate/up up to 4096 pairs (training): TMA (3 / 5 µs TMA / pointer)"]
+    assert moe_launch._gate_up_choice(key[:5] + (False,) + key[6:], runners, gpu) == "pointer"  # (inference: timed)
+    assert moe_launch._gate_up_choice(key, {"pointer": runners["pointer"]}, gpu) == "pointer"  # (TMA not applicable)
+    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", "pointer")
+    assert moe_launch._gate_up_choice(key, runners, gpu) == "pointer"
+    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", None)
+    monkeypatch.setattr(moe_launch, "may_time", lambda device: False)
+    assert moe_launch._gate_up_choice(key[:-1] + (8192,), runners, gpu) == "pointer"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "privacy"])
+@pytest.mark.parametrize("tokens", [300, 3000])
+def test_gpu_gate_up_by_tma_matches_the_pointer_kernel(tokens, family, dtype, monkeypatch):
+    # A training forward (h, the pre-activations and the output) in both forms: every weight layout (Mixtral's halves
+    # [E, 2I, H], gpt-oss's interleaved [E, H, 2I], the privacy filter's halves [E, H, 2I]), biases, sizes off the
+    # tiles (I = 3/2 H), 64 and 128 rows per block; then against float64.
+    from fxfuse.kernels.moe_launch import moe_forward_pass
+
+    torch.manual_seed(1)
+    module = (experts("silu", dtype, "cuda", hidden=256, inter=384, num=8) if family == "mixtral"
+              else biased_experts(family, dtype, "cuda", hidden=256, inter=384, num=8))
+    p = module._parameters
+    form = moe.experts_form(module)
+    x = torch.randn(tokens, 256, dtype=dtype, device="cuda")
+    index, weights = local_routing(tokens, 2, 8, "cuda", dtype)
+    got = {}
+    for name in ("pointer", "TMA"):
+        monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", name)
+        out, saved = moe_forward_pass(x, index, weights, p["gate_up_proj"], p["down_proj"], form,
+                                      p.get("gate_up_proj_bias"), p.get("down_proj_bias"), save=True)
+        layout = saved.layout  # (rows of unused blocks may be unwritten)
+        used = (layout.rows >= 0) & (layout.block_expert >= 0).repeat_interleave(layout.block_m)
+        got[name] = (out, saved.h[used], saved.gu[used])
+    for a, b in zip(got["pointer"], got["TMA"]):
+        assert rel_err(b, a) < 1e-2
+    module.config._experts_implementation = "eager"
+    with torch.no_grad():
+        want = type(module).forward(module.double(), x.double(), index, weights.double())
+    assert rel_err(got["TMA"][0], want) < TOL[dtype]
 
 
 def test_grouped_weight_grads_sum_each_experts_rows_in_bf16():
@@ -1297,15 +1375,18 @@ class OneConfig:
         return launch
 
 
-def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch) -> None:
-    """The gradients against float64 with every MoE kernel launching its i-th config, for every i."""
+def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch, gate_up: str = "TMA") -> None:
+    """The gradients against float64 with every MoE kernel launching its i-th config, for every i (the gate/up
+    GEMM in the form ``gate_up`` where TMA applies)."""
+    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", gate_up)
     from triton.runtime.errors import OutOfResources
 
     from fxfuse.kernels import moe_backward_launch
 
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")  # (each precision's whole list; the autotuner itself never runs)
     # (moe_launch's down kernels serve the forward and dx: launch_down picks TMA or pointer by dtype and rows)
-    sites = [(moe_launch, "moe_gate_up_kernel"), (moe_launch, "moe_down_kernel"), (moe_launch, "moe_down_tma_kernel"),
+    sites = [(moe_launch, "moe_gate_up_kernel"), (moe_launch, "moe_gate_up_tma_kernel"),
+             (moe_launch, "moe_down_kernel"), (moe_launch, "moe_down_tma_kernel"),
              (moe_backward_launch, "moe_down_backward_kernel"), (moe_backward_launch, "moe_weight_grad_kernel")]
     tuners = {(module, name): getattr(module, name) for module, name in sites}
     most = max(len(tuner.configs) for tuner in tuners.values())
@@ -1327,7 +1408,10 @@ def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch
         except OutOfResources:  # (the autotuner drops such a config too)
             continue
         ran += 1
-    assert ran >= min(2, most) and len({name for name, _ in launched}) == 4  # (one of the two down kernels)
+    # (one of the two gate/up kernels and one of the two down kernels: TMA or pointer, by dtype and rows)
+    names = {name for name, _ in launched}
+    assert ran >= min(2, most) and len(names) == 4
+    assert ("moe_gate_up_tma_kernel" in names) == (gate_up == "TMA" and (device == "cpu" or dtype != torch.float32))
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
@@ -1336,11 +1420,14 @@ def test_every_moe_config_harness_in_the_interpreter(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, dtype", [("gpt_oss", torch.bfloat16), ("mixtral", torch.float32)])
-def test_gpu_every_moe_config_gives_the_gradients(family, dtype, monkeypatch):
+@pytest.mark.parametrize("family, dtype, gate_up", [
+    ("gpt_oss", torch.bfloat16, "TMA"), ("mixtral", torch.float16, "TMA"), ("gpt_oss", torch.bfloat16, "pointer"),
+    ("mixtral", torch.float32, "pointer")])
+def test_gpu_every_moe_config_gives_the_gradients(family, dtype, gate_up, monkeypatch):
     # (each config of each kernel compiles here, one at a time: the tensor-core tiles with gpt-oss's biases,
-    # interleaved gate/up and clamp; exact fp32's small tiles with Mixtral's layout)
-    check_every_config(family, dtype, "cuda", monkeypatch)
+    # interleaved gate/up and clamp, and Mixtral's halves, the gate/up by TMA or by pointer; exact fp32's small tiles
+    # with Mixtral's layout)
+    check_every_config(family, dtype, "cuda", monkeypatch, gate_up)
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
@@ -1363,14 +1450,15 @@ def test_every_moe_launch_names_each_argument_the_lean_launcher_needs(family, mo
         return original(self, grid, args)
 
     monkeypatch.setattr(fastlaunch.LeanLauncher, "launch", checked)
+    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", "TMA")
     torch.manual_seed(0)
     module = experts("silu", torch.float32, "cpu") if family == "mixtral" else biased_experts(family, torch.float32,
                                                                                              "cpu")
     x = torch.randn(9, 32, requires_grad=True)
     index, weights = local_routing(9, 2, 4, "cpu", torch.float32)
     kernels_forward(module, x, index, weights.requires_grad_()).square().sum().backward()
-    assert {"moe_gate_up_kernel", "moe_down_tma_kernel", "moe_down_backward_kernel", "moe_gate_backward_kernel",
-            "moe_weight_grad_kernel"} <= launched
+    assert {"moe_gather_rows_kernel", "moe_gate_up_tma_kernel", "moe_down_tma_kernel", "moe_down_backward_kernel",
+            "moe_gate_backward_kernel", "moe_weight_grad_kernel"} <= launched
     assert not unnamed
 
 

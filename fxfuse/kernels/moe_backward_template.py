@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_template import _gate, _rows_dot, grouped_tile, moe_configs, prune_moe_configs
+from .moe_template import _rows_dot, gated_act, grouped_tile, moe_configs, prune_moe_configs
 from .tuning import autotune
 
 __all__ = ["moe_bias_routing_grad_kernel", "moe_down_backward_kernel", "moe_gate_backward_kernel",
@@ -36,7 +36,7 @@ __all__ = ["moe_bias_routing_grad_kernel", "moe_down_backward_kernel", "moe_gate
 
 @triton.jit
 def _gate_backward(g, u, dh, alpha, limit, ACT: tl.constexpr):
-    """``(d gate, d up)`` of ``act(g) * u`` (:func:`fxfuse.kernels.moe_template._gate`) given ``dh``, on fp32
+    """``(d gate, d up)`` of ``act(g) * u`` (:func:`fxfuse.kernels.moe_template.gated_act`) given ``dh``, on fp32
     values. The clamped SwiGLU passes no gradient where its clamps hold (as ``torch.clamp``: none outside the
     closed range)."""
     if ACT == 0:
@@ -173,7 +173,7 @@ def moe_gate_backward_kernel(
     g = tl.load(gu_ptr + rows * (2 * N) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rows * (2 * N) + N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = dgu_ptr.dtype.element_ty
-    h = _gate(g, u, alpha, limit, ACT).to(dtype).to(tl.float32)  # (rounded as the forward stored it)
+    h = gated_act(g, u, alpha, limit, ACT).to(dtype).to(tl.float32)  # (rounded as the forward stored it)
     safe_pair = tl.where(valid, pair, 0)
     scale = tl.load(routing_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
     if STORE_H:

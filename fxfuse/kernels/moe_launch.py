@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -26,6 +27,7 @@ import torch
 
 from .fastlaunch import launch
 from .launch import _input_precision
+from .measured import may_time, time_runners
 from .moe_template import (
     ACTIVATIONS,
     moe_count_kernel,
@@ -34,13 +36,25 @@ from .moe_template import (
     moe_place_kernel,
     moe_route_kernel,
 )
-from .moe_tma_template import moe_down_tma_kernel
+from .moe_tma_template import _GATHER_COLUMNS, moe_down_tma_kernel, moe_gate_up_tma_kernel, moe_gather_rows_kernel
 from .template import cdiv, interpreting, next_pow2
-from .tma_launch import _TMA_ALIGN, _describable, _tensor_descriptor, launch_with_descriptors, tma_supported
+from .tma_launch import (
+    _INTERPRETER_SMS,
+    _TMA_ALIGN,
+    _cuda_props,
+    _describable,
+    _device_index,
+    _tensor_descriptor,
+    launch_with_descriptors,
+    tma_supported,
+)
 
-__all__ = ["ELSEWHERE_BLOCK", "UNUSED_BLOCK", "ExpertsForm", "MoESaved", "PairLayout", "block_rows", "down_by_tma",
-           "launch_down", "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
+__all__ = ["ELSEWHERE_BLOCK", "GATE_UP_CHOICES", "GATE_UP_FORM", "UNUSED_BLOCK", "ExpertsForm", "MoESaved",
+           "PairLayout", "block_rows", "down_by_tma", "gate_up_by_tma", "gate_up_timings", "launch_down",
+           "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
 
+
+logger = logging.getLogger(__name__)
 
 # The marks in ``PairLayout.block_expert`` of blocks that run no expert.
 UNUSED_BLOCK = -1  # past the last expert's blocks: the kernels return at once
@@ -230,16 +244,20 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     precision = _input_precision(hidden.dtype)
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     gu = torch.empty(layout.rows.numel(), 2 * inter, dtype=hidden.dtype, device=hidden.device) if save else h
+    act_args = dict(alpha=form.alpha, limit=_finite(form.limit), ACT=ACTIVATIONS[form.act],
+                    INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None, STORE_GU=save, INPUT_PRECISION=precision,
+                    BLOCK_M=bm, b_ptr=b1 if b1 is not None else w1, stride_be=b1.stride(0) if b1 is not None else 0)
     # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
     columns = 2 * inter if form.interleaved else inter
-    # (through the lean launcher: after a signature's first launch, ~3x less host time than ``kernel[grid]``)
-    launch(moe_gate_up_kernel, lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"])), dict(
-        x_ptr=x, w_ptr=w1, b_ptr=b1 if b1 is not None else w1, h_ptr=h, gu_ptr=gu, rows_ptr=layout.rows,
-        block_expert_ptr=layout.block_expert, K=H, N=inter, TOP_K=top_k, stride_xm=x.stride(0),
-        stride_we=w1.stride(0), stride_wn=w1.stride(1), stride_wk=w1.stride(2),
-        stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0), alpha=form.alpha,
-        limit=_finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
-        STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm), ())
+    runners = {"pointer": lambda: launch(  # (the lean launcher: ~3x less host time than ``kernel[grid]``)
+        moe_gate_up_kernel, lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"])), dict(
+            x_ptr=x, w_ptr=w1, h_ptr=h, gu_ptr=gu, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, K=H,
+            N=inter, TOP_K=top_k, stride_xm=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),
+            stride_wk=w1.stride(2), stride_hm=h.stride(0), **act_args), ())}
+    if gate_up_by_tma(x, w1, bm):
+        runners["TMA"] = lambda: _launch_gate_up_tma(x, w1, h, gu if save else None, layout, top_k, act_args)
+    runners[_gate_up_choice((E, two_i, H, form, bm, save, hidden.dtype, next_pow2(T * top_k)), runners,
+                                    hidden.device)]()
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
     launch_down(h, w2, b2, pairs_out, layout, top_k_weights.reshape(-1).contiguous(), precision)
     saved = MoESaved(layout, x, h, gu, w1, w2, form) if save else None
@@ -281,15 +299,99 @@ def launch_down(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
         stride_wk=w.stride(2), stride_om=out.stride(0), INPUT_PRECISION=precision, BLOCK_M=bm, **bias_args), ())
 
 
+# The gate/up GEMM's measured form: (E, 2I, H, form, rows per block, training, dtype, pair bucket) -> "TMA" or
+# "pointer", and the µs of each where timed (for fxfuse.report: gate_up_timings).
+GATE_UP_CHOICES: dict[tuple, str] = {}
+_GATE_UP_TIMES: dict[tuple, dict[str, float]] = {}
+# "force": None (the measured choice) or "TMA" / "pointer" wherever TMA applies (probes and tests compare the two)
+GATE_UP_FORM: dict = {"force": None}
+
+
+def _gate_up_choice(key: tuple, runners: dict, device: torch.device) -> str:
+    """Which of ``runners`` computes the gate/up GEMM for ``key``: the pointer kernel alone where TMA does not
+    apply; else the faster of the two at the key's first call (H200, 4096 tokens: Mixtral's forward 5262 -> 4844 µs
+    by TMA; Qwen3-MoE's and gpt-oss's within a few percent either way, the gather of x's rows costing what the TMA
+    kernel gains: ``benchmarks/probes/probe_moe_gate_up_tma.py``), logged at INFO and kept; the pointer kernel
+    where it cannot be timed (``FXFUSE_AUTOTUNE=0``, a CUDA graph capture, the interpreter)."""
+    if len(runners) == 1:
+        return "pointer"
+    choice = GATE_UP_FORM["force"] or GATE_UP_CHOICES.get(key)
+    if choice is None and may_time(device):
+        for run in runners.values():
+            run()  # (first calls compile and tune)
+        times = _GATE_UP_TIMES[key] = time_runners(runners)
+        choice = GATE_UP_CHOICES[key] = min(times, key=times.get)
+        logger.info("fxfuse.moe: experts' gate/up (%d experts of %d x %d, %s, %s), up to %d pairs: TMA %.1f us "
+                    "(x's rows gathered), pointer %.1f us: runs %s", key[0], key[1], key[2], key[3],
+                    "training" if key[5] else "inference", key[-1], times["TMA"], times["pointer"], choice)
+    return choice or "pointer"
+
+
+def gate_up_timings(gate_up_shape: tuple[int, ...]) -> list[str]:
+    """The gate/up GEMM's timed choices so far in this process for experts whose ``gate_up_proj`` has
+    ``gate_up_shape`` (either layout), as :func:`fxfuse.report` lists them: ``gate/up up to 8192 pairs
+    (training): TMA (3402 / 3523 µs TMA / pointer)``."""
+    num, a, b = gate_up_shape
+    found = sorted((key for key in _GATE_UP_TIMES if key[0] == num and {key[1], key[2]} == {a, b}),
+                   key=lambda k: (k[-1], k[5]))
+    return [f"gate/up up to {key[-1]} pairs ({'training' if key[5] else 'inference'}): {GATE_UP_CHOICES[key]} "
+            f"({_GATE_UP_TIMES[key]['TMA']:.0f} / {_GATE_UP_TIMES[key]['pointer']:.0f} µs TMA / pointer)"
+            for key in found]
+
+
+def _launch_gate_up_tma(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, gu: Optional[torch.Tensor],
+                        layout: PairLayout, top_k: int, act_args: dict) -> None:
+    """The gate/up GEMM by TMA (:mod:`fxfuse.kernels.moe_tma_template`): x's rows gathered into the layout's order,
+    then the persistent kernel writing ``h`` (and ``gu``, the pre-activations, in training)."""
+    E, two_i, H = w1.shape
+    inter = two_i // 2
+    blocks, bm = layout.block_expert.numel(), layout.block_m
+    rows = torch.empty(layout.rows.numel(), H, dtype=x.dtype, device=x.device)
+    launch(moe_gather_rows_kernel, lambda meta: (blocks, cdiv(H, _GATHER_COLUMNS)), dict(
+        x_ptr=x, out_ptr=rows, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, K=H, TOP_K=top_k,
+        stride_xm=x.stride(0), stride_om=rows.stride(0), BLOCK_M=bm, BLOCK_K=_GATHER_COLUMNS, num_warps=4), ())
+    TensorDescriptor = _tensor_descriptor()
+    w_kn = w1.stride(2) != 1  # stored [E, H, 2I] (gpt-oss)
+    memory = w1.transpose(1, 2) if w_kn else w1  # last dim contiguous
+    if act_args["INTERLEAVED"]:
+        w_shape, w_strides = list(memory.shape), list(memory.stride())
+    elif w_kn:  # [E, H, 2I] as [E, H, 2, I]
+        w_shape, w_strides = [E, H, 2, inter], [memory.stride(0), memory.stride(1), inter, 1]
+    else:  # [E, 2I, H] as [E, 2, I, H]
+        w_shape, w_strides = [E, 2, inter, H], [memory.stride(0), inter * memory.stride(1), memory.stride(1), 1]
+    # (block shapes: placeholders that the config's pre-hook sets)
+    h_desc = TensorDescriptor(h, list(h.shape), list(h.stride()), [16, 16])
+    sms = _INTERPRETER_SMS if x.device.type == "cpu" else _cuda_props(_device_index(x.device))[1]
+    launch_with_descriptors(moe_gate_up_tma_kernel, lambda meta: (
+        min(meta["PER_SM"] * sms, blocks * cdiv(inter, meta["BLOCK_N"])),), dict(
+        x_desc=TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [16, 16]),
+        w_desc=TensorDescriptor(memory, w_shape, w_strides, [1] * (len(w_shape) - 2) + [16, 16]), h_desc=h_desc,
+        gu_ptr=gu if gu is not None else h, block_expert_ptr=layout.block_expert, K=H, N=inter, blocks=blocks,
+        W_KN=w_kn, DTYPE=str(x.dtype).removeprefix("torch."), **act_args), ("blocks",))
+
+
+def gate_up_by_tma(x: torch.Tensor, w1: torch.Tensor, block_m: int) -> bool:
+    """Whether the gate/up GEMM takes the TMA kernel (:func:`_launch_gate_up_tma`): the weights as
+    :func:`down_by_tma` asks of its own (``w1`` the ``[E, 2I, H]`` view), and rows of H and of I 16-byte multiples
+    (x's rows are gathered into a contiguous copy; the halves' split is a stride of the weights' TMA view)."""
+    elem = x.element_size()
+    return (x.shape[1] * elem % _TMA_ALIGN == 0 and w1.shape[1] // 2 * elem % _TMA_ALIGN == 0
+            and _weights_by_tma(w1, x.dtype, block_m))
+
+
 def down_by_tma(a: torch.Tensor, w: torch.Tensor, block_m: int) -> bool:
     """Whether :func:`launch_down` takes the TMA kernel: a Hopper GPU (or the interpreter, which emulates TMA),
     ``a`` and ``w`` of one dtype, TMA-describable (last dim contiguous, 16-byte aligned base and strides), and on
     a GPU 16-bit operands at 64 or more rows per block (where it was measured faster; decode-size blocks keep the
     pointer kernel's tuned tiles, fp32 its exact-precision ones)."""
-    if not tma_supported(a.device) or a.dtype != w.dtype or not _describable(a) or not (
-            w.stride(2) == 1 or w.stride(1) == 1):
+    return _describable(a) and _weights_by_tma(w, a.dtype, block_m)
+
+
+def _weights_by_tma(w: torch.Tensor, dtype: torch.dtype, block_m: int) -> bool:
+    """:func:`down_by_tma`'s rule for the weights ``w`` ``[E, N, K]`` against operands of ``dtype``."""
+    if not tma_supported(w.device) or w.dtype != dtype or not (w.stride(2) == 1 or w.stride(1) == 1):
         return False
-    elem = a.element_size()
+    elem = w.element_size()
     if not interpreting() and (elem != 2 or block_m < 64):
         return False
     # the weight's strides but the contiguous one, by position (a size-1 dim may have stride 1)

@@ -33,9 +33,9 @@ import triton.language as tl
 from .template import autotune_enabled, interpreting
 from .tuning import autotune
 
-__all__ = ["ACTIVATIONS", "WEIGHT_GRAD_SMALL_TILES", "WEIGHT_GRAD_TENSOR_CORE_TILES", "moe_configs",
-           "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel", "moe_place_kernel", "moe_route_kernel",
-           "prune_moe_configs", "store_pair_rows"]
+__all__ = ["ACTIVATIONS", "WEIGHT_GRAD_SMALL_TILES", "WEIGHT_GRAD_TENSOR_CORE_TILES", "gated_act", "grouped_tile",
+           "moe_configs", "moe_count_kernel", "moe_down_kernel", "moe_gate_up_kernel", "moe_place_kernel",
+           "moe_route_kernel", "prune_moe_configs", "store_pair_rows"]
 
 # The gate activations the kernel applies (``ACT``): transformers' ``hidden_act`` names, and gpt-oss's clamped
 # SwiGLU, ``(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``.
@@ -153,7 +153,7 @@ def prune_moe_configs(weight_grad: bool = False) -> dict | None:
 
 
 @triton.jit
-def _gate(g, u, alpha, limit, ACT: tl.constexpr):
+def gated_act(g, u, alpha, limit, ACT: tl.constexpr):
     """``act(g) * u`` on fp32 values: ACT 0 SiLU, 1 tanh-GELU, 2 erf GELU, 3 gpt-oss's clamped SwiGLU (``alpha``
     and ``limit`` are read only there)."""
     if ACT == 0:
@@ -281,7 +281,7 @@ def moe_gate_up_kernel(
             b_base = b_ptr + expert.to(tl.int64) * stride_be
             g += tl.load(b_base + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             u += tl.load(b_base + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    h = _gate(g, u, alpha, limit, ACT)  # on the fp32 accumulators; cast once
+    h = gated_act(g, u, alpha, limit, ACT)  # on the fp32 accumulators; cast once
     out_mask = valid[:, None] & (offs_n < N)[None, :]
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=out_mask)

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from .measured import may_time, time_runners
 from .moe_launch import PairLayout
-from .template import autotune_enabled, next_pow2
+from .template import next_pow2
 
 __all__ = ["GROUPED_WEIGHT_GRADS", "WEIGHT_GRAD_CHOICES", "grouped_down_grad", "grouped_gate_up_grad",
            "grouped_mm_takes", "weight_grad_timings", "weight_grads_by"]
@@ -41,7 +42,6 @@ GROUPED_WEIGHT_GRADS: dict = {"enabled": True, "force": None}
 WEIGHT_GRAD_CHOICES: dict[tuple, str] = {}
 # The same keys -> (grouped_mm µs, Triton µs) where they were timed, for fxfuse.report (weight_grad_timings)
 _TIMES: dict[tuple, tuple[float, float]] = {}
-_ROUNDS = 2  # interleaved timing rounds per candidate (the best median of each kept)
 
 
 def grouped_mm_takes(dtype: torch.dtype, device: torch.device) -> bool:
@@ -89,12 +89,6 @@ def grouped_down_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, do
     return _grouped_sum(layout, segments, top_k, dout, rh, by_token_first=not transposed)
 
 
-def _gpu_us(run: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
-
-
 def weight_grads_by(what: str, shape: tuple, pairs: int, grouped: Callable[[], Any],
                     triton: Callable[[], Any]) -> Any:
     """A weight gradient by ``grouped`` (torch._grouped_mm) or ``triton`` (the Triton kernel), whichever was
@@ -105,8 +99,7 @@ def weight_grads_by(what: str, shape: tuple, pairs: int, grouped: Callable[[], A
     """
     key = tuple(shape) + (next_pow2(pairs),)
     choice = GROUPED_WEIGHT_GRADS["force"] or WEIGHT_GRAD_CHOICES.get(key)
-    if choice is None and autotune_enabled() and not (torch.cuda.is_available()
-                                                      and torch.cuda.is_current_stream_capturing()):
+    if choice is None and may_time():
         choice = _time_choice(what, key, grouped, triton)
     if choice == "triton" or not GROUPED_WEIGHT_GRADS["enabled"]:
         return triton()
@@ -125,10 +118,7 @@ def _time_choice(what: str, key: tuple, grouped: Callable[[], Any], triton: Call
         _grouped_failed(exc)
         return "triton"
     triton()  # (its first call autotunes)
-    times: dict[str, float] = {}
-    for _ in range(_ROUNDS):
-        for name, run in runners.items():
-            times[name] = min(times.get(name, float("inf")), _gpu_us(run))
+    times = time_runners(runners)
     choice = min(times, key=times.get)
     WEIGHT_GRAD_CHOICES[key] = choice
     _TIMES[key] = (times["grouped_mm"], times["triton"])

@@ -1,0 +1,48 @@
+"""Timing kernels that compute the same result, for the choices the MoE launchers measure at a first call.
+
+A choice between two kernels whose speed depends on the shape more than a rule can say (the MoE weight gradients
+on ``torch._grouped_mm`` or the Triton kernel, the gate/up GEMM by TMA or by pointer) is timed once per key at
+its first call: each candidate run once (their first calls compile and tune), then timed in interleaved rounds by
+``triton.testing.do_bench``, the best median of each kept. Untimed inside a CUDA graph capture and with
+``FXFUSE_AUTOTUNE=0``: the caller's default then.
+
+Example:
+    >>> may_time() in (True, False)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from .template import autotune_enabled
+
+__all__ = ["gpu_us", "may_time", "time_runners"]
+
+ROUNDS = 2  # interleaved timing rounds per candidate (the best median of each kept)
+
+
+def gpu_us(run: Callable[[], Any]) -> float:
+    """GPU µs of ``run``: do_bench's median over a short window (L2 flushed before each call)."""
+    from triton.testing import do_bench
+
+    return do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def may_time(device: Optional[torch.device] = None) -> bool:
+    """Whether a measured choice may time its candidates now: autotuning on, no CUDA graph capture running, and
+    the candidates' ``device`` (if given) a GPU (the interpreter's CPU runs take the caller's default)."""
+    return (autotune_enabled() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+            and (device is None or device.type == "cuda"))
+
+
+def time_runners(runners: dict[str, Callable[[], Any]], rounds: int = ROUNDS) -> dict[str, float]:
+    """µs of each runner (already run once: compiled and tuned), the best of ``rounds`` interleaved rounds."""
+    times: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            times[name] = min(times.get(name, float("inf")), gpu_us(run))
+    return times
