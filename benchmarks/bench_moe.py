@@ -326,7 +326,8 @@ def main(argv=None) -> int:
     import fxfuse
 
     logging.basicConfig(format="    %(name)s: %(message)s")
-    logging.getLogger("fxfuse.moe").setLevel(logging.INFO)  # each bucket's measured choice
+    for name in ("fxfuse.moe", "fxfuse.kernels.moe_launch", "fxfuse.kernels.moe_weight_grads"):
+        logging.getLogger(name).setLevel(logging.INFO)  # each bucket's measured choices (kernels, gate/up, grads)
     timer = Timer(warmup=2 if args.cpu_smoke else 25, rep=2 if args.cpu_smoke else 100, cpu=args.cpu_smoke)
     ceil = measure_ceilings(timer, args.device, args.cpu_smoke)
     env = env_info(args)
