@@ -654,8 +654,9 @@ def test_moe_gradients_match_float64_in_the_interpreter(down, act, dtype, monkey
         return torch.stack(rows)
 
     check_gradients(module, x, index, weights, reference_forward, GRAD_TOL[dtype])
-    # (the forward's gate/up and down projections and dx each took it)
-    assert len(picks) == 3 and all(picks) == (down == "tma")
+    # (the forward's gate/up and down projections, the backward's G and dx each took it; G's rule is asked again
+    # by launch_down when it holds)
+    assert len(picks) == (5 if down == "tma" else 4) and all(picks) == (down == "tma")
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
@@ -1408,9 +1409,10 @@ def check_every_config(family: str, dtype: torch.dtype, device: str, monkeypatch
         except OutOfResources:  # (the autotuner drops such a config too)
             continue
         ran += 1
-    # (one of the two gate/up kernels and one of the two down kernels: TMA or pointer, by dtype and rows)
+    # (one of the two gate/up kernels and one of the two down kernels: TMA or pointer, by dtype and rows; the TMA down
+    # kernel also computes the backward's G, else moe_down_backward_kernel does)
     names = {name for name, _ in launched}
-    assert ran >= min(2, most) and len(names) == 4
+    assert ran >= min(2, most) and len(names) == (3 if "moe_down_tma_kernel" in names else 4)
     assert ("moe_gate_up_tma_kernel" in names) == (gate_up == "TMA" and (device == "cpu" or dtype != torch.float32))
 
 
@@ -1432,7 +1434,8 @@ def test_gpu_every_moe_config_gives_the_gradients(family, dtype, gate_up, monkey
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_every_moe_launch_names_each_argument_the_lean_launcher_needs(family, monkeypatch):
+@pytest.mark.parametrize("gemms", ["tma", "pointer"])
+def test_every_moe_launch_names_each_argument_the_lean_launcher_needs(gemms, family, monkeypatch):
     # The lean launcher records a launch only when it names every kernel argument its config does not set: one left
     # to its default sends every launch of that call site through Triton's Python path, with nothing failing (the
     # weight-gradient kernel's GROUP_N, a default since removed, did until session 36). A training step's forward
@@ -1450,15 +1453,16 @@ def test_every_moe_launch_names_each_argument_the_lean_launcher_needs(family, mo
         return original(self, grid, args)
 
     monkeypatch.setattr(fastlaunch.LeanLauncher, "launch", checked)
-    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", "TMA")
+    force_tma(gemms == "tma", monkeypatch)
     torch.manual_seed(0)
     module = experts("silu", torch.float32, "cpu") if family == "mixtral" else biased_experts(family, torch.float32,
                                                                                              "cpu")
     x = torch.randn(9, 32, requires_grad=True)
     index, weights = local_routing(9, 2, 4, "cpu", torch.float32)
     kernels_forward(module, x, index, weights.requires_grad_()).square().sum().backward()
-    assert {"moe_gather_rows_kernel", "moe_gate_up_tma_kernel", "moe_down_tma_kernel", "moe_down_backward_kernel",
-            "moe_gate_backward_kernel", "moe_weight_grad_kernel"} <= launched
+    gemms = ({"moe_gather_rows_kernel", "moe_gate_up_tma_kernel", "moe_down_tma_kernel"} if gemms == "tma"
+             else {"moe_gate_up_kernel", "moe_down_kernel", "moe_down_backward_kernel"})  # (G's pointer form)
+    assert gemms | {"moe_gate_backward_kernel", "moe_weight_grad_kernel"} <= launched
     assert not unnamed
 
 

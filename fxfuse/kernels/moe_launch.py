@@ -50,7 +50,7 @@ from .tma_launch import (
 )
 
 __all__ = ["ELSEWHERE_BLOCK", "GATE_UP_CHOICES", "GATE_UP_FORM", "UNUSED_BLOCK", "ExpertsForm", "MoESaved",
-           "PairLayout", "block_rows", "down_by_tma", "gate_up_by_tma", "gate_up_timings", "launch_down",
+           "PairLayout", "block_rows", "down_by_tma", "gather_rows", "gate_up_by_tma", "gate_up_timings", "launch_down",
            "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
 
 
@@ -271,12 +271,13 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
 
 
 def launch_down(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-                layout: PairLayout, routing: torch.Tensor, precision: str) -> None:
+                layout: PairLayout, routing: torch.Tensor, precision: str, by_row: bool = False) -> None:
     """``out[p] = routing[p] * (a[row of p] @ w[e]^T + bias[e])`` for every pair p of ``layout``: the down kernel
     (forward: ``a`` = h) and dx (``a`` = the gate/up gradient, ``w`` = gate_up's transpose). ``a`` ``[padded rows,
     K]`` (last dim contiguous), ``w`` an ``[E, N, K]`` view (either dim of its last two contiguous), ``out``
     ``[pairs, N]``. By TMA (:mod:`fxfuse.kernels.moe_tma_template`) where :func:`down_by_tma` says, else by pointer
-    (:func:`~fxfuse.kernels.moe_template.moe_down_kernel`)."""
+    (:func:`~fxfuse.kernels.moe_template.moe_down_kernel`). ``by_row`` (TMA only; the backward's G): ``out[r] = a[r]
+    @ w[e]^T`` at each pair's layout row r instead, ``out`` ``[padded rows, N]``, no bias or routing weight."""
     E, N, K = w.shape
     blocks, bm = layout.block_expert.numel(), layout.block_m
     bias_args = dict(b_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
@@ -290,9 +291,11 @@ def launch_down(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
             h_desc=TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 16]),
             w_desc=TensorDescriptor(memory, list(memory.shape), list(memory.stride()), [1, 16, 16]),
             out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, routing_ptr=routing, K=K, N=N,
-            blocks=blocks, stride_om=out.stride(0), W_KN=w_kn, DTYPE=str(a.dtype).removeprefix("torch."),
+            blocks=blocks, stride_om=out.stride(0), W_KN=w_kn, BY_ROW=by_row, DTYPE=str(a.dtype).removeprefix("torch."),
             INPUT_PRECISION=precision, BLOCK_M=bm, **bias_args), ("blocks",))
         return
+    if by_row:
+        raise ValueError("fxfuse.moe: launch_down(by_row=True) takes the TMA kernel only (down_by_tma)")
     launch(moe_down_kernel, lambda meta: (blocks, cdiv(N, meta["BLOCK_N"])), dict(
         h_ptr=a, w_ptr=w, out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert,
         routing_ptr=routing, K=K, N=N, stride_hm=a.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1),
@@ -345,11 +348,8 @@ def _launch_gate_up_tma(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, gu: 
     then the persistent kernel writing ``h`` (and ``gu``, the pre-activations, in training)."""
     E, two_i, H = w1.shape
     inter = two_i // 2
-    blocks, bm = layout.block_expert.numel(), layout.block_m
-    rows = torch.empty(layout.rows.numel(), H, dtype=x.dtype, device=x.device)
-    launch(moe_gather_rows_kernel, lambda meta: (blocks, cdiv(H, _GATHER_COLUMNS)), dict(
-        x_ptr=x, out_ptr=rows, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, K=H, TOP_K=top_k,
-        stride_xm=x.stride(0), stride_om=rows.stride(0), BLOCK_M=bm, BLOCK_K=_GATHER_COLUMNS, num_warps=4), ())
+    blocks = layout.block_expert.numel()
+    rows = gather_rows(x, layout, top_k)
     TensorDescriptor = _tensor_descriptor()
     w_kn = w1.stride(2) != 1  # stored [E, H, 2I] (gpt-oss)
     memory = w1.transpose(1, 2) if w_kn else w1  # last dim contiguous
@@ -368,6 +368,20 @@ def _launch_gate_up_tma(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, gu: 
         w_desc=TensorDescriptor(memory, w_shape, w_strides, [1] * (len(w_shape) - 2) + [16, 16]), h_desc=h_desc,
         gu_ptr=gu if gu is not None else h, block_expert_ptr=layout.block_expert, K=H, N=inter, blocks=blocks,
         W_KN=w_kn, DTYPE=str(x.dtype).removeprefix("torch."), **act_args), ("blocks",))
+
+
+def gather_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
+    """``[padded rows, H]``: each row of the layout's experts' blocks holds its pair's token's row of ``src`` ``[T,
+    H]`` (last dim contiguous), zeros at padding rows; blocks of no expert here are left unwritten (no kernel reads
+    them). One launch of :func:`~fxfuse.kernels.moe_tma_template.moe_gather_rows_kernel`: the TMA GEMMs' A operand
+    and grouped_mm's weight-gradient operand."""
+    H = src.shape[1]
+    blocks, bm = layout.block_expert.numel(), layout.block_m
+    out = torch.empty(layout.rows.numel(), H, dtype=src.dtype, device=src.device)
+    launch(moe_gather_rows_kernel, lambda meta: (blocks, cdiv(H, _GATHER_COLUMNS)), dict(
+        x_ptr=src, out_ptr=out, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, K=H, TOP_K=top_k,
+        stride_xm=src.stride(0), stride_om=out.stride(0), BLOCK_M=bm, BLOCK_K=_GATHER_COLUMNS, num_warps=4), ())
+    return out
 
 
 def gate_up_by_tma(x: torch.Tensor, w1: torch.Tensor, block_m: int) -> bool:

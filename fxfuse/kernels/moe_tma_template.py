@@ -78,7 +78,7 @@ def _prune(configs, named_args, **kwargs):
     return kept if autotune_enabled() else kept[:1]
 
 
-@autotune(configs=moe_tma_configs(), key=["K", "N", "BLOCK_M", "W_KN", "DTYPE", "INPUT_PRECISION"],
+@autotune(configs=moe_tma_configs(), key=["K", "N", "BLOCK_M", "W_KN", "BY_ROW", "DTYPE", "INPUT_PRECISION"],
           prune_configs_by=None if interpreting() else {"early_config_prune": _prune})
 @triton.jit
 def moe_down_tma_kernel(
@@ -96,6 +96,7 @@ def moe_down_tma_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     W_KN: tl.constexpr,
+    BY_ROW: tl.constexpr,
     DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -113,7 +114,9 @@ def moe_down_tma_kernel(
                       past N and K, so partial tiles need no masks in the K loop.
     b_ptr:            biases ``[E, N]`` (row stride ``stride_be``), read if HAS_BIAS; otherwise any valid pointer.
     out_ptr:          ``[pairs, N]`` (row stride ``stride_om``): one row per (token, expert) pair; the rows of a
-                      block marked -2 (routed to an expert held elsewhere) are written as zeros.
+                      block marked -2 (routed to an expert held elsewhere) are written as zeros. BY_ROW (the
+                      backward's G, ``dout``'s gathered rows times the down weights): ``[padded rows, N]``, each
+                      layout row's own, no bias or routing weight, padding rows and -2 blocks unwritten.
     rows_ptr, block_expert_ptr: the pair layout (:class:`~fxfuse.kernels.moe_launch.PairLayout`).
     routing_ptr:      the routing weight of each pair ``[pairs]`` (any float dtype), applied in fp32.
     K, N:             the reduced size (intermediate size; dx: 2 x it) and the output columns (hidden size).
@@ -134,8 +137,9 @@ def moe_down_tma_kernel(
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert == -2:  # ELSEWHERE_BLOCK: pairs routed to no expert here add nothing to their token
-        store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
-                        False, False)
+        if not BY_ROW:  # (G: no gradient through them)
+            store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr,
+                            stride_om, False, False)
         return
     for k0 in range(0, K, BLOCK_K):
         a = h_desc.load([block * BLOCK_M, k0])
@@ -145,8 +149,12 @@ def moe_down_tma_kernel(
         else:
             w = w_desc.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
             acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
-    store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr, stride_om,
-                    HAS_BIAS, True)
+    if BY_ROW:  # the backward's G: each layout row's own, unscaled (padding rows unwritten)
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    else:
+        store_pair_rows(acc, expert, pairs, valid, offs_n, n_mask, b_ptr, stride_be, routing_ptr, out_ptr,
+                        stride_om, HAS_BIAS, True)
 
 
 # Rows of x a gather program copies, and columns per step.

@@ -5,7 +5,8 @@ Each weight gradient is, per expert, a sum over the expert's rows of outer produ
 over the expert's ~``T * top_k / E`` rows of the pair layout. ``torch._grouped_mm`` (CUTLASS's grouped GEMM on
 Hopper; bf16 only) takes that form directly: two 2-D operands, K split at each expert's end row. It reads its
 operands in the layout's sorted rows, so x and the output gradient are gathered into them first (two ``[rows, H]``
-copies), and the other operands' padding rows must be zeros (the gate backward writes them so).
+copies, one launch each; the output gradient's is the one the backward's G took where it ran by TMA), and the
+other operands' padding rows must be zeros (the gate backward writes them so).
 
 Neither wins everywhere (H100, bf16, forward + backward of one layer, ``probe_moe.py --train
 --weight-grads``): grouped_mm at Mixtral-8x7B's shapes at every token count (4096 tokens: 17.8 against
@@ -21,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .measured import may_time, time_runners
-from .moe_launch import PairLayout
+from .moe_launch import PairLayout, gather_rows
 from .template import next_pow2
 
 __all__ = ["GROUPED_WEIGHT_GRADS", "WEIGHT_GRAD_CHOICES", "grouped_down_grad", "grouped_gate_up_grad",
@@ -50,20 +51,14 @@ def grouped_mm_takes(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch, "_grouped_mm"))
 
 
-def _sorted_rows(src: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``[rows, H]``: each sorted row's token's row of ``src`` ``[T, H]``, zeros at padding (rows past the
-    layout's used blocks hold whatever: the grouped GEMM reads only up to the last expert's end)."""
-    pairs = src.shape[0] * top_k
-    out = src.index_select(0, rows.clamp(0, pairs - 1).div(top_k, rounding_mode="floor"))
-    return out.masked_fill_((rows < 0).unsqueeze(1), 0)
-
-
 def _grouped_sum(layout: PairLayout, segments: torch.Tensor, top_k: int, by_token: torch.Tensor,
-                 by_row: torch.Tensor, by_token_first: bool) -> torch.Tensor:
+                 by_row: torch.Tensor, by_token_first: bool, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each expert's sum over its rows of ``by_token[row's token]^T by_row[row]`` (``by_token_first``) or of
-    ``by_row[row]^T by_token[row's token]``, by ``torch._grouped_mm`` with K split at each expert's end row."""
+    ``by_row[row]^T by_token[row's token]``, by ``torch._grouped_mm`` with K split at each expert's end row.
+    ``rows``: ``by_token``'s rows already gathered into the layout (:func:`~fxfuse.kernels.moe_launch.gather_rows`:
+    zeros at padding; the grouped GEMM reads no row past the last expert's end)."""
     offs = (segments[1:] * layout.block_m).to(torch.int32)
-    rows = _sorted_rows(by_token, layout.rows, top_k)
+    rows = gather_rows(by_token, layout, top_k) if rows is None else rows
     return (torch._grouped_mm(rows.t(), by_row, offs=offs) if by_token_first
             else torch._grouped_mm(by_row.t(), rows, offs=offs))
 
@@ -82,11 +77,12 @@ def grouped_gate_up_grad(layout: PairLayout, segments: torch.Tensor, top_k: int,
 
 
 def grouped_down_grad(layout: PairLayout, segments: torch.Tensor, top_k: int, dout: torch.Tensor,
-                      rh: torch.Tensor, transposed: bool) -> torch.Tensor:
+                      rh: torch.Tensor, transposed: bool, dout_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """d down in the parameter's layout (``[E, H, I]``, or ``[E, I, H]`` when ``transposed``) as
     :func:`grouped_gate_up_grad`: ``d down[e] = dout[e's tokens]^T rh[e's rows]`` (``rh``: h scaled by the routing
-    weights, zero at padding rows)."""
-    return _grouped_sum(layout, segments, top_k, dout, rh, by_token_first=not transposed)
+    weights, zero at padding rows; ``dout_rows``: dout's rows already gathered into the layout, if the backward's G
+    took them)."""
+    return _grouped_sum(layout, segments, top_k, dout, rh, by_token_first=not transposed, rows=dout_rows)
 
 
 def weight_grads_by(what: str, shape: tuple, pairs: int, grouped: Callable[[], Any],
