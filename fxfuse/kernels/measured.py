@@ -3,8 +3,9 @@
 A choice between two kernels whose speed depends on the shape more than a rule can say (the MoE weight gradients
 on ``torch._grouped_mm`` or the Triton kernel, the gate/up GEMM by TMA or by pointer) is timed once per key at
 its first call: each candidate run once (their first calls compile and tune), then timed in interleaved rounds by
-``triton.testing.do_bench``, the best median of each kept. Untimed inside a CUDA graph capture and with
-``FXFUSE_AUTOTUNE=0``: the caller's default then.
+``triton.testing.do_bench``, the best median of each kept; the plain candidate stays unless the other wins by a
+margin (:func:`faster`). Untimed inside a CUDA graph capture and with ``FXFUSE_AUTOTUNE=0``: the caller's
+default then.
 
 Example:
     >>> may_time() in (True, False)
@@ -20,9 +21,14 @@ import torch
 
 from .template import autotune_enabled
 
-__all__ = ["gpu_us", "may_time", "time_runners"]
+__all__ = ["faster", "gpu_us", "may_time", "time_runners"]
 
 ROUNDS = 2  # interleaved timing rounds per candidate (the best median of each kept)
+# The share of the plain candidate's GPU time the other must beat: the other costs more host time a call (a gather
+# launch and tensor descriptors, or grouped_mm's torch glue), which a host-bound step pays and do_bench does not see
+# (gpt-oss's 512-token training step, H200: a weight gradient whose two forms timed 246.8 / 247.2 µs went to
+# grouped_mm and the step read 2043 -> 2688 µs).
+MARGIN = 0.95
 
 
 def gpu_us(run: Callable[[], Any]) -> float:
@@ -37,6 +43,18 @@ def may_time(device: Optional[torch.device] = None) -> bool:
     the candidates' ``device`` (if given) a GPU (the interpreter's CPU runs take the caller's default)."""
     return (autotune_enabled() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
             and (device is None or device.type == "cuda"))
+
+
+def faster(times: dict[str, float], plain: str, other: str) -> str:
+    """``other`` where it beat ``plain`` by :data:`MARGIN`, else ``plain``.
+
+    Example:
+        >>> faster({"pointer": 100.0, "TMA": 97.0}, "pointer", "TMA")
+        'pointer'
+        >>> faster({"pointer": 100.0, "TMA": 90.0}, "pointer", "TMA")
+        'TMA'
+    """
+    return other if times[other] < MARGIN * times[plain] else plain
 
 
 def time_runners(runners: dict[str, Callable[[], Any]], rounds: int = ROUNDS) -> dict[str, float]:

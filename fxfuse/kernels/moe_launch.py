@@ -27,7 +27,7 @@ import torch
 
 from .fastlaunch import launch
 from .launch import _input_precision
-from .measured import may_time, time_runners
+from .measured import faster, may_time, time_runners
 from .moe_template import (
     ACTIVATIONS,
     moe_count_kernel,
@@ -312,10 +312,11 @@ GATE_UP_FORM: dict = {"force": None}
 
 def _gate_up_choice(key: tuple, runners: dict, device: torch.device) -> str:
     """Which of ``runners`` computes the gate/up GEMM for ``key``: the pointer kernel alone where TMA does not
-    apply; else the faster of the two at the key's first call (H200, 4096 tokens: Mixtral's forward 5262 -> 4844 µs
-    by TMA; Qwen3-MoE's and gpt-oss's within a few percent either way, the gather of x's rows costing what the TMA
-    kernel gains: ``benchmarks/probes/probe_moe_gate_up_tma.py``), logged at INFO and kept; the pointer kernel
-    where it cannot be timed (``FXFUSE_AUTOTUNE=0``, a CUDA graph capture, the interpreter)."""
+    apply; else the faster of the two at the key's first call, TMA by a margin (:func:`~fxfuse.kernels.measured.
+    faster`; H200, 4096 tokens: Mixtral's forward 5262 -> 4844 µs by TMA; Qwen3-MoE's and gpt-oss's within a few
+    percent either way, the gather of x's rows costing what the TMA kernel gains: ``benchmarks/probes/
+    probe_moe_gate_up_tma.py``), logged at INFO and kept; the pointer kernel where it cannot be timed
+    (``FXFUSE_AUTOTUNE=0``, a CUDA graph capture, the interpreter)."""
     if len(runners) == 1:
         return "pointer"
     choice = GATE_UP_FORM["force"] or GATE_UP_CHOICES.get(key)
@@ -323,7 +324,7 @@ def _gate_up_choice(key: tuple, runners: dict, device: torch.device) -> str:
         for run in runners.values():
             run()  # (first calls compile and tune)
         times = _GATE_UP_TIMES[key] = time_runners(runners)
-        choice = GATE_UP_CHOICES[key] = min(times, key=times.get)
+        choice = GATE_UP_CHOICES[key] = faster(times, "pointer", "TMA")
         logger.info("fxfuse.moe: experts' gate/up (%d experts of %d x %d, %s, %s), up to %d pairs: TMA %.1f us "
                     "(x's rows gathered), pointer %.1f us: runs %s", key[0], key[1], key[2], key[3],
                     "training" if key[5] else "inference", key[-1], times["TMA"], times["pointer"], choice)

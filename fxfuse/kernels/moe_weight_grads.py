@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from .measured import may_time, time_runners
+from .measured import faster, may_time, time_runners
 from .moe_launch import PairLayout, gather_rows
 from .template import next_pow2
 
@@ -115,7 +115,7 @@ def _time_choice(what: str, key: tuple, grouped: Callable[[], Any], triton: Call
         return "triton"
     triton()  # (its first call autotunes)
     times = time_runners(runners)
-    choice = min(times, key=times.get)
+    choice = faster(times, "triton", "grouped_mm")  # (the Triton kernel: one lean launch, no torch glue)
     WEIGHT_GRAD_CHOICES[key] = choice
     _TIMES[key] = (times["grouped_mm"], times["triton"])
     logger.info("fxfuse.moe: experts' weight gradient %s, up to %d pairs: grouped_mm %.1f us, the Triton kernel "
