@@ -77,7 +77,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     # r * h with h recomputed (for d down) and the routing gradient's column-tile parts.
     grad_h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device)
     dout_rows = None
-    if moe_launch.down_by_tma(dout, w2.transpose(1, 2), bm):  # (launch_down's own rule, by its module's name)
+    if moe_launch.gathered_by_tma(dout, w2.transpose(1, 2), bm):  # (by its module's name: tests force it)
         # dout's rows gathered into the layout once: G by the TMA kernel (Mixtral at 4096 tokens, H200: 1589 ->
         # ... µs), and grouped_mm's d down takes the same rows
         dout_rows = gather_rows(dout, layout, top_k)

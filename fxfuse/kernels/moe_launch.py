@@ -50,8 +50,8 @@ from .tma_launch import (
 )
 
 __all__ = ["ELSEWHERE_BLOCK", "GATE_UP_CHOICES", "GATE_UP_FORM", "UNUSED_BLOCK", "ExpertsForm", "MoESaved",
-           "PairLayout", "block_rows", "down_by_tma", "gather_rows", "gate_up_by_tma", "gate_up_timings", "launch_down",
-           "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
+           "PairLayout", "block_rows", "down_by_tma", "gather_rows", "gathered_by_tma", "gate_up_by_tma",
+           "gate_up_timings", "launch_down", "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
 
 
 logger = logging.getLogger(__name__)
@@ -385,13 +385,18 @@ def gather_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tens
     return out
 
 
+def gathered_by_tma(src: torch.Tensor, w: torch.Tensor, block_m: int) -> bool:
+    """Whether :func:`launch_down` takes the TMA kernel for ``src``'s rows gathered into the layout
+    (:func:`gather_rows`: contiguous, so only the row's size counts, not ``src``'s strides) and the weights ``w``:
+    the backward's G."""
+    return src.shape[1] * src.element_size() % _TMA_ALIGN == 0 and _weights_by_tma(w, src.dtype, block_m)
+
+
 def gate_up_by_tma(x: torch.Tensor, w1: torch.Tensor, block_m: int) -> bool:
     """Whether the gate/up GEMM takes the TMA kernel (:func:`_launch_gate_up_tma`): the weights as
     :func:`down_by_tma` asks of its own (``w1`` the ``[E, 2I, H]`` view), and rows of H and of I 16-byte multiples
     (x's rows are gathered into a contiguous copy; the halves' split is a stride of the weights' TMA view)."""
-    elem = x.element_size()
-    return (x.shape[1] * elem % _TMA_ALIGN == 0 and w1.shape[1] // 2 * elem % _TMA_ALIGN == 0
-            and _weights_by_tma(w1, x.dtype, block_m))
+    return w1.shape[1] // 2 * x.element_size() % _TMA_ALIGN == 0 and gathered_by_tma(x, w1, block_m)
 
 
 def down_by_tma(a: torch.Tensor, w: torch.Tensor, block_m: int) -> bool:
