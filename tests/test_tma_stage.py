@@ -207,6 +207,19 @@ def test_prune_fits_shared_memory(monkeypatch, dtype, gated, m):
     assert len(tt._prune(tt.gpu_configs(), _prune_args(m, dtype, gated))) == 1
 
 
+def test_a_replay_steps_descriptor_by_address_keys_as_one_over_its_tensor():
+    # A replayed TMA stage binds its weight's descriptor to the weight's address (tma_launch._Address: no reference
+    # kept); the lean launcher keys it as a descriptor over the tensor. When that key gained the tensor's GPU
+    # (session 35), _Address had no get_device: every replayed TMA stage raised and its region ran the original ops
+    # from then on (session 38: test_profile_on_the_gpu saw the stage plus eager's five kernels each call).
+    descriptor = tma_launch._tensor_descriptor()
+    w = torch.randn(64, 32)
+    over_tensor = descriptor(w, [64, 32], [32, 1], [16, 16])
+    by_address = descriptor(tma_launch._Address(w), [64, 32], [32, 1], [16, 16])
+    key = tma_launch._TmaLeanLauncher.other_key
+    assert key(None, by_address) == key(None, over_tensor) == (torch.float32, True, w.get_device())
+
+
 def test_block_shape_hook():
     args = _prune_args(8192, torch.bfloat16, gated=True)
     args["out_desc"] = _prune_args(8192, torch.bfloat16, gated=False)["w_desc"]

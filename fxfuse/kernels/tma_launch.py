@@ -217,15 +217,19 @@ def run_stage_tma(x: torch.Tensor, weights, biases, operands, epilogue: str, *,
 
 
 class _Address:
-    """A stand-in ``base`` for a descriptor of a weight: its address and dtype, no reference to the tensor."""
+    """A stand-in ``base`` for a descriptor of a weight: its address, dtype and GPU, no reference to the tensor.
+    It answers what the lean launcher's key reads of a descriptor's base (:meth:`_TmaLeanLauncher.other_key`)."""
 
-    __slots__ = ("address", "dtype")
+    __slots__ = ("address", "dtype", "device_index")
 
     def __init__(self, t: torch.Tensor):
-        self.address, self.dtype = t.data_ptr(), t.dtype
+        self.address, self.dtype, self.device_index = t.data_ptr(), t.dtype, t.get_device()
 
     def data_ptr(self) -> int:
         return self.address
+
+    def get_device(self) -> int:
+        return self.device_index
 
 
 def _bound_step(lean: _TmaLeanLauncher, grid, args: dict, out: torch.Tensor):
