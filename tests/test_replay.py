@@ -218,17 +218,21 @@ class SwiGLU(torch.nn.Module):
 
 
 @pytest.mark.gpu
-def test_large_m_regions_replay_their_tma_launches():
+def test_large_m_regions_replay_their_tma_launches(caplog):
     import gc
+    import logging
 
     replay.forget_all()
     model = SwiGLU().cuda().to(torch.bfloat16).eval()
     opt = fxfuse.optimize(model)
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fxfuse"):
         for _ in range(3):  # TMA gate+up and down (untimed in the GPU tests): recorded, then replayed
             x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
             assert rel_err(opt(x), model(x)) < 1e-2
         assert len(replay.replays) == 1
+        # (a replay step that raised falls back to the original ops, right but slow, with a warning: sessions 35-37's
+        # descriptor key did so for every TMA stage)
+        assert "failed" not in caplog.text, caplog.text
         del opt, model
         gc.collect()
         torch.cuda.empty_cache()
