@@ -78,8 +78,8 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     grad_h = torch.empty(layout.rows.numel(), inter, dtype=dtype, device=device)
     dout_rows = None
     if moe_launch.gathered_by_tma(dout, w2.transpose(1, 2), bm):  # (by its module's name: tests force it)
-        # dout's rows gathered into the layout once: G by the TMA kernel (Mixtral at 4096 tokens, H200: 1589 ->
-        # ... µs), and grouped_mm's d down takes the same rows
+        # dout's rows gathered into the layout once: G by the TMA down kernel, and grouped_mm's d down takes the
+        # same rows
         dout_rows = gather_rows(dout, layout, top_k)
         launch_down(dout_rows, w2.transpose(1, 2), None, grad_h, layout, routing, precision, by_row=True)
     else:

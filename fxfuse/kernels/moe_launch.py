@@ -244,20 +244,31 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     precision = _input_precision(hidden.dtype)
     h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     gu = torch.empty(layout.rows.numel(), 2 * inter, dtype=hidden.dtype, device=hidden.device) if save else h
-    act_args = dict(alpha=form.alpha, limit=_finite(form.limit), ACT=ACTIVATIONS[form.act],
-                    INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None, STORE_GU=save, INPUT_PRECISION=precision,
-                    BLOCK_M=bm, b_ptr=b1 if b1 is not None else w1, stride_be=b1.stride(0) if b1 is not None else 0)
     # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
     columns = 2 * inter if form.interleaved else inter
-    runners = {"pointer": lambda: launch(  # (the lean launcher: ~3x less host time than ``kernel[grid]``)
-        moe_gate_up_kernel, lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"])), dict(
-            x_ptr=x, w_ptr=w1, h_ptr=h, gu_ptr=gu, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, K=H,
-            N=inter, TOP_K=top_k, stride_xm=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),
-            stride_wk=w1.stride(2), stride_hm=h.stride(0), **act_args), ())}
-    if gate_up_by_tma(x, w1, bm):
-        runners["TMA"] = lambda: _launch_gate_up_tma(x, w1, h, gu if save else None, layout, top_k, act_args)
-    runners[_gate_up_choice((E, two_i, H, form, bm, save, hidden.dtype, next_pow2(T * top_k)), runners,
-                                    hidden.device)]()
+    args = dict(
+        x_ptr=x, w_ptr=w1, b_ptr=b1 if b1 is not None else w1, h_ptr=h, gu_ptr=gu, rows_ptr=layout.rows,
+        block_expert_ptr=layout.block_expert, K=H, N=inter, TOP_K=top_k, stride_xm=x.stride(0),
+        stride_we=w1.stride(0), stride_wn=w1.stride(1), stride_wk=w1.stride(2),
+        stride_be=b1.stride(0) if b1 is not None else 0, stride_hm=h.stride(0), alpha=form.alpha,
+        limit=_finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, HAS_BIAS=b1 is not None,
+        STORE_GU=save, INPUT_PRECISION=precision, BLOCK_M=bm)
+
+    def pointer():  # (the lean launcher: after a signature's first launch, ~3x less host time than ``kernel[grid]``)
+        launch(moe_gate_up_kernel, lambda meta: (blocks, cdiv(columns, meta["BLOCK_N"])), args, ())
+
+    if not gate_up_by_tma(x, w1, bm):
+        pointer()
+    else:
+        key = (E, two_i, H, form, bm, save, hidden.dtype, next_pow2(T * top_k))
+        # (the kept choice first: the runners are built and timed only at a key's first call)
+        choice = GATE_UP_FORM["force"] or GATE_UP_CHOICES.get(key) or _gate_up_choice(key, {
+            "pointer": pointer, "TMA": lambda: _launch_gate_up_tma(x, w1, h, gu if save else None, layout, args)},
+            hidden.device)
+        if choice == "TMA":
+            _launch_gate_up_tma(x, w1, h, gu if save else None, layout, args)
+        else:
+            pointer()
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
     launch_down(h, w2, b2, pairs_out, layout, top_k_weights.reshape(-1).contiguous(), precision)
     saved = MoESaved(layout, x, h, gu, w1, w2, form) if save else None
@@ -343,18 +354,24 @@ def gate_up_timings(gate_up_shape: tuple[int, ...]) -> list[str]:
             for key in found]
 
 
+# The pointer gate/up kernel's arguments the TMA kernel takes as they are.
+_GATE_UP_SHARED = ("b_ptr", "stride_be", "alpha", "limit", "ACT", "INTERLEAVED", "HAS_BIAS", "STORE_GU",
+                   "INPUT_PRECISION", "BLOCK_M")
+
+
 def _launch_gate_up_tma(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, gu: Optional[torch.Tensor],
-                        layout: PairLayout, top_k: int, act_args: dict) -> None:
+                        layout: PairLayout, args: dict) -> None:
     """The gate/up GEMM by TMA (:mod:`fxfuse.kernels.moe_tma_template`): x's rows gathered into the layout's order,
-    then the persistent kernel writing ``h`` (and ``gu``, the pre-activations, in training)."""
+    then the persistent kernel writing ``h`` (and ``gu``, the pre-activations, in training). ``args``: the pointer
+    kernel's launch arguments (its activation, bias and flags are the TMA kernel's too)."""
     E, two_i, H = w1.shape
     inter = two_i // 2
     blocks = layout.block_expert.numel()
-    rows = gather_rows(x, layout, top_k)
+    rows = gather_rows(x, layout, args["TOP_K"])
     TensorDescriptor = _tensor_descriptor()
     w_kn = w1.stride(2) != 1  # stored [E, H, 2I] (gpt-oss)
     memory = w1.transpose(1, 2) if w_kn else w1  # last dim contiguous
-    if act_args["INTERLEAVED"]:
+    if args["INTERLEAVED"]:
         w_shape, w_strides = list(memory.shape), list(memory.stride())
     elif w_kn:  # [E, H, 2I] as [E, H, 2, I]
         w_shape, w_strides = [E, H, 2, inter], [memory.stride(0), memory.stride(1), inter, 1]
@@ -368,7 +385,7 @@ def _launch_gate_up_tma(x: torch.Tensor, w1: torch.Tensor, h: torch.Tensor, gu: 
         x_desc=TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [16, 16]),
         w_desc=TensorDescriptor(memory, w_shape, w_strides, [1] * (len(w_shape) - 2) + [16, 16]), h_desc=h_desc,
         gu_ptr=gu if gu is not None else h, block_expert_ptr=layout.block_expert, K=H, N=inter, blocks=blocks,
-        W_KN=w_kn, DTYPE=str(x.dtype).removeprefix("torch."), **act_args), ("blocks",))
+        W_KN=w_kn, DTYPE=str(x.dtype).removeprefix("torch."), **{k: args[k] for k in _GATE_UP_SHARED}), ("blocks",))
 
 
 def gather_rows(src: torch.Tensor, layout: PairLayout, top_k: int) -> torch.Tensor:
