@@ -1,12 +1,15 @@
 """The MoE backward's bias gradients: each expert's column sums over its rows, by the weight-gradient kernel (as the
-library runs them: a sum against a column of ones) against a plain column-sum kernel.
+library ran them until session 39: a sum against a column of ones) against a plain column-sum kernel, and the down
+bias's by the library's routed GEMM since (``moe_routed_sums_kernel``, dout read once) at a few tiles.
 
 gpt-oss's experts have a bias on each projection, so its backward sums ``dgu`` (``[padded rows, 2I]``) over each
 expert's rows for ``d gate_up_bias``, and the routing-weighted rows of ``dout`` (by token) for ``d down_bias``. The
 library computes both with ``moe_weight_grad_kernel`` (a ``tl.dot`` whose second operand is one column of ones); in
 session 38's profile of gpt-oss's 4096-token training step the two took 239 µs, ~1.3 TB/s of reads. Here the same
 sums by ``segment_column_sums`` (a program per expert and column block, rows summed in fp32 with ``tl.sum``) over a
-few tiles, each against the library's and a float64 torch reference.
+few tiles, each against the weight-gradient kernel's and a float64 torch reference. Session 39 (H200, 4096 tokens):
+weight-gradient kernel 140 / 101 µs, column sums at best 161 / 87: neither kept; the gate/up bias's sums moved into
+the gate backward (per block, added per expert by ``moe_block_sums_kernel``), the down bias's to the routed GEMM.
 
     python3 benchmarks/probes/probe_moe_bias_sums.py [--tokens 512,4096]   # (CPU: the interpreter, tiny shapes)
 """
@@ -26,10 +29,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from fxfuse.kernels.fastlaunch import launch  # noqa: E402
 from fxfuse.kernels.moe_backward_launch import _segments  # noqa: E402
 from fxfuse.kernels.moe_backward_template import moe_weight_grad_kernel  # noqa: E402
+from fxfuse.kernels.moe_bias_template import moe_routed_sums_kernel  # noqa: E402
 from fxfuse.kernels.moe_launch import block_rows, route_pairs  # noqa: E402
 from fxfuse.kernels.template import cdiv  # noqa: E402
 
 TILES = ((128, 32, 4), (128, 64, 8), (256, 32, 8), (256, 64, 8), (512, 16, 8))  # BLOCK_N, BLOCK_R, warps
+ROUTED_TILES = ((64, 32, 4), (64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 16, 4))  # BLOCK_T, BLOCK_N, warps
 
 
 @triton.jit
@@ -101,7 +106,7 @@ def point(tokens: int, device: str) -> None:
             library_sums(out, a, by_token_, ones, routing, layout, segments, top_k, scale)
         lib()
         err = ((out.squeeze(2).cpu().double() - want).norm() / want.norm()).item()
-        print(f"  {name:15s} library      {us(lib, device):8.1f} us  rel err {err:.1e}", flush=True)
+        print(f"  {name:15s} weight-grad kernel {us(lib, device):8.1f} us  rel err {err:.1e}", flush=True)
         for bn, br, warps in TILES if device == "cuda" else ((16, 8, 4),):
             sums = torch.empty(E, n, dtype=dtype, device=device)
 
@@ -113,6 +118,19 @@ def point(tokens: int, device: str) -> None:
             err = ((sums.cpu().double() - want).norm() / want.norm()).item()
             print(f"  {name:15s} column sums {bn}x{br} w{warps} {us(mine, device):8.1f} us  rel err {err:.1e}",
                   flush=True)
+    flat_index = index.to(device).reshape(-1).contiguous()
+    for bt, bn, warps in ROUTED_TILES if device == "cuda" else ((16, 16, 4),):
+        sums = torch.empty(E, H, dtype=dtype, device=device)
+
+        def routed(sums=sums, bt=bt, bn=bn, warps=warps):
+            moe_routed_sums_kernel[(triton.cdiv(H, bn),)](
+                dout, flat_index, routing, sums, tokens, H, top_k, E, dout.stride(0), sums.stride(0),
+                INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32", E_PAD=max(16, triton.next_power_of_2(E)),
+                BLOCK_T=bt, BLOCK_N=bn, num_warps=warps)
+        routed()
+        err = ((sums.cpu().double() - want_b2).norm() / want_b2.norm()).item()
+        print(f"  d down_bias     routed GEMM {bt}x{bn} w{warps} {us(routed, device):8.1f} us  rel err {err:.1e}",
+              flush=True)
 
 
 def us(fn, device: str) -> float:

@@ -26,6 +26,7 @@ from .moe_backward_template import (
     moe_gate_backward_kernel,
     moe_weight_grad_kernel,
 )
+from .moe_bias_template import moe_block_sums_kernel, moe_routed_sums_kernel
 from .moe_launch import (
     ExpertsForm,
     MoESaved,
@@ -38,13 +39,14 @@ from .moe_launch import (
 )
 from .moe_template import ACTIVATIONS
 from .moe_weight_grads import grouped_down_grad, grouped_gate_up_grad, grouped_mm_takes, weight_grads_by
-from .template import cdiv
+from .template import cdiv, next_pow2
 
 __all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
 _GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
 _BIAS_PAIRS = 32  # pairs a program of the down bias's routing gradient takes
+_ROUTED_MAX_EXPERTS = 128  # the down bias's gradient as one routed GEMM up to here (its [E, tokens] tile in registers)
 
 
 def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
@@ -94,13 +96,17 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     bias_part = needs[1] and down_bias is not None
     # (one row per gate column tile, and with a down bias one for dout[t] . down_bias[e])
     dr_parts = torch.zeros(cdiv(inter, gate_n) + bias_part, pairs, dtype=torch.float32, device=device)
+    # the gate/up bias's gradient: each block's column sums of dgu, written by the gate kernel (dgu not read again)
+    db1_parts = torch.empty(blocks, two_i, dtype=torch.float32, device=device) if needs[4] else None
     gate_grid = (blocks, cdiv(inter, gate_n))
     launch(moe_gate_backward_kernel, lambda meta: gate_grid, dict(
         grad_h_ptr=grad_h, gu_ptr=saved.gu, h_ptr=h if h is not None else dgu, routing_ptr=routing, dgu_ptr=dgu,
-        dr_ptr=dr_parts, rows_ptr=layout.rows, block_expert_ptr=layout.block_expert, N=inter, pairs=pairs,
-        alpha=form.alpha, limit=_finite(form.limit), ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved,
-        STORE_H=h is not None, BLOCK_M=bm, BLOCK_N=gate_n, num_warps=8 if bm >= 128 else 4), ("pairs",))
+        dr_ptr=dr_parts, db_ptr=db1_parts if db1_parts is not None else dr_parts, rows_ptr=layout.rows,
+        block_expert_ptr=layout.block_expert, N=inter, pairs=pairs, alpha=form.alpha, limit=_finite(form.limit),
+        ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, STORE_H=h is not None, SUM_DGU=needs[4],
+        BLOCK_M=bm, BLOCK_N=gate_n, num_warps=8 if bm >= 128 else 4), ("pairs",))
     del grad_h
+    segments = _segments(layout, E) if any(needs[2:]) else None
     dx = dr = d_w1 = d_w2 = d_b1 = d_b2 = None
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
@@ -128,8 +134,8 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
             stride_on=out.stride(1), stride_ok=out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token,
             SCALE_A=scale_a, INPUT_PRECISION=precision, BLOCK_M=bm), ())
 
-    segments = _segments(layout, E) if any(needs[2:]) else None
-    ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[4] or needs[5] else None
+    routed_bias = needs[5] and E <= _ROUTED_MAX_EXPERTS
+    ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[5] and not routed_bias else None
     grouped = grouped_mm_takes(dtype, device)
 
     def weight_grad(which: str, weight: torch.Tensor, a, a_by_token: bool, b, b_by_token: bool, grouped_run):
@@ -151,18 +157,27 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     if needs[2]:
         d_w1 = weight_grad("gate_up", w1, dgu, False, saved.x, True, functools.partial(
             grouped_gate_up_grad, layout, segments, top_k, saved.x, dgu, form.transposed))
-    if needs[4]:  # each expert's sum of its rows of dgu
+    if needs[4]:  # each expert's sum of its rows of dgu: of its blocks' column sums
         d_b1 = torch.empty(E, two_i, dtype=dtype, device=device)
-        expert_sums(d_b1.unsqueeze(2), dgu, False, ones, False)
-    del dgu
+        launch(moe_block_sums_kernel, lambda meta: (E, cdiv(two_i, meta["BLOCK_N"])), dict(
+            parts_ptr=db1_parts, out_ptr=d_b1, seg_ptr=segments, N=two_i, stride_oe=d_b1.stride(0), BLOCK_B=8,
+            BLOCK_N=256, num_warps=4), ())
+    del dgu, db1_parts
     # 4. d down[e] = sum over e's rows of dout[t]^T (r * h), and its bias's: of r * dout[t]
     if needs[3]:
         d_w2 = weight_grad("down", w2, dout, True, h, False, functools.partial(
             grouped_down_grad, layout, segments, top_k, dout, h, form.transposed, dout_rows))
     del h, dout_rows
-    if needs[5]:
+    if needs[5]:  # each expert's sum of its pairs' r * dout[t]
         d_b2 = torch.empty(E, H, dtype=dtype, device=device)
-        expert_sums(d_b2.unsqueeze(2), dout, True, ones, False, scale_a=True)
+        if routed_bias:  # dout read once, by token
+            launch(moe_routed_sums_kernel, lambda meta: (cdiv(H, meta["BLOCK_N"]),), dict(
+                dout_ptr=dout, index_ptr=top_k_index.reshape(-1).contiguous(), routing_ptr=routing, out_ptr=d_b2,
+                T=T, N=H, TOP_K=top_k, num_experts=E, stride_dm=dout.stride(0), stride_oe=d_b2.stride(0),
+                INPUT_PRECISION=precision, E_PAD=max(16, next_pow2(E)), BLOCK_T=64, BLOCK_N=32, num_warps=4),
+                ("T",))
+        else:  # (more experts than the routed GEMM's tile holds: by the expert's rows, a pair a row)
+            expert_sums(d_b2.unsqueeze(2), dout, True, ones, False, scale_a=True)
     return dx, dr, d_w1, d_w2, d_b1, d_b2
 
 

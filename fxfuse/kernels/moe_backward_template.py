@@ -124,6 +124,7 @@ def moe_gate_backward_kernel(
     routing_ptr,
     dgu_ptr,
     dr_ptr,
+    db_ptr,
     rows_ptr,
     block_expert_ptr,
     N,
@@ -133,6 +134,7 @@ def moe_gate_backward_kernel(
     ACT: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     STORE_H: tl.constexpr,
+    SUM_DGU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -152,6 +154,10 @@ def moe_gate_backward_kernel(
                       the block's padding rows (as h's).
     dr_ptr:           out fp32 ``[cdiv(N, BLOCK_N), pairs]``: each column tile's part of the routing gradient.
                       Pairs of experts held elsewhere are never written (zeros expected).
+    db_ptr:           out fp32 ``[blocks, 2N]`` if SUM_DGU: each block's column sums of dgu (fp32, before dgu is
+                      rounded), in dgu's column order: the gate/up bias's gradient per block
+                      (:func:`fxfuse.kernels.moe_bias_template.moe_block_sums_kernel` adds an expert's blocks).
+                      Rows of blocks of no expert are not written.
     rows_ptr, block_expert_ptr: the pair layout; N: the intermediate size; pairs: T * top_k.
     alpha, limit, ACT: the gate (:data:`fxfuse.kernels.moe_template.ACTIVATIONS`); STORE_H: write the scaled h.
     BLOCK_M:          the layout's rows per block; BLOCK_N: columns per program. The grid is (blocks,
@@ -181,15 +187,23 @@ def moe_gate_backward_kernel(
     tl.store(dr_ptr + pid_n.to(tl.int64) * pairs + safe_pair, tl.sum(grad * h, axis=1), mask=valid)
     dg, du = _gate_backward(g, u, grad * scale[:, None], alpha, limit, ACT)
     out = dgu_ptr + rows * (2 * N)
+    # (padding rows: dh = 0, so dg = du = 0 there, and the column sums hold the expert's rows only)
+    sums = db_ptr + block.to(tl.int64) * (2 * N)
     if INTERLEAVED:
         # One contiguous store of the pairs joined in registers: two stores at a 2-element stride (each half of
         # every sector) ran the gpt-oss-20b backward's gate kernel at ~0.35 TB/s (H200, 4096 tokens: 1.64 ms).
         cols = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
         both = tl.reshape(tl.join(dg.to(dtype), du.to(dtype)), (BLOCK_M, 2 * BLOCK_N))
         tl.store(out + cols[None, :], both, mask=(offs_m >= 0)[:, None] & (cols < 2 * N)[None, :])
+        if SUM_DGU:
+            col_sums = tl.reshape(tl.join(tl.sum(dg, axis=0), tl.sum(du, axis=0)), (2 * BLOCK_N,))
+            tl.store(sums + cols, col_sums, mask=cols < 2 * N)
     else:
         tl.store(out + offs_n[None, :], dg.to(dtype), mask=store_mask)
         tl.store(out + N + offs_n[None, :], du.to(dtype), mask=store_mask)
+        if SUM_DGU:
+            tl.store(sums + offs_n, tl.sum(dg, axis=0), mask=offs_n < N)
+            tl.store(sums + N + offs_n, tl.sum(du, axis=0), mask=offs_n < N)
 
 
 @triton.jit

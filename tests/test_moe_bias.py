@@ -1,0 +1,72 @@
+"""The MoE biases' gradient kernels (:mod:`fxfuse.kernels.moe_bias_template`) against float64: the down bias's as
+one routed GEMM over dout (experts held elsewhere left out), the gate/up bias's as each expert's sum of the column
+sums the gate backward writes per block; and through the experts' autograd node, with an expert that gets no pair
+and with the many-expert fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from test_moe import GRAD_TOL, biased_experts, check_gradients, force_tma
+from test_ops import rel_err
+
+from fxfuse.kernels import moe_backward_launch
+from fxfuse.kernels.fastlaunch import launch
+from fxfuse.kernels.moe_bias_template import moe_block_sums_kernel, moe_routed_sums_kernel
+from fxfuse.kernels.template import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_routed_sums_match_float64_and_leave_out_experts_held_elsewhere(dtype):
+    # 70 tokens (a partial 64-token step), 45 columns (a partial 32-column tile), 5 experts (the dot's 16 rows),
+    # dout's rows strided; pairs at expert E (transformers' marker) and -1 belong to no expert here.
+    torch.manual_seed(0)
+    T, top_k, E, H = 70, 3, 5, 45
+    dout = torch.randn(T, H + 7, dtype=dtype)[:, :H]
+    index = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
+    index[0, 0], index[9, 2] = E, -1
+    weights = torch.softmax(torch.randn(T, top_k), -1).to(dtype)
+    out = torch.full((E, H), float("nan"), dtype=dtype)
+    launch(moe_routed_sums_kernel, lambda meta: (triton.cdiv(H, 32),), dict(
+        dout_ptr=dout, index_ptr=index.reshape(-1), routing_ptr=weights.reshape(-1), out_ptr=out, T=T, N=H,
+        TOP_K=top_k, num_experts=E, stride_dm=dout.stride(0), stride_oe=out.stride(0), INPUT_PRECISION="ieee",
+        E_PAD=16, BLOCK_T=64, BLOCK_N=32), ("T",))
+    want = torch.zeros(E, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(top_k):
+            if 0 <= index[t, k] < E:
+                want[index[t, k]] += weights[t, k].double() * dout[t].double()
+    assert rel_err(out, want) < {torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+
+
+def test_block_sums_add_each_experts_blocks_only():
+    # Experts 0..3 own blocks [0, 3), none, [3, 4), [4, 7); blocks 7.. are of no expert and hold NaN (never read);
+    # 300 columns (a partial 256-column tile); two blocks a step (expert 0: a full step and a partial one).
+    torch.manual_seed(1)
+    parts = torch.randn(9, 300)
+    parts[7:] = float("nan")
+    segments = torch.tensor([0, 3, 3, 4, 7], dtype=torch.int32)
+    out = torch.full((4, 300), float("nan"), dtype=torch.float16)
+    launch(moe_block_sums_kernel, lambda meta: (4, triton.cdiv(300, 256)), dict(
+        parts_ptr=parts, out_ptr=out, seg_ptr=segments, N=300, stride_oe=out.stride(0), BLOCK_B=2, BLOCK_N=256), ())
+    want = torch.stack([parts[0:3].sum(0), torch.zeros(300), parts[3], parts[4:7].sum(0)]).double()
+    assert rel_err(out, want) < 2e-3 and bool((out[1] == 0).all())
+
+
+@pytest.mark.parametrize("routed", [True, False])
+@pytest.mark.parametrize("family", ["gpt_oss", "privacy"])
+def test_bias_gradients_with_an_expert_that_gets_no_pair(family, routed, monkeypatch):
+    # Expert 4 of 5 gets no token: its bias gradients are zeros; routed=False: the down bias by the expert's rows
+    # (the path past _ROUTED_MAX_EXPERTS), forced at 5 experts.
+    force_tma(False, monkeypatch)
+    if not routed:
+        monkeypatch.setattr(moe_backward_launch, "_ROUTED_MAX_EXPERTS", 4)
+    torch.manual_seed(2)
+    module = biased_experts(family, torch.float32, "cpu", num=5)
+    x = 2 * torch.randn(11, 32)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(11)])
+    weights = torch.softmax(torch.randn(11, 2), -1)
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
