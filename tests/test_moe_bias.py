@@ -11,7 +11,7 @@ import triton
 from test_moe import GRAD_TOL, biased_experts, check_gradients, force_tma
 from test_ops import rel_err
 
-from fxfuse.kernels import moe_backward_launch
+from fxfuse.kernels import moe_backward_launch, moe_bias_launch
 from fxfuse.kernels.fastlaunch import launch
 from fxfuse.kernels.moe_bias_template import moe_block_sums_kernel, moe_routed_sums_kernel
 from fxfuse.kernels.template import interpreting
@@ -19,27 +19,48 @@ from fxfuse.kernels.template import interpreting
 pytestmark = pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_routed_sums_match_float64_and_leave_out_experts_held_elsewhere(dtype):
-    # 70 tokens (a partial 64-token step), 45 columns (a partial 32-column tile), 5 experts (the dot's 16 rows),
-    # dout's rows strided; pairs at expert E (transformers' marker) and -1 belong to no expert here.
+def routed_case(dtype):
+    """70 tokens (a partial step), 45 columns (a partial 32-column tile), 5 experts (the dot's 16 rows), dout's rows
+    strided; pairs at expert E (transformers' marker) and -1 belong to no expert here. And the float64 sums."""
     torch.manual_seed(0)
     T, top_k, E, H = 70, 3, 5, 45
     dout = torch.randn(T, H + 7, dtype=dtype)[:, :H]
     index = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
     index[0, 0], index[9, 2] = E, -1
     weights = torch.softmax(torch.randn(T, top_k), -1).to(dtype)
-    out = torch.full((E, H), float("nan"), dtype=dtype)
-    launch(moe_routed_sums_kernel, lambda meta: (triton.cdiv(H, 32),), dict(
-        dout_ptr=dout, index_ptr=index.reshape(-1), routing_ptr=weights.reshape(-1), out_ptr=out, T=T, N=H,
-        TOP_K=top_k, num_experts=E, stride_dm=dout.stride(0), stride_oe=out.stride(0), INPUT_PRECISION="ieee",
-        E_PAD=16, BLOCK_T=64, BLOCK_N=32), ("T",))
     want = torch.zeros(E, H, dtype=torch.float64)
     for t in range(T):
         for k in range(top_k):
             if 0 <= index[t, k] < E:
                 want[index[t, k]] += weights[t, k].double() * dout[t].double()
-    assert rel_err(out, want) < {torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+    return dout, index, weights, want
+
+
+ROUTED_TOL = {torch.float32: 1e-6, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_routed_sums_match_float64_and_leave_out_experts_held_elsewhere(dtype, splits):
+    # splits=3 at 16 tokens a step: runs of 32 tokens, the last one partial (64..70)
+    dout, index, weights, want = routed_case(dtype)
+    (T, H), E = dout.shape, want.shape[0]
+    parts = torch.full((E, splits, H), float("nan"), dtype=dtype if splits == 1 else torch.float32)
+    launch(moe_routed_sums_kernel, lambda meta: (triton.cdiv(H, 32), splits), dict(
+        dout_ptr=dout, index_ptr=index.reshape(-1), routing_ptr=weights.reshape(-1), out_ptr=parts, T=T, N=H,
+        TOP_K=index.shape[1], num_experts=E, stride_dm=dout.stride(0), stride_oe=parts.stride(0),
+        stride_os=parts.stride(1), INPUT_PRECISION="ieee", E_PAD=16, BLOCK_T=16, BLOCK_N=32), ("T",))
+    assert rel_err(parts.sum(1), want) < ROUTED_TOL[dtype]
+
+
+@pytest.mark.parametrize("tokens_per_split", [512, 16])
+def test_down_bias_grad_adds_its_splits(tokens_per_split, monkeypatch):
+    monkeypatch.setattr(moe_bias_launch, "TOKENS_PER_SPLIT", tokens_per_split)
+    monkeypatch.setattr(moe_bias_launch, "routed_tokens", lambda num_experts: 16)
+    dout, index, weights, want = routed_case(torch.float16)
+    assert moe_bias_launch.routed_splits(dout.shape[0]) == (1 if tokens_per_split == 512 else 4)
+    got = moe_bias_launch.down_bias_grad(dout, index, weights.reshape(-1), want.shape[0], "ieee")
+    assert got.dtype == dout.dtype and rel_err(got, want) < ROUTED_TOL[torch.float16]
 
 
 def test_block_sums_add_each_experts_blocks_only():
@@ -60,10 +81,10 @@ def test_block_sums_add_each_experts_blocks_only():
 @pytest.mark.parametrize("family", ["gpt_oss", "privacy"])
 def test_bias_gradients_with_an_expert_that_gets_no_pair(family, routed, monkeypatch):
     # Expert 4 of 5 gets no token: its bias gradients are zeros; routed=False: the down bias by the expert's rows
-    # (the path past _ROUTED_MAX_EXPERTS), forced at 5 experts.
+    # (the path past ROUTED_MAX_EXPERTS), forced at 5 experts.
     force_tma(False, monkeypatch)
     if not routed:
-        monkeypatch.setattr(moe_backward_launch, "_ROUTED_MAX_EXPERTS", 4)
+        monkeypatch.setattr(moe_backward_launch, "ROUTED_MAX_EXPERTS", 4)
     torch.manual_seed(2)
     module = biased_experts(family, torch.float32, "cpu", num=5)
     x = 2 * torch.randn(11, 32)

@@ -17,6 +17,7 @@ the gate backward (per block, added per expert by ``moe_block_sums_kernel``), th
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -29,12 +30,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from fxfuse.kernels.fastlaunch import launch  # noqa: E402
 from fxfuse.kernels.moe_backward_launch import _segments  # noqa: E402
 from fxfuse.kernels.moe_backward_template import moe_weight_grad_kernel  # noqa: E402
+from fxfuse.kernels.moe_bias_launch import down_bias_grad, routed_splits  # noqa: E402
 from fxfuse.kernels.moe_bias_template import moe_routed_sums_kernel  # noqa: E402
 from fxfuse.kernels.moe_launch import block_rows, route_pairs  # noqa: E402
 from fxfuse.kernels.template import cdiv  # noqa: E402
 
 TILES = ((128, 32, 4), (128, 64, 8), (256, 32, 8), (256, 64, 8), (512, 16, 8))  # BLOCK_N, BLOCK_R, warps
-ROUTED_TILES = ((64, 32, 4), (64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 16, 4))  # BLOCK_T, BLOCK_N, warps
+ROUTED_TILES = ((128, 32, 4), (128, 64, 8), (64, 32, 4))  # BLOCK_T, BLOCK_N, warps
+ROUTED_SPLITS = (1, 4, 8, 16, 32)
 
 
 @triton.jit
@@ -119,18 +122,25 @@ def point(tokens: int, device: str) -> None:
             print(f"  {name:15s} column sums {bn}x{br} w{warps} {us(mine, device):8.1f} us  rel err {err:.1e}",
                   flush=True)
     flat_index = index.to(device).reshape(-1).contiguous()
-    for bt, bn, warps in ROUTED_TILES if device == "cuda" else ((16, 16, 4),):
-        sums = torch.empty(E, H, dtype=dtype, device=device)
+    for (bt, bn, warps), splits in itertools.product(ROUTED_TILES if device == "cuda" else ((16, 16, 4),),
+                                                     ROUTED_SPLITS if device == "cuda" else (1, 3)):
+        parts = torch.empty(E, splits, H, dtype=torch.float32, device=device)  # (the kernel alone: parts summed apart)
 
-        def routed(sums=sums, bt=bt, bn=bn, warps=warps):
-            moe_routed_sums_kernel[(triton.cdiv(H, bn),)](
-                dout, flat_index, routing, sums, tokens, H, top_k, E, dout.stride(0), sums.stride(0),
-                INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32", E_PAD=max(16, triton.next_power_of_2(E)),
-                BLOCK_T=bt, BLOCK_N=bn, num_warps=warps)
+        def routed(parts=parts, bt=bt, bn=bn, warps=warps, splits=splits):
+            moe_routed_sums_kernel[(triton.cdiv(H, bn), splits)](
+                dout, flat_index, routing, parts, tokens, H, top_k, E, dout.stride(0), parts.stride(0),
+                parts.stride(1), INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                E_PAD=max(16, triton.next_power_of_2(E)), BLOCK_T=bt, BLOCK_N=bn, num_warps=warps)
         routed()
-        err = ((sums.cpu().double() - want_b2).norm() / want_b2.norm()).item()
-        print(f"  d down_bias     routed GEMM {bt}x{bn} w{warps} {us(routed, device):8.1f} us  rel err {err:.1e}",
-              flush=True)
+        err = ((parts.sum(1).cpu().double() - want_b2).norm() / want_b2.norm()).item()
+        print(f"  d down_bias     routed GEMM {bt}x{bn} w{warps} splits {splits:2d} {us(routed, device):8.1f} us  "
+              f"rel err {err:.1e}", flush=True)
+
+    def library():
+        return down_bias_grad(dout, index.to(device), routing, E, "ieee" if dtype == torch.float32 else "tf32")
+    err = ((library().cpu().double() - want_b2).norm() / want_b2.norm()).item()
+    print(f"  d down_bias     library (down_bias_grad, {routed_splits(tokens)} splits) {us(library, device):8.1f} us  "
+          f"rel err {err:.1e}", flush=True)
 
 
 def us(fn, device: str) -> float:

@@ -26,7 +26,7 @@ from .moe_backward_template import (
     moe_gate_backward_kernel,
     moe_weight_grad_kernel,
 )
-from .moe_bias_template import moe_block_sums_kernel, moe_routed_sums_kernel
+from .moe_bias_launch import ROUTED_MAX_EXPERTS, down_bias_grad, expert_block_sums
 from .moe_launch import (
     ExpertsForm,
     MoESaved,
@@ -39,14 +39,13 @@ from .moe_launch import (
 )
 from .moe_template import ACTIVATIONS
 from .moe_weight_grads import grouped_down_grad, grouped_gate_up_grad, grouped_mm_takes, weight_grads_by
-from .template import cdiv, next_pow2
+from .template import cdiv
 
 __all__ = ["MoEExpertsFunction", "MoEGradients", "run_moe_backward"]
 
 MoEGradients = tuple[Optional[torch.Tensor], ...]  # dx, d routing weights, d gate_up, d down, d biases
 _GATE_ELEMENTS = 8192  # elements of a block's rows each gate-backward program takes (64 columns at 128 rows)
 _BIAS_PAIRS = 32  # pairs a program of the down bias's routing gradient takes
-_ROUTED_MAX_EXPERTS = 128  # the down bias's gradient as one routed GEMM up to here (its [E, tokens] tile in registers)
 
 
 def _segments(layout: PairLayout, num_experts: int) -> torch.Tensor:
@@ -134,7 +133,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
             stride_on=out.stride(1), stride_ok=out.stride(2), A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token,
             SCALE_A=scale_a, INPUT_PRECISION=precision, BLOCK_M=bm), ())
 
-    routed_bias = needs[5] and E <= _ROUTED_MAX_EXPERTS
+    routed_bias = needs[5] and E <= ROUTED_MAX_EXPERTS
     ones = torch.ones(layout.rows.numel(), 1, dtype=dtype, device=device) if needs[5] and not routed_bias else None
     grouped = grouped_mm_takes(dtype, device)
 
@@ -158,25 +157,18 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         d_w1 = weight_grad("gate_up", w1, dgu, False, saved.x, True, functools.partial(
             grouped_gate_up_grad, layout, segments, top_k, saved.x, dgu, form.transposed))
     if needs[4]:  # each expert's sum of its rows of dgu: of its blocks' column sums
-        d_b1 = torch.empty(E, two_i, dtype=dtype, device=device)
-        launch(moe_block_sums_kernel, lambda meta: (E, cdiv(two_i, meta["BLOCK_N"])), dict(
-            parts_ptr=db1_parts, out_ptr=d_b1, seg_ptr=segments, N=two_i, stride_oe=d_b1.stride(0), BLOCK_B=8,
-            BLOCK_N=256, num_warps=4), ())
+        d_b1 = expert_block_sums(torch.empty(E, two_i, dtype=dtype, device=device), db1_parts, segments)
     del dgu, db1_parts
     # 4. d down[e] = sum over e's rows of dout[t]^T (r * h), and its bias's: of r * dout[t]
     if needs[3]:
         d_w2 = weight_grad("down", w2, dout, True, h, False, functools.partial(
             grouped_down_grad, layout, segments, top_k, dout, h, form.transposed, dout_rows))
     del h, dout_rows
-    if needs[5]:  # each expert's sum of its pairs' r * dout[t]
-        d_b2 = torch.empty(E, H, dtype=dtype, device=device)
-        if routed_bias:  # dout read once, by token
-            launch(moe_routed_sums_kernel, lambda meta: (cdiv(H, meta["BLOCK_N"]),), dict(
-                dout_ptr=dout, index_ptr=top_k_index.reshape(-1).contiguous(), routing_ptr=routing, out_ptr=d_b2,
-                T=T, N=H, TOP_K=top_k, num_experts=E, stride_dm=dout.stride(0), stride_oe=d_b2.stride(0),
-                INPUT_PRECISION=precision, E_PAD=max(16, next_pow2(E)), BLOCK_T=64, BLOCK_N=32, num_warps=4),
-                ("T",))
-        else:  # (more experts than the routed GEMM's tile holds: by the expert's rows, a pair a row)
+    if needs[5]:  # each expert's sum of its pairs' r * dout[t]: dout read once, by token
+        if routed_bias:
+            d_b2 = down_bias_grad(dout, top_k_index, routing, E, precision)
+        else:  # (more experts than the routed GEMM's operand holds: by the expert's rows, a pair a row)
+            d_b2 = torch.empty(E, H, dtype=dtype, device=device)
             expert_sums(d_b2.unsqueeze(2), dout, True, ones, False, scale_a=True)
     return dx, dr, d_w1, d_w2, d_b1, d_b2
 

@@ -6,7 +6,8 @@
   (``[padded rows, 2I]``, gpt-oss's at 4096 tokens 237 MB) is not read again.
 * ``d down_bias[e]`` is the sum over the pairs routed to ``e`` of ``r * dout[t]``: the GEMM ``R @ dout`` with
   ``R[e, t]`` the routing weight of token ``t`` at expert ``e`` (0 where not routed), built in registers from the
-  top-k lists by :func:`moe_routed_sums_kernel`; ``dout`` is read once (not once per pair).
+  top-k lists by :func:`moe_routed_sums_kernel`; ``dout`` is read once (not once per pair), by runs of tokens
+  whose fp32 parts :func:`moe_block_sums_kernel` adds.
 
 Both sum in a fixed order (no atomics): the gradients are deterministic.
 
@@ -70,33 +71,41 @@ def moe_routed_sums_kernel(
     num_experts,
     stride_dm,
     stride_oe,
+    stride_os,
     INPUT_PRECISION: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``out[e, n] = sum over tokens t of R[e, t] * dout[t, n]``, ``R[e, t]`` the routing weight of the pair (t, e)
-    or 0: each expert's sum of its pairs' ``r * dout[t]`` (the down bias's gradient), as one GEMM whose left
-    operand is built in registers from the top-k lists, summed in fp32 in token order, stored in out's dtype.
+    """``out[e, s, n] = sum over the tokens t of split s of R[e, t] * dout[t, n]``, ``R[e, t]`` the routing weight
+    of the pair (t, e) or 0: each expert's sum of its pairs' ``r * dout[t]`` (the down bias's gradient), as one GEMM
+    whose left operand is built in registers from the top-k lists, summed in fp32 in token order, stored in out's
+    dtype. With one split, out is the gradient; with several (tokens cut in ``tl.num_programs(1)`` runs of whole
+    ``BLOCK_T`` steps, so that more programs read dout at once), fp32 parts that :func:`moe_block_sums_kernel` adds
+    per expert.
 
     dout_ptr:     ``[T, N]``, last dim contiguous, row stride ``stride_dm``.
     index_ptr:    int ``[T * TOP_K]``: each pair's expert (one outside ``[0, num_experts)``: held elsewhere, left
                   out).
     routing_ptr:  ``[T * TOP_K]``: each pair's routing weight (rounded to dout's dtype for the dot, as the
                   weight-gradient kernel rounds ``r * dout``).
-    out_ptr:      ``[num_experts, N]``, last dim contiguous, row stride ``stride_oe``.
+    out_ptr:      ``[num_experts, splits, N]``: element (e, s, n) at ``e * stride_oe + s * stride_os + n``.
     INPUT_PRECISION: ``tl.dot``'s; E_PAD: a power of two >= num_experts and >= 16 (the dot's rows); BLOCK_T
-                  tokens a step; BLOCK_N columns a program. The grid is ``(cdiv(N, BLOCK_N),)``: every program
-                  reads all of dout's rows for its columns (one pass over dout in all).
+                  tokens a step; BLOCK_N columns a program. The grid is ``(cdiv(N, BLOCK_N), splits)``: each
+                  program reads its split's rows of dout for its columns (one pass over dout in all).
     """
+    split = tl.program_id(1)
+    run = tl.cdiv(tl.cdiv(T, tl.num_programs(1)), BLOCK_T) * BLOCK_T
+    first = split * run
+    end = tl.minimum(first + run, T)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     experts = tl.arange(0, E_PAD)
     dtype = dout_ptr.dtype.element_ty
     acc = tl.zeros((E_PAD, BLOCK_N), dtype=tl.float32)
-    for start in range(0, T, BLOCK_T):
+    for start in range(first, end, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
-        t_mask = offs_t < T
+        t_mask = offs_t < end
         d = tl.load(dout_ptr + offs_t[:, None].to(tl.int64) * stride_dm + offs_n[None, :],
                     mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         r = tl.zeros((E_PAD, BLOCK_T), dtype=tl.float32)
@@ -106,5 +115,5 @@ def moe_routed_sums_kernel(
             w = tl.load(routing_ptr + pair, mask=t_mask, other=0.0).to(tl.float32)
             r += tl.where(experts[:, None] == e[None, :], w[None, :], 0.0)
         acc = tl.dot(r.to(dtype), d, acc, input_precision=INPUT_PRECISION)
-    out = out_ptr + experts[:, None].to(tl.int64) * stride_oe + offs_n[None, :]
+    out = out_ptr + experts[:, None].to(tl.int64) * stride_oe + split * stride_os + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(experts < num_experts)[:, None] & n_mask[None, :])
