@@ -53,12 +53,14 @@ def test_routed_sums_match_float64_and_leave_out_experts_held_elsewhere(dtype, s
     assert rel_err(parts.sum(1), want) < ROUTED_TOL[dtype]
 
 
-@pytest.mark.parametrize("tokens_per_split", [512, 16])
-def test_down_bias_grad_adds_its_splits(tokens_per_split, monkeypatch):
-    monkeypatch.setattr(moe_bias_launch, "TOKENS_PER_SPLIT", tokens_per_split)
+@pytest.mark.parametrize("split_from", [1024, 16])
+def test_down_bias_grad_adds_its_splits(split_from, monkeypatch):
+    # 70 tokens: one run, or (from 16 tokens on, 16 a run) four runs of 32 tokens at 16 a step, the last empty
+    monkeypatch.setattr(moe_bias_launch, "_SPLIT_FROM", split_from)
+    monkeypatch.setattr(moe_bias_launch, "TOKENS_PER_SPLIT", 16)
     monkeypatch.setattr(moe_bias_launch, "routed_tokens", lambda num_experts: 16)
     dout, index, weights, want = routed_case(torch.float16)
-    assert moe_bias_launch.routed_splits(dout.shape[0]) == (1 if tokens_per_split == 512 else 4)
+    assert moe_bias_launch.routed_splits(dout.shape[0]) == (1 if split_from == 1024 else 4)
     got = moe_bias_launch.down_bias_grad(dout, index, weights.reshape(-1), want.shape[0], "ieee")
     assert got.dtype == dout.dtype and rel_err(got, want) < ROUTED_TOL[torch.float16]
 

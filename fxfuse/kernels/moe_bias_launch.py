@@ -2,8 +2,8 @@
 :func:`fxfuse.kernels.moe_backward_launch.run_moe_backward`.
 
 Example:
-    >>> routed_splits(4096), routed_splits(512), routed_tokens(32), routed_tokens(128)
-    (8, 1, 128, 32)
+    >>> routed_splits(4096), routed_splits(1024), routed_splits(512), routed_tokens(32), routed_tokens(128)
+    (16, 4, 1, 128, 32)
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ from .template import cdiv, next_pow2
 __all__ = ["ROUTED_MAX_EXPERTS", "down_bias_grad", "expert_block_sums", "routed_splits", "routed_tokens"]
 
 ROUTED_MAX_EXPERTS = 128  # the routed GEMM up to here (its [experts, tokens] operand is built in registers)
-TOKENS_PER_SPLIT = 512  # tokens a program of the routed GEMM sums (more programs read dout at once; H200 probe)
-_MAX_SPLITS = 32
-_ROUTED_N = 32  # columns a program of the routed GEMM
+# Runs of tokens: at least this many tokens a run, at most _MAX_SPLITS runs, and one run (no parts, no second launch:
+# host time where the step is bound by it) below _SPLIT_FROM tokens. gpt-oss-20b's shapes on an H200
+# (probe_moe_bias_sums.py, 64 columns a program): 4096 tokens 72 µs in one run, 21 in 8 or 16; 512 tokens 13 / 9.
+TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 16
+_SPLIT_FROM = 1024
+_ROUTED_N, _ROUTED_WARPS = 64, 8  # columns and warps a program of the routed GEMM
 
 
 def routed_splits(tokens: int) -> int:
-    """Runs of tokens the routed GEMM cuts ``tokens`` into (one: no parts, no second launch)."""
-    return max(1, min(_MAX_SPLITS, tokens // TOKENS_PER_SPLIT))
+    """Runs of tokens the routed GEMM cuts ``tokens`` into."""
+    return 1 if tokens < _SPLIT_FROM else max(1, min(_MAX_SPLITS, tokens // TOKENS_PER_SPLIT))
 
 
 def routed_tokens(num_experts: int) -> int:
@@ -58,7 +62,8 @@ def down_bias_grad(dout: torch.Tensor, top_k_index: torch.Tensor, routing: torch
         dout_ptr=dout, index_ptr=top_k_index.reshape(-1).contiguous(), routing_ptr=routing, out_ptr=parts, T=T, N=H,
         TOP_K=top_k, num_experts=num_experts, stride_dm=dout.stride(0), stride_oe=parts.stride(0),
         stride_os=0 if splits == 1 else parts.stride(1), INPUT_PRECISION=precision,
-        E_PAD=max(16, next_pow2(num_experts)), BLOCK_T=routed_tokens(num_experts), BLOCK_N=_ROUTED_N, num_warps=4),
+        E_PAD=max(16, next_pow2(num_experts)), BLOCK_T=routed_tokens(num_experts), BLOCK_N=_ROUTED_N,
+        num_warps=_ROUTED_WARPS),
         ("T",))
     if splits == 1:
         return out
