@@ -115,7 +115,7 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
         ones = torch.ones(pairs, dtype=torch.float32, device=device)
         launch_down(dgu, w1.transpose(1, 2), None, dx_pairs, layout, ones, precision)
-        dx = dx_pairs.view(T, top_k, H).sum(1)
+        dx = moe_launch.sum_pairs(dx_pairs, T, top_k)
     if needs[1]:
         if bias_part:  # the bias is inside the routing scale: dr += dout[t] . down_bias[e]
             bias = down_bias if down_bias.stride(1) == 1 else down_bias.contiguous()

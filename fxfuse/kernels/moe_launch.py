@@ -28,6 +28,7 @@ import torch
 from .fastlaunch import launch
 from .launch import _input_precision
 from .measured import faster, may_time, time_runners
+from .moe_combine_template import moe_sum_pairs_kernel
 from .moe_template import (
     ACTIVATIONS,
     moe_count_kernel,
@@ -51,7 +52,7 @@ from .tma_launch import (
 
 __all__ = ["ELSEWHERE_BLOCK", "GATE_UP_CHOICES", "GATE_UP_FORM", "UNUSED_BLOCK", "ExpertsForm", "MoESaved",
            "PairLayout", "block_rows", "down_by_tma", "gather_rows", "gathered_by_tma", "gate_up_by_tma",
-           "gate_up_timings", "launch_down", "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe"]
+           "gate_up_timings", "launch_down", "layout_blocks", "moe_forward_pass", "route_pairs", "run_moe", "sum_pairs"]
 
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ _ROUTE_MAX_STEPS = 8
 _PLACE_CHUNK = 1024
 # The routing kernels' int arguments that change with the token count (keyed by Triton's specialization of them).
 _ROUTE_VARYING = ("pairs", "blocks")
+_SUM_TOKENS, _SUM_COLUMNS = 8, 256  # tokens and columns a program of moe_sum_pairs_kernel sums
 
 
 def _one_program(meta: dict) -> tuple[int]:
@@ -272,13 +274,25 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     pairs_out = torch.empty(T * top_k, H, dtype=out_dtype, device=hidden.device)  # every row written
     launch_down(h, w2, b2, pairs_out, layout, top_k_weights.reshape(-1).contiguous(), precision)
     saved = MoESaved(layout, x, h, gu, w1, w2, form) if save else None
-    # Each token's top_k rows, summed in fp32 and rounded once (eager adds them one expert at a time in the hidden
-    # dtype). Two rows: one elementwise add (fp32 inside, one rounding: the same bits), ~2.5x faster than a
-    # reduction over the middle dimension.
-    per_token = pairs_out.view(T, top_k, H)
+    return sum_pairs(pairs_out, T, top_k), saved
+
+
+def sum_pairs(pairs_out: torch.Tensor, T: int, top_k: int) -> torch.Tensor:
+    """``[T, H]``: each token's ``top_k`` consecutive rows of ``pairs_out`` (contiguous ``[T * top_k, H]``), summed
+    in fp32 and rounded once (eager adds them one expert at a time in the hidden dtype). Two rows: one elementwise add
+    (fp32 inside, one rounding), ~2.5x faster than torch's reduction over the middle dimension; more:
+    :func:`~fxfuse.kernels.moe_combine_template.moe_sum_pairs_kernel`, one streaming pass."""
+    H = pairs_out.shape[1]
+    if top_k == 1:
+        return pairs_out
     if top_k == 2:
-        return per_token[:, 0] + per_token[:, 1], saved
-    return per_token.sum(1), saved  # (torch accumulates 16-bit sums in fp32: one rounding, no fp32 copy)
+        per_token = pairs_out.view(T, 2, H)
+        return per_token[:, 0] + per_token[:, 1]
+    out = torch.empty(T, H, dtype=pairs_out.dtype, device=pairs_out.device)
+    launch(moe_sum_pairs_kernel, lambda meta: (cdiv(T, meta["BLOCK_T"]), cdiv(H, meta["BLOCK_H"])), dict(
+        pairs_ptr=pairs_out, out_ptr=out, T=T, H=H, TOP_K=top_k, BLOCK_T=_SUM_TOKENS, BLOCK_H=_SUM_COLUMNS,
+        num_warps=4), ("T",))
+    return out
 
 
 def launch_down(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,

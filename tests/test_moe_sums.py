@@ -1,7 +1,8 @@
-"""The MoE biases' gradient kernels (:mod:`fxfuse.kernels.moe_bias_template`) against float64: the down bias's as
-one routed GEMM over dout (experts held elsewhere left out), the gate/up bias's as each expert's sum of the column
-sums the gate backward writes per block; and through the experts' autograd node, with an expert that gets no pair
-and with the many-expert fallback."""
+"""The MoE layer's sums against float64: the biases' gradient kernels (:mod:`fxfuse.kernels.moe_bias_template`:
+the down bias's as one routed GEMM over dout, experts held elsewhere left out; the gate/up bias's as each expert's
+sum of the column sums the gate backward writes per block), also through the experts' autograd node with an expert
+that gets no pair and with the many-expert fallback; and each token's top-k rows summed
+(:func:`fxfuse.kernels.moe_launch.sum_pairs`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import triton
 from test_moe import GRAD_TOL, biased_experts, check_gradients, force_tma
 from test_ops import rel_err
 
-from fxfuse.kernels import moe_backward_launch, moe_bias_launch
+from fxfuse.kernels import moe_backward_launch, moe_bias_launch, moe_launch
 from fxfuse.kernels.fastlaunch import launch
 from fxfuse.kernels.moe_bias_template import moe_block_sums_kernel, moe_routed_sums_kernel
 from fxfuse.kernels.template import interpreting
@@ -93,3 +94,17 @@ def test_bias_gradients_with_an_expert_that_gets_no_pair(family, routed, monkeyp
     index = torch.stack([torch.randperm(4)[:2] for _ in range(11)])
     weights = torch.softmax(torch.randn(11, 2), -1)
     check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 8])
+def test_sum_pairs_rounds_each_tokens_fp32_sum_once(top_k):
+    # 13 tokens (a partial 8-token tile), 300 columns (a partial 256-column tile), fp16 rows: the sum of fp32 values
+    # rounded once, as torch's reduction rounds
+    torch.manual_seed(4)
+    T, H = 13, 300
+    pairs = torch.randn(T * top_k, H).to(torch.float16)
+    got = moe_launch.sum_pairs(pairs, T, top_k)
+    want = pairs.double().view(T, top_k, H).sum(1)
+    assert got.shape == (T, H) and got.dtype == torch.float16
+    # (one fp16 rounding of an fp32 sum: within half an fp16 ulp plus fp32's error, element by element)
+    assert bool(((got.double() - want).abs() <= want.abs() * 2.0 ** -11 * 1.01 + 1e-6).all())
