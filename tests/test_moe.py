@@ -136,7 +136,12 @@ def test_the_routing_kernels_lay_pairs_out_as_the_torch_ops(kernels, tokens, top
     monkeypatch.setattr(moe_launch, "_PLACE_CHUNK", 16)
     torch.manual_seed(tokens)
     index, _ = routing(tokens, top_k, num, "cpu", torch.float32)  # (one pair held elsewhere)
-    assert used_layout(moe_launch.route_pairs(index, num, block_m)) == used_layout(sort_pairs(index, num, block_m))
+    layout = moe_launch.route_pairs(index, num, block_m)
+    assert used_layout(layout) == used_layout(sort_pairs(index, num, block_m))
+    # each expert's first block and the local experts' end, as the backward derives them from the blocks' experts
+    from fxfuse.kernels.moe_backward_launch import _segments
+
+    assert layout.segments.tolist() == _segments(layout, num).tolist()
 
 
 @pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")

@@ -109,7 +109,9 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         ACT=ACTIVATIONS[form.act], INTERLEAVED=form.interleaved, STORE_H=h is not None, SUM_DGU=needs[4],
         BLOCK_M=bm, BLOCK_N=gate_n, num_warps=8 if bm >= 128 and not needs[4] else 4), ("pairs",))
     del grad_h
-    segments = _segments(layout, E) if any(needs[2:]) else None
+    segments = None
+    if any(needs[2:]):  # (the routing kernels wrote them; a layout built otherwise: from block_expert)
+        segments = layout.segments if layout.segments is not None else _segments(layout, E)
     dx = dr = d_w1 = d_w2 = d_b1 = d_b2 = None
     if needs[0]:  # 2. dx: dgu @ gate_up[e] per pair (the forward's down kernel, weights read transposed), per token
         dx_pairs = torch.empty(pairs, H, dtype=dtype, device=device)
@@ -194,8 +196,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         ctx.empty = False
         ctx.meta = (saved.layout.block_m, saved.form, gate_up.shape, down.shape)
         # (not h: the backward recomputes it from gu, so a step keeps a third less of the layer's activations)
-        ctx.save_for_backward(saved.x, saved.gu, saved.layout.rows, saved.layout.block_expert, top_k_index,
-                              top_k_weights, gate_up, down, down_bias)
+        ctx.save_for_backward(saved.x, saved.gu, saved.layout.rows, saved.layout.block_expert,
+                              saved.layout.segments, top_k_index, top_k_weights, gate_up, down, down_bias)
         return out
 
     @staticmethod
@@ -204,10 +206,10 @@ class MoEExpertsFunction(torch.autograd.Function):
                  ctx.needs_input_grad[5], ctx.needs_input_grad[6])
         if ctx.empty:
             return (None,) * 9
-        x, gu, rows, block_expert, top_k_index, top_k_weights, gate_up, down, down_bias = ctx.saved_tensors
+        x, gu, rows, block_expert, segments, top_k_index, top_k_weights, gate_up, down, down_bias = ctx.saved_tensors
         block_m, form, _, _ = ctx.meta
         w1, w2 = (gate_up.transpose(1, 2), down.transpose(1, 2)) if form.transposed else (gate_up, down)
         w1, w2 = _strided(w1), _strided(w2)  # (as the forward read them)
-        saved = MoESaved(PairLayout(rows, block_expert, block_m), x, None, gu, w1, w2, form)
+        saved = MoESaved(PairLayout(rows, block_expert, block_m, segments), x, None, gu, w1, w2, form)
         dx, dr, d_w1, d_w2, d_b1, d_b2 = run_moe_backward(saved, dout, top_k_index, top_k_weights, down_bias, needs)
         return dx, None, dr, d_w1, d_w2, d_b1, d_b2, None, None

@@ -113,6 +113,9 @@ class PairLayout:
     rows: torch.Tensor  # int32 [blocks * block_m]: the pair (token * top_k + slot) of each row, -1 for padding
     block_expert: torch.Tensor  # int32 [blocks]: each block's expert, UNUSED_BLOCK or ELSEWHERE_BLOCK
     block_m: int
+    # int32 [num_experts + 1]: each expert's first block and the end of the last, as the routing kernels wrote it
+    # (None: a layout built otherwise; the backward then derives it from block_expert)
+    segments: Optional[torch.Tensor] = None
 
 
 def layout_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -145,20 +148,22 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> Pa
     blocks = layout_blocks(pairs, num_experts, block_m)
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    segments = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     if cdiv(pairs, chunk) <= _ROUTE_MAX_STEPS:
         launch(moe_route_kernel, _one_program, dict(
-            index_ptr=flat, rows_ptr=rows, block_expert_ptr=block_expert, pairs=pairs, num_experts=num_experts,
-            blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=8), _ROUTE_VARYING)
+            index_ptr=flat, rows_ptr=rows, block_expert_ptr=block_expert, seg_ptr=segments, pairs=pairs,
+            num_experts=num_experts, blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=8),
+            _ROUTE_VARYING)
     else:
         counts = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
         per_expert = functools.partial(_per_expert_grid, num_experts + 1)
         launch(moe_count_kernel, per_expert, dict(index_ptr=flat, counts_ptr=counts, pairs=pairs,
                                                   num_experts=num_experts, CHUNK=_PLACE_CHUNK), _ROUTE_VARYING)
         launch(moe_place_kernel, per_expert, dict(
-            index_ptr=flat, counts_ptr=counts, rows_ptr=rows, block_expert_ptr=block_expert, pairs=pairs,
-            num_experts=num_experts, blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_PLACE_CHUNK),
+            index_ptr=flat, counts_ptr=counts, rows_ptr=rows, block_expert_ptr=block_expert, seg_ptr=segments,
+            pairs=pairs, num_experts=num_experts, blocks=blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_PLACE_CHUNK),
             _ROUTE_VARYING)
-    return PairLayout(rows, block_expert, block_m)
+    return PairLayout(rows, block_expert, block_m, segments)
 
 
 def block_rows(pairs: int, num_experts: int) -> int:

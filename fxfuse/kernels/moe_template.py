@@ -391,6 +391,7 @@ def moe_route_kernel(
     index_ptr,
     rows_ptr,
     block_expert_ptr,
+    seg_ptr,
     pairs,
     num_experts,
     blocks,
@@ -405,6 +406,8 @@ def moe_route_kernel(
                       ``[0, num_experts)``: an expert held elsewhere.
     rows_ptr:         int32 ``[blocks * BLOCK_M]`` out: each row's pair, -1 for padding.
     block_expert_ptr: int32 ``[blocks]`` out: each block's expert, -2 for pairs held elsewhere, -1 unused.
+    seg_ptr:          int32 ``[num_experts + 1]`` out: each expert's first block, and the end of the last (the
+                      backward's expert sums walk these; torch ops for them cost ~5 launches of host time a step).
     pairs, num_experts, blocks: the counts (``blocks`` = the caller's bound).
     BLOCK_M:          rows per block; E_PAD: a power of two above ``num_experts`` (the dummy expert included);
                       CHUNK: pairs (and blocks) per step, E_PAD * CHUNK one-hot cells in registers.
@@ -420,6 +423,7 @@ def moe_route_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     seg_end = tl.cumsum(padded, axis=0)
     seg_start = seg_end - padded
+    tl.store(seg_ptr + experts, seg_start // BLOCK_M, mask=experts <= num_experts)  # (the dummy's start: the end)
     # Every row starts as padding; then (after the barrier: one program, its threads in step) each pair's row.
     for r0 in range(0, blocks * BLOCK_M, CHUNK):
         r = r0 + tl.arange(0, CHUNK)
@@ -467,6 +471,7 @@ def moe_place_kernel(
     counts_ptr,
     rows_ptr,
     block_expert_ptr,
+    seg_ptr,
     pairs,
     num_experts,
     blocks,
@@ -478,7 +483,8 @@ def moe_place_kernel(
     program of ``num_experts``, pairs held elsewhere, marks its blocks -2 and every block after them -1).
     Rows of unused blocks are not written: no kernel reads them.
 
-    index_ptr, rows_ptr, block_expert_ptr, pairs, num_experts, blocks, BLOCK_M: as in :func:`moe_route_kernel`;
+    index_ptr, rows_ptr, block_expert_ptr, seg_ptr, pairs, num_experts, blocks, BLOCK_M: as in
+    :func:`moe_route_kernel` (this program writes ``seg[e]``: its first block; the dummy's, the local ones' end);
     counts_ptr: int32 ``[num_experts + 1]`` from :func:`moe_count_kernel`; E_PAD: a power of two above
     ``num_experts``; CHUNK: pairs (and blocks) per step.
     """
@@ -489,6 +495,7 @@ def moe_place_kernel(
     start = tl.sum(tl.where(experts < expert, padded, 0), axis=0)
     count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
     end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(seg_ptr + expert, start // BLOCK_M)
     before = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)  # this expert's pairs in earlier steps
     for p0 in range(0, pairs, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
