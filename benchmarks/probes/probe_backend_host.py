@@ -1,4 +1,5 @@
-"""Where the host time of a ``torch.compile(model, backend="fxfuse")`` call goes, at GPT-2-medium's MLP, one row.
+"""Where the host time of a ``torch.compile(model, backend="fxfuse")`` call goes, at GPT-2-medium's MLP, one row
+(other rows: the module-level layers only, with each one's do_bench time beside).
 
 ``probe_backend.py`` measured the backend's call at ~100 µs of host against ``fxfuse.optimize``'s ~17. Host µs per
 call (50 back-to-back calls, best of 20 loops) of each layer, outermost first:
@@ -37,25 +38,21 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64
     w = next(w for w in WORKLOADS if w.name == args.row)
     mod, x = build_module(w), make_input(w)
-    if w.kind == "gpt2":
-        weights, biases, spec = [mod.fc.weight, mod.proj.weight], [mod.fc.bias, mod.proj.bias], \
-            "1b:gelu_tanh(a0);1b:a0"
-    else:
-        raise SystemExit("gpt2 rows only")
     compiled = torch.compile(mod, backend="fxfuse")
     plain = torch.compile(mod, backend="fxfuse", options={"inductor": False})
     fast = fxfuse.optimize(mod)
-    call_args = (x, weights, biases, [], spec)
-    layers = {
-        "compiled (backend fxfuse)": lambda: compiled(x),
-        "mlp_infer op": lambda: torch.ops.fxfuse.mlp_infer.default(*call_args),
-        "mlp_extern op": lambda: torch.ops.fxfuse.mlp_extern.default(*call_args),
-        "mlp triton_op": lambda: torch.ops.fxfuse.mlp.default(*call_args),
-        "fused_mlp": lambda: ops.fused_mlp(*call_args),
-        "_dispatch": lambda: ops._dispatch(*call_args),
-        "compiled, inductor off": lambda: plain(x),
-        "fxfuse.optimize": lambda: fast(x),
-    }
+    layers = {"compiled (backend fxfuse)": lambda: compiled(x)}
+    if w.kind == "gpt2":  # (the ops' layers: their arguments spelled out for GPT-2's MLP)
+        call_args = (x, [mod.fc.weight, mod.proj.weight], [mod.fc.bias, mod.proj.bias], [],
+                     "1b:gelu_tanh(a0);1b:a0")
+        layers.update({
+            "mlp_infer op": lambda: torch.ops.fxfuse.mlp_infer.default(*call_args),
+            "mlp_extern op": lambda: torch.ops.fxfuse.mlp_extern.default(*call_args),
+            "mlp triton_op": lambda: torch.ops.fxfuse.mlp.default(*call_args),
+            "fused_mlp": lambda: ops.fused_mlp(*call_args),
+            "_dispatch": lambda: ops._dispatch(*call_args),
+        })
+    layers.update({"compiled, inductor off": lambda: plain(x), "fxfuse.optimize": lambda: fast(x)})
     with torch.no_grad():
         for fn in layers.values():
             for _ in range(5):
@@ -63,6 +60,11 @@ def main() -> None:
         torch.cuda.synchronize()
         for label, fn in layers.items():
             print(f"  {label:28s} host {host_us(fn):7.1f} µs per call", flush=True)
+        # (other rows: is the compiled call's host time above its GPU time? do_bench's median, L2 flushed)
+        from triton.testing import do_bench
+        for label in ("compiled (backend fxfuse)", "compiled, inductor off", "fxfuse.optimize"):
+            gpu = do_bench(layers[label], warmup=25, rep=100, return_mode="median") * 1e3
+            print(f"  {label:28s} do_bench {gpu:7.1f} µs", flush=True)
         print(profile_top(layers["compiled (backend fxfuse)"], calls=300, lines=30), flush=True)
 
 
