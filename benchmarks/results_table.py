@@ -120,8 +120,9 @@ def render_md(env: dict, ceil: dict, rows: list[dict], args) -> str:
              f"on a fresh input (tol {TOL:g}).")
     L.append(f"- fxfuse = `fxfuse.optimize(model)` with default settings, timed after one warm-up call "
              f"(FXFUSE_* environment: {env.get('fxfuse_env') or 'none set'}). compile backend=fxfuse = "
-             f"`torch.compile(model, backend=\"fxfuse\")`: fxfuse's regions as opaque calls, Inductor around them "
-             f"(built after fxfuse.optimize: its first call finds the regions' choices made).")
+             f"`torch.compile(model, backend=\"fxfuse\")` (built after fxfuse.optimize: its first call finds the "
+             f"regions' choices made); each row's module is one region, whose graph skips Inductor (it would only "
+             f"wrap the call): Dynamo's guards and the graph around fxfuse's call.")
     L.append(f"- Wall (decode rows) = µs per call of {DECODE_CALLS} back-to-back calls, synchronized before and after "
              f"(median of {DECODE_LOOPS} loops; median over {args.rounds} interleaved rounds as the GPU times), as "
              f"eager / CUDA-graph replay / compile default / compile backend=fxfuse / fxfuse; "

@@ -7,8 +7,11 @@ Inductor, which compiles the rest and keeps each fused region as an opaque call 
 (``mlp_extern`` in a graph compiled with grad mode on; :mod:`fxfuse.extern`): at run time fxfuse plans and
 replays the region as ``fxfuse.optimize`` does, instead of Inductor compiling the op's kernels untimed. Under
 ``mode="reduce-overhead"`` the call is ``mlp_graphed``, whose kernels Inductor's CUDA graphs capture. With
-``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait. A graph
-compiled for training (grad mode on, weights that require grad) keeps its chains for Inductor.
+``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait. So does a graph that is
+nothing but its fused regions (an MLP module compiled on its own; not under CUDA graphs): Inductor would only wrap
+the calls, which cost ~30-40 µs of host per call on the H200 machine (``benchmarks/probes/probe_backend_host.py``),
+a decode MLP's whole GPU time. A graph compiled for training (grad mode on, weights that require grad) keeps its
+chains for Inductor.
 
 Example:
     >>> fast = torch.compile(model, backend="fxfuse")                                # doctest: +SKIP
@@ -19,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Optional
 
 import torch
@@ -26,13 +30,38 @@ import torch.fx as fx
 
 from .api import record_backend_report
 from .extern import externalize
+from .ops import is_fused_call
 from .pipeline import fuse_graph
 
-__all__ = ["fxfuse_backend"]
+__all__ = ["fxfuse_backend", "only_regions"]
 
 log = logging.getLogger(__name__)
 
 _OPTIONS = {"inductor"}
+# What a graph may do beside its fused regions and still leave Inductor nothing to compile: pick or reshape values.
+_VIEW_FUNCTIONS = frozenset({operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze})
+_VIEW_METHODS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "size", "dim"})
+
+
+def only_regions(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` computes nothing but its fused regions (at least one), its other calls only views and
+    picks of their inputs and outputs.
+
+    Example:
+        >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
+        >>> only_regions(gm)  # the chain is not fused yet
+        False
+    """
+    fused = False
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if is_fused_call(node):
+            fused = True
+        elif not ((node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+                  or (node.op == "call_method" and node.target in _VIEW_METHODS)):
+            return False
+    return fused
 
 
 def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optional[dict] = None,
@@ -60,5 +89,9 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     patches = list_mode_options(mode) if mode else {}
     # (mode="reduce-overhead": Inductor CUDA-graphs the graph, and the regions' kernels can be captured in it)
     graphed = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    if not graphed and only_regions(gm):
+        log.debug("fxfuse backend: the graph is its fused regions only: it runs as it is (Inductor would only wrap "
+                  "the region calls)")
+        return gm.forward
     externalize(gm, inference=not torch.is_grad_enabled(), graphed=graphed)
     return compile_fx(gm, example_inputs, config_patches=patches or None)

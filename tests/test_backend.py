@@ -80,25 +80,59 @@ def test_backend_hands_inductor_opaque_region_calls(inductor_graphs, monkeypatch
         return dispatch(*args)
 
     monkeypatch.setattr(ops, "_dispatch", spy_dispatch)
-    model = GatedMLP().eval()
+    model = Block().eval()  # (norms, a residual and a softmax around the MLP: Inductor compiles those)
     compiled = torch.compile(model, backend="fxfuse")
     x = torch.randn(4, 32)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    assert inductor_graphs == [[torch.ops.fxfuse.mlp_infer.default]]
+    assert len(inductor_graphs) == 1
+    assert inductor_graphs[0].count(torch.ops.fxfuse.mlp_infer.default) == 1
+    assert not any(is_region_target(t) for t in inductor_graphs[0] if t is not torch.ops.fxfuse.mlp_infer.default)
     assert torch.Tensor in dispatched  # fxfuse's runtime ran on the real input, not only on fake tensors
+
+
+def is_region_target(target) -> bool:
+    from fxfuse import ops
+
+    return target in ops.FUSED_TARGETS or target in (torch.ops.fxfuse.mlp_extern.default,
+                                                     torch.ops.fxfuse.mlp_graphed.default)
 
 
 def test_backend_frozen_region_in_a_grad_graph_is_differentiable(inductor_graphs):
     # Grad mode on, frozen weights: the region is fused as fxfuse.mlp_extern, whose autograd gives x's gradient.
-    model = GatedMLP().eval().requires_grad_(False)
+    model = Block().eval().requires_grad_(False)
     compiled = torch.compile(model, backend="fxfuse")
     x = torch.randn(4, 32, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     compiled(x).square().sum().backward()
     model(x_ref).square().sum().backward()
-    assert inductor_graphs == [[torch.ops.fxfuse.mlp_extern.default]]
+    assert len(inductor_graphs) == 1 and torch.ops.fxfuse.mlp_extern.default in inductor_graphs[0]
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", [GPT2MLP(), GatedMLP()], ids=["gpt2", "swiglu"])
+def test_backend_runs_a_graph_of_regions_only_without_inductor(model, inductor_graphs):
+    # Nothing but the region (an MLP compiled on its own): Inductor would only wrap its call, so the graph runs as
+    # it is, with or without grad mode (frozen weights: the region's own autograd gives x's gradient).
+    from fxfuse.backend import only_regions
+
+    model.eval()
+    before = fxfuse.report().num_fused
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert inductor_graphs == []
+    assert fxfuse.report(compiled).num_fused == before + 1
+    model.requires_grad_(False)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    compiled(x).square().sum().backward()
+    model(x_ref).square().sum().backward()
+    assert inductor_graphs == []
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    gm = torch.fx.symbolic_trace(Block())
+    assert not only_regions(gm)  # (no region at all)
 
 
 def test_opaque_ops_match_the_op_and_pass_opcheck():
@@ -152,11 +186,12 @@ def test_unknown_backend_option_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16])
-def test_backend_with_inductor_replays_decode_regions(rows):
-    # The region runs fxfuse's runtime under Inductor: planned at the first call on real tensors, then replayed.
+@pytest.mark.parametrize("kind", ["block", "mlp"])  # (block: under Inductor; mlp: the graph runs as it is)
+def test_backend_with_inductor_replays_decode_regions(rows, kind):
+    # The region runs fxfuse's runtime: planned at the first call on real tensors, then replayed.
     from fxfuse import replay
 
-    model = GPT2MLP(1024, 4096).cuda().to(torch.bfloat16).eval()
+    model = (Block if kind == "block" else GPT2MLP)(1024, 4096).cuda().to(torch.bfloat16).eval()
     compiled = torch.compile(model, backend="fxfuse")
     before = set(replay.replays)
     with torch.no_grad():
