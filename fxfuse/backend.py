@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -32,8 +33,9 @@ from .api import record_backend_report
 from .extern import externalize
 from .ops import is_fused_call
 from .pipeline import fuse_graph
+from .shortcut import Shortcut, graph_region
 
-__all__ = ["fxfuse_backend", "only_regions"]
+__all__ = ["fxfuse_backend", "only_regions", "run_as_is"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,30 @@ def only_regions(gm: fx.GraphModule) -> bool:
     return fused
 
 
+def run_as_is(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s forward; for a graph that is one region on its arguments (:func:`fxfuse.shortcut.graph_region`),
+    tried first through a :class:`~fxfuse.shortcut.Shortcut` (as ``fxfuse.optimize``'s one-region modules are), which
+    calls the region's replay with the same checks in fewer frames."""
+    region = graph_region(gm)
+    forward = gm.forward
+    if region is None:
+        return forward
+    shortcut = Shortcut(region.call, autocast_free=True)  # (it checks autocast itself: then the full path runs)
+    x_at, tupled = region.x, region.tupled
+
+    def run(*args):
+        x = args[x_at]
+        out = shortcut(x, args)
+        if out is not None:
+            return (out,) if tupled else out
+        result = forward(*args)
+        shortcut.learn(x, args)
+        return result
+
+    run.shortcut = shortcut  # (tests read its hits)
+    return run
+
+
 def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optional[dict] = None,
                    mode: Optional[str] = None):
     """Dynamo backend: fuse the MLP chains of ``gm``, then hand it to Inductor (or run it as is).
@@ -81,7 +107,7 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     report = fuse_graph(gm, fuse_differentiable=not (inductor and torch.is_grad_enabled()))
     record_backend_report(report)  # Dynamo's nodes carry their example values: no shape propagation needed
     if not inductor:
-        return gm.forward
+        return run_as_is(gm)
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -92,6 +118,6 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     if not graphed and only_regions(gm):
         log.debug("fxfuse backend: the graph is its fused regions only: it runs as it is (Inductor would only wrap "
                   "the region calls)")
-        return gm.forward
+        return run_as_is(gm)
     externalize(gm, inference=not torch.is_grad_enabled(), graphed=graphed)
     return compile_fx(gm, example_inputs, config_patches=patches or None)

@@ -49,7 +49,7 @@ try:  # dynamo's C++ tensor check (torch >= 2.1); without it there are no shortc
 except ImportError:  # pragma: no cover - a torch without dynamo's guards
     TensorGuards = None
 
-__all__ = ["RegionCall", "Shortcut", "region_call"]
+__all__ = ["GraphRegion", "RegionCall", "Shortcut", "graph_region", "region_call"]
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ class RegionCall(NamedTuple):
     spec: str
 
 
-def region_call(gm: fx.GraphModule) -> Optional[RegionCall]:
-    """The region of a lifted graph (:func:`fxfuse.lift.lift_params`) that is exactly ``fused_mlp(x, params...)``
-    on its first placeholder and the trailing ones, returned as is; None for any other graph."""
+def _one_call(gm: fx.GraphModule) -> Optional[tuple[list[fx.Node], fx.Node, object]]:
+    """``(placeholders, the call, what the graph returns)`` of a graph that is its placeholders, one fused region
+    ``fused_mlp(x, weights, biases, operands, spec)`` and its output; None for any other graph."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     rest = nodes[len(placeholders):]
@@ -78,15 +78,52 @@ def region_call(gm: fx.GraphModule) -> Optional[RegionCall]:
         return None
     call, output = rest
     if call.op != "call_function" or call.target is not fused_mlp or call.kwargs or len(call.args) != 5 \
-            or output.op != "output" or output.args != (call,):
+            or output.op != "output" or len(output.args) != 1 or not isinstance(call.args[4], str):
         return None
-    x, weights, biases, operands, spec = call.args
-    position = {n: i - 1 for i, n in enumerate(placeholders)}  # place among the extra arguments (x is first)
+    return placeholders, call, output.args[0]
+
+
+def _region_on(call: fx.Node, places: dict[fx.Node, int]) -> Optional[RegionCall]:
+    """The region ``call``'s tensors by their ``places``, or None when one of them is not placed."""
+    _, weights, biases, operands, spec = call.args
     groups = (weights, biases, operands)
-    if x is not placeholders[0] or not isinstance(spec, str) \
-            or not all(isinstance(g, (list, tuple)) and all(position.get(t, -1) >= 0 for t in g) for g in groups):
+    if not all(isinstance(g, (list, tuple)) and all(places.get(t, -1) >= 0 for t in g) for g in groups):
         return None
-    return RegionCall(*(tuple(position[t] for t in g) for g in groups), spec)
+    return RegionCall(*(tuple(places[t] for t in g) for g in groups), spec)
+
+
+def region_call(gm: fx.GraphModule) -> Optional[RegionCall]:
+    """The region of a lifted graph (:func:`fxfuse.lift.lift_params`) that is exactly ``fused_mlp(x, params...)``
+    on its first placeholder and the trailing ones, returned as is; None for any other graph."""
+    found = _one_call(gm)
+    if found is None:
+        return None
+    placeholders, call, result = found
+    if result is not call or call.args[0] is not placeholders[0]:
+        return None
+    return _region_on(call, {n: i - 1 for i, n in enumerate(placeholders)})  # (among the extra arguments)
+
+
+class GraphRegion(NamedTuple):
+    """A compile backend's graph that is one region on its placeholders (:func:`graph_region`)."""
+
+    x: int  # the input's place among the graph's arguments
+    call: RegionCall  # the region's tensors' places among all of the graph's arguments
+    tupled: bool  # the graph returns the region's output in a 1-tuple (Dynamo's graphs do)
+
+
+def graph_region(gm: fx.GraphModule) -> Optional[GraphRegion]:
+    """The region of a graph whose arguments are the input and the region's tensors in any order (Dynamo's graph
+    of an MLP module, fused), returning its output alone or in a 1-tuple; None for any other graph."""
+    found = _one_call(gm)
+    if found is None:
+        return None
+    placeholders, call, result = found
+    tupled = isinstance(result, (tuple, list)) and len(result) == 1
+    if (result[0] if tupled else result) is not call or call.args[0] not in placeholders:
+        return None
+    region = _region_on(call, {n: i for i, n in enumerate(placeholders)})
+    return None if region is None else GraphRegion(placeholders.index(call.args[0]), region, tupled)
 
 
 def _tensor_getter(call: RegionCall) -> Callable[[Sequence[Tensor]], tuple]:

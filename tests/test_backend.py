@@ -187,19 +187,28 @@ def test_unknown_backend_option_is_a_clear_error():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("kind", ["block", "mlp"])  # (block: under Inductor; mlp: the graph runs as it is)
-def test_backend_with_inductor_replays_decode_regions(rows, kind):
+def test_backend_with_inductor_replays_decode_regions(rows, kind, monkeypatch):
     # The region runs fxfuse's runtime: planned at the first call on real tensors, then replayed.
-    from fxfuse import replay
+    from fxfuse import backend, replay, shortcut
 
+    made = []
+
+    class Kept(shortcut.Shortcut):  # (the graph's shortcut, for its hits)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(backend, "Shortcut", Kept)
     model = (Block if kind == "block" else GPT2MLP)(1024, 4096).cuda().to(torch.bfloat16).eval()
     compiled = torch.compile(model, backend="fxfuse")
     before = set(replay.replays)
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(4):  # (plan, replay and learn, then shortcut calls where the graph is the region alone)
             x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
             out, ref = compiled(x), model(x)
             assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
     assert set(replay.replays) - before, "the region was not replayed"
+    assert [sc.hits >= 2 for sc in made] == ([True] if kind == "mlp" else [])
 
 
 @pytest.mark.gpu

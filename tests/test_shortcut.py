@@ -66,6 +66,40 @@ def test_a_graph_with_more_than_the_region_has_no_shortcut():
     assert isinstance(vars(opt)["_fxfuse_shortcut_forward"], shortcut.Shortcut)
 
 
+def dynamo_graph(model: nn.Module, x: torch.Tensor):
+    """Dynamo's graph of ``model`` (no grad mode), fused as the compile backend fuses it."""
+    from fxfuse.pipeline import fuse_graph
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        fuse_graph(gm)
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=keep)(x)
+    finally:
+        torch._dynamo.reset()
+    (gm,) = graphs
+    return gm
+
+
+def test_graph_region_finds_the_region_among_a_dynamo_graphs_arguments():
+    gm = dynamo_graph(GPT2MLP().eval(), torch.randn(2, 64))
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    region = shortcut.graph_region(gm)
+    assert region.tupled and names[region.x] == "L_x_"
+    assert [names[i] for i in region.call.weights] == ["L_self_modules_fc1_parameters_weight_",
+                                                       "L_self_modules_fc2_parameters_weight_"]
+    assert [names[i] for i in region.call.biases] == ["L_self_modules_fc1_parameters_bias_",
+                                                      "L_self_modules_fc2_parameters_bias_"]
+    assert shortcut.region_call(gm) is None  # (a lifted graph's form: x first, the output alone)
+    assert shortcut.graph_region(dynamo_graph(Residual().eval(), torch.randn(2, 64))) is None
+
+
 def _learned(model: GPT2MLP, x: torch.Tensor, calls: list, autocast_free: bool = False, run=None):
     """A Shortcut with an entry learned by hand for x (a CPU stand-in for a recorded replay) and the extra
     arguments the host method would pass."""
