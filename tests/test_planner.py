@@ -467,3 +467,22 @@ def test_gpu_cublaslt_stage_is_the_same_activation(epilogue, act, dtype):
     # Only where cuBLASLt has the epilogue: a bias, one linear, no operands, gelu_tanh or relu.
     assert "cublaslt" not in stages._runners(x, [w], [None], [], epilogue, timed=True)
     assert "cublaslt" not in stages._runners(x, [w], [b], [], "silu(a0)", timed=True)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_library_stage_must_beat_the_gemv_kernel_by_a_margin(monkeypatch, graphed):
+    # A decode-size call pays a library stage's host path (ATen, cuBLASLt's heuristics) that the stage's timing does
+    # not reliably see: outside CUDA graphs cuBLAS runs only where it beats the gemv kernel by LIBRARY_MARGIN.
+    times = {}
+    monkeypatch.setattr(strategy, "time_candidates", lambda *args, **kwargs: dict(times))
+    monkeypatch.setattr(stages, "_choices", {})
+    runners = {"gemv": lambda: None, "torch": lambda: None}
+
+    def chosen(k: int, gemv: float, library: float) -> str:  # (K differs per case: each is timed, not cached)
+        times.update(gemv=gemv, torch=library)
+        key = (1, "a0", 8, k, 1024 + graphed, torch.bfloat16, torch.device("cpu"), True, (True,), True, graphed)
+        return stages._measure(key, runners, None, 8)
+
+    assert chosen(4096, 11.8, 10.9) == ("torch" if graphed else "gemv")  # (gpt2m_mlp_m8's down projection)
+    assert chosen(4104, 11.8, 10.0) == "torch"
+    assert chosen(4112, 11.8, 12.5) == "gemv"
