@@ -16,8 +16,9 @@ both. Above 64 rows a bucket is timed at both ends (the call's M and the bucket'
 and where the two ends' fastest differ, each runs on its side of the M where their times cross: the tiled
 kernels' time steps with whole row tiles, cuBLAS's grows with M. A few rows (M ≤ 16) choose between ``gemv``
 and the library paths (outside CUDA graphs a library path must beat ``gemv`` by ``LIBRARY_MARGIN``: its host
-path costs a decode call more than the bound kernel's), more rows between ``tma``, ``triton`` and the library paths (16-bit stages of
-``TMA_ONLY_FROM_M`` rows or more that the TMA kernel takes: ``tma`` and the library paths). Without timing
+path costs a decode call more than the bound kernel's), more rows between ``tma``, ``triton`` and the library
+paths (16-bit stages of ``TMA_ONLY_FROM_M`` rows or more that the TMA kernel takes: ``tma`` and the library
+paths). Without timing
 (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else ``tma`` where it applies,
 else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 

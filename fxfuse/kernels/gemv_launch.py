@@ -1,7 +1,8 @@
 """Python wrapper of the small-M stage kernel (:mod:`fxfuse.kernels.gemv_template`): one stage, M ≤ 16.
 
-Split-K launches add their partial sums into a zeroed fp32 workspace ``[num_linears, 16, N]`` and count
-finished splits per column tile; the last split leaves both at zero (:mod:`.workspace`).
+Split-K launches store their partial sums in an fp32 workspace ``[num_linears, GEMV_MAX_SPLIT, 16, N]`` (a slice
+per split) and count finished splits per column tile; the last split adds the slices in order and leaves the
+counters at zero (:mod:`.workspace`).
 
 At decode sizes the kernel takes a few µs, so the host path matters as much: after the first launch at a
 given call (the same weights, biases, operands, row count, strides, dtype, stream), the next ones skip the
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen
 from . import fastlaunch
-from .gemv_template import GEMV_BLOCK_M
+from .gemv_template import GEMV_BLOCK_M, GEMV_MAX_SPLIT
 from .launch import (
     _input_precision,
     _parse,
@@ -109,7 +110,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     kernel = codegen.generated_gemv_kernel(len(weights), epilogue).fused_gemv_kernel
     n_lin = len(weights)
     # One counter per column tile of the narrowest BLOCK_N (a ONE_ROW tile may be one column).
-    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_BLOCK_M, N), N)
+    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_MAX_SPLIT, GEMV_BLOCK_M, N), N)
     args: dict = {"x_ptr": x}
     args.update({f"w{i}_ptr": w for i, w in enumerate(weights)})
     args.update({f"b{i}_ptr": (b if b is not None else x) for i, b in enumerate(biases)})  # x: valid, unread

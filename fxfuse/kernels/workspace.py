@@ -1,8 +1,9 @@
 """Zeroed scratch buffers for kernels that combine partial sums across programs inside one launch.
 
-The decode kernel and the split-K small-M kernel add fp32 partial sums into a workspace and count finished
-programs in int32 counters; the program that finishes last takes the sums out and leaves both at zero. So
-a pair is allocated zeroed once and reused, one per (kernel kind, device, stream, shapes): launches on one
+The decode kernel adds fp32 partial sums into a workspace and counts finished programs in int32 counters; the
+program that finishes last takes the sums out and leaves both at zero. The split-K small-M kernel stores each
+split's partial sums in a slice of its own and leaves only the counters at zero. So a pair is allocated zeroed
+once and reused, one per (kernel kind, device, stream, shapes): launches on one
 stream run in order, so two never share a pair at the same time. A tracer (FakeTensor, ``torch.compile``)
 or a CUDA graph capture gets a fresh zeroed pair instead, so the traced or captured program owns its
 buffers.
