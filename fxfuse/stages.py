@@ -18,9 +18,8 @@ kernels' time steps with whole row tiles, cuBLAS's grows with M. A few rows (M â
 and the library paths (outside CUDA graphs a library path must beat ``gemv`` by ``LIBRARY_MARGIN``: its host
 path costs a decode call more than the bound kernel's), more rows between ``tma``, ``triton`` and the library
 paths (16-bit stages of ``TMA_ONLY_FROM_M`` rows or more that the TMA kernel takes: ``tma`` and the library
-paths). Without timing
-(``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else ``tma`` where it applies,
-else ``triton`` (the GPU tests check the kernels, not cuBLAS).
+paths). Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else
+``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 
 Example:
     >>> h, ran = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
