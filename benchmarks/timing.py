@@ -27,6 +27,17 @@ def _best_us_per_call(fn: Callable[[], object], calls: int, loops: int, sync_in_
     return best
 
 
+def median_us(fn: Callable[[], object], device: str, run_off_gpu: bool = False) -> float:
+    """``do_bench``'s median µs of ``fn`` (L2 flushed; warmup 10 ms, rep 50 ms) on ``device == "cuda"``; NaN
+    elsewhere (the probes' interpreter runs), after one call of ``fn`` with ``run_off_gpu``."""
+    if device != "cuda":
+        if run_off_gpu:
+            fn()
+        return float("nan")
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
 def wall_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
     """µs per call of ``calls`` back-to-back calls, synchronized before and after; best of ``loops``."""
     return _best_us_per_call(fn, calls, loops, sync_in_timing=True)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from benchmarks.timing import median_us  # noqa: E402
 from fxfuse.kernels.fastlaunch import launch  # noqa: E402
 from fxfuse.kernels.moe_backward_launch import _segments  # noqa: E402
 from fxfuse.kernels.moe_backward_template import moe_weight_grad_kernel  # noqa: E402
@@ -109,7 +110,7 @@ def point(tokens: int, device: str) -> None:
             library_sums(out, a, by_token_, ones, routing, layout, segments, top_k, scale)
         lib()
         err = ((out.squeeze(2).cpu().double() - want).norm() / want.norm()).item()
-        print(f"  {name:15s} weight-grad kernel {us(lib, device):8.1f} us  rel err {err:.1e}", flush=True)
+        print(f"  {name:15s} weight-grad kernel {median_us(lib, device):8.1f} us  rel err {err:.1e}", flush=True)
         for bn, br, warps in TILES if device == "cuda" else ((16, 8, 4),):
             sums = torch.empty(E, n, dtype=dtype, device=device)
 
@@ -119,7 +120,7 @@ def point(tokens: int, device: str) -> None:
                     A_BY_TOKEN=by_token_, SCALE_A=scale, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=warps)
             mine()
             err = ((sums.cpu().double() - want).norm() / want.norm()).item()
-            print(f"  {name:15s} column sums {bn}x{br} w{warps} {us(mine, device):8.1f} us  rel err {err:.1e}",
+            print(f"  {name:15s} column sums {bn}x{br} w{warps} {median_us(mine, device):8.1f} us  rel err {err:.1e}",
                   flush=True)
     flat_index = index.to(device).reshape(-1).contiguous()
     for (bt, bn, warps), splits in itertools.product(ROUTED_TILES if device == "cuda" else ((16, 16, 4),),
@@ -133,21 +134,16 @@ def point(tokens: int, device: str) -> None:
                 E_PAD=max(16, triton.next_power_of_2(E)), BLOCK_T=bt, BLOCK_N=bn, num_warps=warps)
         routed()
         err = ((parts.sum(1).cpu().double() - want_b2).norm() / want_b2.norm()).item()
-        print(f"  d down_bias     routed GEMM {bt}x{bn} w{warps} splits {splits:2d} {us(routed, device):8.1f} us  "
-              f"rel err {err:.1e}", flush=True)
+        t = median_us(routed, device)
+        print(f"  d down_bias     routed GEMM {bt}x{bn} w{warps} splits {splits:2d} {t:8.1f} us  rel err {err:.1e}",
+              flush=True)
 
     def library():
         return down_bias_grad(dout, index.to(device), routing, E, "ieee" if dtype == torch.float32 else "tf32")
     err = ((library().cpu().double() - want_b2).norm() / want_b2.norm()).item()
-    print(f"  d down_bias     library (down_bias_grad, {routed_splits(tokens)} splits) {us(library, device):8.1f} us  "
-          f"rel err {err:.1e}", flush=True)
-
-
-def us(fn, device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    t = median_us(library, device)
+    print(f"  d down_bias     library (down_bias_grad, {routed_splits(tokens)} splits) {t:8.1f} us  rel err {err:.1e}",
+          flush=True)
 
 
 def main() -> None:

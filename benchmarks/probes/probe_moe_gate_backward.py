@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from benchmarks.timing import median_us  # noqa: E402
 from fxfuse.kernels.moe_backward_template import moe_gate_backward_kernel  # noqa: E402
 from fxfuse.kernels.moe_launch import block_rows, route_pairs  # noqa: E402
 from fxfuse.kernels.moe_template import ACTIVATIONS  # noqa: E402
@@ -69,16 +70,9 @@ def point(family: str, tokens: int, device: str) -> None:
                 want = dgu.double().view(blocks, bm, 2 * inter).sum(1)[used]
                 got = db.double()[used]
                 extra = f"  sums rel err {((got - want).norm() / want.norm()).item():.1e}"
-            t = us(run, device)
+            t = median_us(run, device)
             print(f"  BLOCK_N {bn:3d} w{warps} SUM_DGU {sum_dgu!s:5s} {t:8.1f} us  {moved / t / 1e6:5.2f} TB/s  "
                   f"dgu as the first {same}{extra}", flush=True)
-
-
-def us(fn, device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
 def main() -> None:

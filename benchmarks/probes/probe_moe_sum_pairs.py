@@ -16,18 +16,11 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from benchmarks.timing import median_us  # noqa: E402
 from fxfuse.kernels.moe_combine_template import moe_sum_pairs_kernel  # noqa: E402
 
 SHAPES = {"gpt_oss": (4, 2880), "qwen3_moe": (8, 2048), "mixtral": (2, 4096)}  # top_k, H
 TILES = ((8, 256, 4), (4, 512, 4), (16, 128, 4), (2, 1024, 4), (8, 512, 8), (16, 256, 8))  # BLOCK_T, BLOCK_H, warps
-
-
-def us(fn, device: str) -> float:
-    if device != "cuda":
-        fn()
-        return float("nan")
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
 def main() -> None:
@@ -46,10 +39,11 @@ def main() -> None:
 
         def torch_sum(pairs=pairs, top_k=top_k, H=H):
             return pairs.view(T, top_k, H).sum(1)
-        t = us(torch_sum, device)
+        t = median_us(torch_sum, device, run_off_gpu=True)
         print(f"  torch sum(1)          {t:7.1f} us  {moved / t / 1e6:5.2f} TB/s", flush=True)
         if top_k == 2:
-            t = us(lambda pairs=pairs, H=H: pairs.view(T, 2, H)[:, 0] + pairs.view(T, 2, H)[:, 1], device)
+            t = median_us(lambda pairs=pairs, H=H: pairs.view(T, 2, H)[:, 0] + pairs.view(T, 2, H)[:, 1], device,
+                          run_off_gpu=True)
             print(f"  elementwise add       {t:7.1f} us  {moved / t / 1e6:5.2f} TB/s", flush=True)
         for bt, bh, warps in TILES if device == "cuda" else ((4, 16, 4),):
             out = torch.empty(T, H, dtype=dtype, device=device)
@@ -59,7 +53,7 @@ def main() -> None:
                     pairs, out, T, H, top_k, BLOCK_T=bt, BLOCK_H=bh, num_warps=warps)
             kernel()
             err = ((out.double() - want).norm() / want.norm()).item()
-            t = us(kernel, device)
+            t = median_us(kernel, device, run_off_gpu=True)
             print(f"  kernel {bt:2d}x{bh:4d} w{warps}    {t:7.1f} us  {moved / t / 1e6:5.2f} TB/s  rel err {err:.1e}",
                   flush=True)
 
