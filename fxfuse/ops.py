@@ -214,9 +214,11 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
 
 
 @functools.lru_cache(maxsize=4096)
-def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], elem_size: int) -> tuple[str, ...]:
+def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], elem_size: int,
+                deterministic: bool) -> tuple[str, ...]:
     # ``small``: M itself when it is at most DECODE_MAX_M (the decode kernel's limit), else None (many rows).
-    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30, elem_size))
+    return tuple(kernel_candidates(MLPSpec.loads(spec), widths, small if small is not None else 1 << 30, elem_size,
+                                   deterministic))
 
 
 def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
@@ -329,7 +331,8 @@ def _dispatch(x, weights, biases, operands, spec):
     if strategy is None:
         m = x.numel() // x.shape[-1]
         widths = (x.shape[-1], *(w.shape[0] for w in weights))
-        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, weights[0].element_size())
+        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, weights[0].element_size(),
+                                 torch.are_deterministic_algorithms_enabled())
         if timed:
             replayed = replay_key is not None  # timed as they will run: replayed after the first calls
             runners, original = _timing_runners(args, candidates, replayed)

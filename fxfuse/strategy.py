@@ -5,7 +5,8 @@ Candidates (:func:`kernel_candidates`), by structure, widths and rows M:
 * ``fused_chain``: the whole chain in one kernel (every stage one linear, each layer's weight tile small enough to
   stay on chip: :func:`fxfuse.kernels.chain_template.chain_fits`);
 * ``decode_split_hidden``: a two-stage MLP on 2 ≤ M ≤ ``DECODE_MAX_M`` rows in one launch, split over the hidden
-  dim;
+  dim (its programs add their partial sums with fp32 atomics, in arrival order: not a candidate while
+  ``torch.use_deterministic_algorithms(True)`` is on, and choices are kept apart by that flag);
 * ``decode_grid_sync``: a two-stage MLP on one row in one persistent launch, a grid barrier between the stages and
   the second stage's weights prefetched during the first (:mod:`fxfuse.kernels.grid_sync_template`);
 * ``gemm_epilogue`` / ``gated_gemm_epilogue``: one GEMM+epilogue per stage (always possible), each stage by the
@@ -92,12 +93,23 @@ def for_cuda_graphs() -> bool:
 
 
 def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = None,
-                      elem_size: int = 2) -> list[str]:
+                      elem_size: int = 2, deterministic: Optional[bool] = None) -> list[str]:
     """The kernel strategies that can run ``spec``, in the order tried when nothing is measured.
 
     ``widths``: the input width, then each stage's output width; ``m``: rows (None: unknown, assume many);
-    ``elem_size``: bytes per element of the input dtype (the chain kernel holds a layer's weights on chip).
+    ``elem_size``: bytes per element of the input dtype (the chain kernel holds a layer's weights on chip);
+    ``deterministic``: only kernels that give the same bits on every call (None: whether
+    ``torch.are_deterministic_algorithms_enabled()``).
+
+    Example:
+        >>> spec = MLPSpec.loads("2:mul(silu(a0),a1);1:a0")
+        >>> kernel_candidates(spec, (4096, 14336, 4096), m=8, deterministic=False)
+        ['gated_gemm_epilogue', 'decode_split_hidden']
+        >>> kernel_candidates(spec, (4096, 14336, 4096), m=8, deterministic=True)
+        ['gated_gemm_epilogue']
     """
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     out = []
     if chain_fits(widths, elem_size) and all(s.num_linears == 1 for s in spec.stages):
         out.append(FUSED_CHAIN)
@@ -109,7 +121,12 @@ def kernel_candidates(spec: MLPSpec, widths: Sequence[int], m: Optional[int] = N
     # prefetched during the first) instead of the split-hidden kernel, whose atomics only pay off for more rows.
     small = m is not None and m <= DECODE_MAX_M
     if small and len(spec.stages) == 2 and spec.stages[1].num_linears == 1:
-        out.append(DECODE_GRID_SYNC if m == 1 else DECODE)
+        if m == 1:
+            out.append(DECODE_GRID_SYNC)
+        elif deterministic:  # its fp32 atomics add in arrival order
+            log.debug("fxfuse: %s at M=%d: %s left out, deterministic algorithms are on", spec, m, DECODE)
+        else:
+            out.append(DECODE)
     return out
 
 
@@ -267,8 +284,9 @@ def resolve(choice: str | Split | None, m: int) -> Optional[str]:
 def choice_key(args: tuple) -> tuple:
     x, weights, _, _, spec = args
     m = x.numel() // x.shape[-1]
+    # (for_cuda_graphs() stays last: Measurement.for_cuda_graph reads it from there)
     return (spec, choice_bucket(m), tuple(w.shape for w in weights), x.dtype, x.device,
-            for_cuda_graphs())
+            torch.are_deterministic_algorithms_enabled(), for_cuda_graphs())
 
 
 def cached_choice(args: tuple) -> Optional[str]:
@@ -310,8 +328,8 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
     device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
     skipped: dict[str, float] = {}
     shapes = ",".join("x".join(map(str, w.shape)) for w in weights)
-    disk_key = f"{spec} | M {bucket_range(key[1])} | {shapes} | {dtype}" + \
-        (" | CUDA graph" if for_cuda_graphs() else "") + (" | both ends" if at_top else "")
+    disk_key = f"{spec} | M {bucket_range(key[1])} | {shapes} | {dtype}" + (" | deterministic" if key[5] else "") \
+        + (" | CUDA graph" if for_cuda_graphs() else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device)
     top_times: dict[str, float] = {}
     if stored is not None and {stored.strategy, *(s for s, _ in stored.top_times[:1])} <= {*runners, ORIGINAL_OPS}:

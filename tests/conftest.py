@@ -56,3 +56,23 @@ def untrained_specs():
     for marks, before in zip((fxfuse.ops._trained, fxfuse.ops._walked), saved):
         marks.clear()
         marks.update(before)
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """A context manager: ``torch.use_deterministic_algorithms(True)`` inside it, the caller's setting restored
+    after (cuBLAS needs its workspace config under the flag)."""
+    import contextlib
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    @contextlib.contextmanager
+    def on():
+        before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+    return on

@@ -147,3 +147,25 @@ def test_decode_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, reference_mlp(*f64(args))) < 1e-2
+
+
+@pytest.mark.gpu
+def test_with_deterministic_algorithms_on_a_timed_decode_region_gives_the_same_bits_every_call(
+        monkeypatch, tmp_path, deterministic):
+    """Under ``torch.use_deterministic_algorithms(True)`` the planner times only kernels without float atomics
+    (the split-K small-M kernel adds its splits in order), so the region's output is the same on every call."""
+    from fxfuse import stages, strategy
+
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")  # measured choice on (the GPU tests run untimed)
+    monkeypatch.setenv("FXFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(strategy, "_choices", {})
+    monkeypatch.setattr(strategy, "_measured", {})
+    monkeypatch.setattr(stages, "_choices", {})
+    spec, dims, _ = GPU_SHAPES[-1]  # GPT-2 medium at 8 rows: split-hidden would be a candidate
+    args = make_args(spec, dims, torch.float32, device="cuda", lead=(8,))
+    with deterministic():
+        outs = [ops.mlp(*args) for _ in range(20)]
+    (measured,) = strategy.measurements()
+    assert strategy.DECODE not in dict(measured.times)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert rel_err(outs[0], reference_mlp(*f64(args))) < 1e-2  # (tf32 allowed or not: the planner's pick)

@@ -209,6 +209,32 @@ def test_candidates_by_shape(spec, widths, m, expected):
     assert strategy.choose_strategy(MLPSpec.loads(spec), widths, m) == expected[0]
 
 
+def test_with_deterministic_algorithms_on_the_atomic_decode_kernel_is_left_out(monkeypatch, deterministic):
+    """decode_split_hidden's programs add fp32 partials in arrival order: with
+    ``torch.use_deterministic_algorithms(True)`` it is no candidate, and a choice made with the flag off is not
+    reused with it on (nor the other way round), in this process or from the tuning cache."""
+    text, widths = "1b:gelu_tanh(a0);1b:a0", (1024, 4096, 1024)
+    spec = MLPSpec.loads(text)
+    assert DECODE in strategy.kernel_candidates(spec, widths, 8)
+    args = make_args(text, [24, 50, 24], lead=(3,))
+    fixed_times(monkeypatch, [0.010, 0.012, 0.020])  # ms: decode, per-stage, original ops
+    runners = {DECODE: lambda: None, GEMM_EPILOGUE: lambda: None}
+    assert strategy.fastest(args, runners, lambda: None) == DECODE
+    with deterministic():
+        assert strategy.kernel_candidates(spec, widths, 8) == [GEMM_EPILOGUE]
+        assert strategy.kernel_candidates(spec, widths, 1) == [GEMM_EPILOGUE, DECODE_GRID_SYNC]  # no atomics
+        assert strategy.cached_choice(args) is None
+        fixed_times(monkeypatch, [0.012, 0.020])
+        assert strategy.fastest(args, {GEMM_EPILOGUE: lambda: None}, lambda: None) == GEMM_EPILOGUE
+    assert strategy.cached_choice(args) == DECODE
+    monkeypatch.setattr(strategy, "_choices", {})
+    tuning_cache.clear_loaded()
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("timed again"))
+    with deterministic():
+        assert strategy.fastest(args, {GEMM_EPILOGUE: lambda: None}, lambda: None) == GEMM_EPILOGUE
+    assert strategy.fastest(args, runners, lambda: None) == DECODE
+
+
 def test_fastest_of_several_is_kept_and_read_back_from_disk(monkeypatch):
     args = make_args("1b:gelu_tanh(a0);1b:a0", [24, 50, 24], lead=(3,))
     fixed_times(monkeypatch, [0.030, 0.012, 0.020])  # ms: decode, per-stage, original ops
