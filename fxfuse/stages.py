@@ -93,10 +93,14 @@ def run_best_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Option
     lets a small-M launch start loading its weights early (:func:`fxfuse.kernels.run_stage_gemv`).
     """
     (M, K), N = x.shape, weights[0].shape[0]
-    # A region being recorded for replays will run its stages as their recorded steps: time them so.
-    replayed = timed and fastlaunch.recording_open()
+    # A region being recorded for replays will run its stages as their recorded steps: time them so. Under
+    # deterministic algorithms a region's first call (not recorded) and its replays must run the same
+    # implementation (each sums in its own order): one choice for both, timed as replayed.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    replayed = timed and (deterministic or fastlaunch.recording_open())
+    # (the last three fields are read by position in _measure)
     key = (len(weights), epilogue, choice_bucket(M), K, N, x.dtype, x.device, x.stride(1) == 1,
-           tuple(b is not None for b in biases), replayed, for_cuda_graphs())
+           tuple(b is not None for b in biases), deterministic, replayed, for_cuda_graphs())
     choice = resolve(_choices.get(key), M) if timed else None
     if choice is None:
         runners = _runners(x, weights, biases, operands, epilogue, timed, replayed)
@@ -211,7 +215,8 @@ def _measure(key: tuple, runners: dict[str, Callable[[], Tensor]],
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     dtype = str(x_dtype).replace("torch.", "")
     disk_key = f"stage {key[0]}:{key[1]} | M {bucket_range(key[2])} | K={key[3]} N={key[4]} | {dtype}" \
-        + (" | CUDA graph" if key[-1] else "") + (" | replayed" if key[-2] else "") + (" | both ends" if at_top else "")
+        + (" | deterministic" if key[-3] else "") + (" | CUDA graph" if key[-1] else "") \
+        + (" | replayed" if key[-2] else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device_name)
     if stored is not None and all(s in runners for s, _ in stored.times + stored.top_times):
         times, top_times = dict(stored.times), dict(stored.top_times)

@@ -167,5 +167,6 @@ def test_with_deterministic_algorithms_on_a_timed_decode_region_gives_the_same_b
         outs = [ops.mlp(*args) for _ in range(20)]
     (measured,) = strategy.measurements()
     assert strategy.DECODE not in dict(measured.times)
-    assert all(torch.equal(out, outs[0]) for out in outs)
+    differ = [i for i, out in enumerate(outs) if not torch.equal(out, outs[0])]
+    assert not differ, f"calls {differ} differ from the first ({measured.strategy}; {measured.times})"
     assert rel_err(outs[0], reference_mlp(*f64(args))) < 1e-2  # (tf32 allowed or not: the planner's pick)

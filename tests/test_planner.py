@@ -473,6 +473,28 @@ def test_a_stage_timed_inside_its_regions_recording_is_scored_by_gpu_time(monkey
     assert scored == [False, False, True, True]  # (each at both ends of the 97-128 bucket)
 
 
+def test_under_deterministic_algorithms_a_stage_has_one_choice_for_plain_and_recorded_calls(monkeypatch,
+                                                                                             deterministic):
+    """A region's first call runs its stages plainly and its later calls replay them: under
+    ``torch.use_deterministic_algorithms(True)`` both must run the same implementation (each sums in its own
+    order), so one choice serves both, timed as replayed (GPU time)."""
+    x, w, b = torch.randn(8, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+    scored = []
+
+    def fake_times(what, bucket, runners, gpu_only=False, **kw):
+        scored.append(gpu_only)
+        return {name: 1.0 for name in runners}
+
+    monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    with deterministic():
+        _, plain = stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)
+        with fastlaunch.recording():
+            _, recorded = stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)
+    assert scored == [True] and plain == recorded  # timed once, as replayed
+    stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)  # flag off: keys of their own
+    assert scored == [True, False]
+
+
 def test_cublaslt_stage_only_on_cuda():
     """On the CPU ATen's ``_addmm_activation(use_gelu=True)`` is the erf GELU, so it is never a candidate there."""
     x, w, b = torch.randn(40, 32), torch.randn(48, 32), torch.randn(48)
