@@ -37,6 +37,7 @@ __all__ = [
     "Expr",
     "Operand",
     "canonicalize",
+    "compiled_reference",
     "evaluate",
     "num_accumulators",
     "num_operands",
@@ -338,12 +339,19 @@ def to_triton(expr: Expr, *, acc_names: Sequence[str], operand_names: Sequence[s
 
 def evaluate(expr: Expr, accs: Sequence[torch.Tensor], operands: Sequence[torch.Tensor]) -> torch.Tensor:
     """The torch reference of ``expr``: the same ops eager PyTorch would run, in the tensors' dtype."""
-    return _compiled(expr)(accs, operands)
+    return compiled_reference(expr)(accs, operands)
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(expr: Expr) -> Callable:
-    """``expr`` as nested closures, built once: the reference path runs on every forward."""
+def compiled_reference(expr: Expr) -> Callable:
+    """``expr``'s torch reference as nested closures ``(accs, operands) -> tensor``, built once: the reference
+    path runs on every forward.
+
+    Example:
+        >>> f = compiled_reference(parse("mul(relu(a0),v0)"))
+        >>> f([torch.tensor([-1.0, 2.0])], [torch.tensor([3.0, 3.0])]).tolist()
+        [0.0, 6.0]
+    """
     if isinstance(expr, Acc):
         i = expr.index
         return lambda accs, ops: accs[i]
@@ -354,7 +362,7 @@ def _compiled(expr: Expr) -> Callable:
         value = expr.value
         return lambda accs, ops: value
     fn = OPS[expr.op].torch
-    children = [_compiled(a) for a in expr.args]
+    children = [compiled_reference(a) for a in expr.args]
     if expr.op in ("maximum", "minimum"):  # these two take tensors only
         def tensors(accs, ops):
             args = [c(accs, ops) for c in children]

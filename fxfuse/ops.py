@@ -108,16 +108,16 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
     autograd node (:func:`fxfuse.gated_mlp_training.gated_mlp`), and otherwise a gated stage's ``act(g) * u`` as one
     kernel each way (:func:`fxfuse.gated_training.gated_product`).
     """
-    gated = trained and gated_training_enabled()
-    if gated:
-        out = gated_mlp(x, weights, biases, spec)
-        if out is not None:
-            return out
+    if not (trained and gated_training_enabled()):
+        return _reference(spec)(x, weights, biases, operands)
+    out = gated_mlp(x, weights, biases, spec)
+    if out is not None:
+        return out
     h = x
     for stage in _plan(spec)[0]:  # parsed once per spec string: this also runs on the forward path
         accs = [F.linear(h, weights[w], None if b is None else biases[b]) for w, b in stage.linears]
         fused = None
-        if gated and stage.gated is not None:
+        if stage.gated is not None:
             gate, up, act = stage.gated
             fused = gated_product(accs[gate], accs[up], act)
         h = fused if fused is not None else ep.evaluate(stage.expr, accs,
@@ -135,6 +135,49 @@ class _StagePlan:
     linears: tuple[tuple[int, Optional[int]], ...]  # per linear: (index in weights, index in biases or None)
     operands: slice  # this stage's operands in the op's operand list
     gated: Optional[tuple[int, int, str]]  # (gate acc, up acc, activation) of a gated stage (gated_form)
+
+
+@functools.cache
+def _reference(spec: str) -> Callable[[Tensor, Sequence[Tensor], Sequence[Tensor], Sequence[Tensor]], Tensor]:
+    """:func:`reference_mlp`'s ops as closures built once per spec: ``(x, weights, biases, operands) -> out``.
+
+    A region whose planner kept the original ops runs them on every call, and at host-bound sizes their Python is
+    the call's time: the loop over the stages' plans cost ~4.5 µs more than eager's three calls (gpt2m's MLP at
+    24 rows read 1.7 µs slower than eager on the H200, ``bench_sweep.py``); these closures cost ~0.5.
+    """
+    steps = [_stage_reference(stage) for stage in _plan(spec)[0]]
+    if len(steps) == 2:
+        first, second = steps
+        return lambda x, w, b, o: second(first(x, w, b, o), w, b, o)
+
+    def run(x: Tensor, w: Sequence[Tensor], b: Sequence[Tensor], o: Sequence[Tensor]) -> Tensor:
+        for step in steps:
+            x = step(x, w, b, o)
+        return x
+
+    return run
+
+
+def _stage_reference(stage: _StagePlan) -> Callable[..., Tensor]:
+    """One stage of :func:`_reference`: ``(h, weights, biases, operands) -> the stage's output``."""
+    linear = F.linear
+    if stage.num_linears == 1 and not stage.num_operands:
+        ((wi, bi),) = stage.linears
+        if isinstance(stage.expr, ep.Acc):  # no epilogue: the linear itself
+            if bi is None:
+                return lambda h, w, b, o: linear(h, w[wi])
+            return lambda h, w, b, o: linear(h, w[wi], b[bi])
+        fn = ep.compiled_reference(stage.expr)
+        if bi is None:
+            return lambda h, w, b, o: fn((linear(h, w[wi]),), ())
+        return lambda h, w, b, o: fn((linear(h, w[wi], b[bi]),), ())
+    fn, linears, operands = ep.compiled_reference(stage.expr), stage.linears, stage.operands
+
+    def general(h: Tensor, w: Sequence[Tensor], b: Sequence[Tensor], o: Sequence[Tensor]) -> Tensor:
+        accs = [linear(h, w[wi], None if bi is None else b[bi]) for wi, bi in linears]
+        return fn(accs, [t.reshape(-1) for t in o[operands]])
+
+    return general
 
 
 @functools.cache
