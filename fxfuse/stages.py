@@ -66,15 +66,16 @@ def stage_choices() -> dict[tuple, str]:
 
 
 @functools.lru_cache(maxsize=512)
-def _expr(epilogue: str) -> ep.Expr:
-    return ep.parse(epilogue)
+def _epilogue_reference(epilogue: str) -> Callable[[Sequence[Tensor], Sequence[Tensor]], Tensor]:
+    # (keyed by the string: hashing a parsed expression on every call cost as much as the pointwise op's launch)
+    return ep.compiled_reference(ep.parse(epilogue))
 
 
 def _torch_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
                  operands: Sequence[Tensor], epilogue: str) -> Tensor:
     """The stage as eager PyTorch runs it: cuBLAS GEMMs (bias in the GEMM), then the pointwise ops."""
     accs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
-    return ep.evaluate(_expr(epilogue), accs, operands)
+    return _epilogue_reference(epilogue)(accs, operands)
 
 
 def _cublaslt_stage(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
