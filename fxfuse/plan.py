@@ -128,6 +128,9 @@ def _check(view: GraphView, pat: Pattern, rank: int, mapping: dict) -> _Candidat
     while True:
         x = lins[0].args[0]
         if any(lin.args[0] is not x for lin in lins):
+            if any(isinstance(lin.args[0], fx.Node) and is_linear(lin.args[0]) for lin in lins):
+                return ("linears of a gated stage read different inputs: one reads another linear's output (a "
+                        "low-rank adapter such as LoRA? merged into its base weight, the MLP fuses)")
             return "linears of a gated stage read different inputs"
         if not isinstance(x, fx.Node):
             break

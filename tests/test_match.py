@@ -252,6 +252,26 @@ def test_gated_with_different_inputs():
     assert regions == [] and rej.reason == "linears of a gated stage read different inputs"
 
 
+def test_a_low_rank_adapter_on_the_first_linear_is_named_in_the_reason():
+    """A LoRA-wrapped fc1 (``base(x) + B(A(x)) * s``) reads as a gated stage whose second linear reads the
+    adapter's first: not fused, and the reason says what to do."""
+    class LoRALinear(nn.Module):
+        def __init__(self, i, o, r=2):
+            super().__init__()
+            self.base, self.A, self.B = nn.Linear(i, o), nn.Linear(i, r, bias=False), nn.Linear(r, o, bias=False)
+
+        def forward(self, x):
+            return self.base(x) + self.B(self.A(x)) * 0.5
+
+    class M(MLP):
+        def __init__(self):
+            super().__init__(nn.GELU(approximate="tanh"))
+            self.fc1 = LoRALinear(8, 32)
+
+    _, regions, (rej,) = plan(M(), "symbolic", torch.randn(4, 8))
+    assert regions == [] and "LoRA" in rej.reason and rej.reason.startswith("linears of a gated stage")
+
+
 @pytest.mark.parametrize("shape,ok", [((32,), True), ((1,), True), ((4, 32), False), ((1, 1, 32), False)])
 def test_operand_must_broadcast_along_last_dim(shape, ok):
     class M(MLP):
