@@ -458,8 +458,8 @@ def test_stage_kernels_are_timed_as_replayed_while_their_region_records():
     assert {n for n in replayed if getattr(replayed[n], "__name__", "") == "runner"} == plain.keys() - {"torch"}
 
 
-def test_a_stage_timed_inside_its_regions_recording_is_scored_by_gpu_time(monkeypatch):
-    x, w, b = torch.randn(100, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+def record_gpu_only_timings(monkeypatch) -> list[bool]:
+    """Replace the candidates' timing by equal times; the returned list gets each timing's ``gpu_only``."""
     scored = []
 
     def fake_times(what, bucket, runners, gpu_only=False, **kw):
@@ -467,6 +467,12 @@ def test_a_stage_timed_inside_its_regions_recording_is_scored_by_gpu_time(monkey
         return {name: 1.0 for name in runners}
 
     monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    return scored
+
+
+def test_a_stage_timed_inside_its_regions_recording_is_scored_by_gpu_time(monkeypatch):
+    x, w, b = torch.randn(100, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
+    scored = record_gpu_only_timings(monkeypatch)
     stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)
     with fastlaunch.recording():
         stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)  # a key of its own: timed again
@@ -479,13 +485,7 @@ def test_under_deterministic_algorithms_a_stage_has_one_choice_for_plain_and_rec
     ``torch.use_deterministic_algorithms(True)`` both must run the same implementation (each sums in its own
     order), so one choice serves both, timed as replayed (GPU time)."""
     x, w, b = torch.randn(8, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
-    scored = []
-
-    def fake_times(what, bucket, runners, gpu_only=False, **kw):
-        scored.append(gpu_only)
-        return {name: 1.0 for name in runners}
-
-    monkeypatch.setattr(strategy, "time_candidates", fake_times)
+    scored = record_gpu_only_timings(monkeypatch)
     with deterministic():
         _, plain = stages.run_best_stage(x, [w], [b], [], "relu(a0)", timed=True)
         with fastlaunch.recording():
