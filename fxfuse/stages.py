@@ -2,8 +2,8 @@
 
 A stage (``epilogue(x @ W0^T + b0 [, x @ W1^T + b1], v...)``) can run as
 
-* ``gemv``: for a few rows (M ≤ ``GEMV_MAX_M``), the small-M kernel that streams the weights once (split-K),
-  :func:`fxfuse.kernels.run_stage_gemv`;
+* ``gemv``: for a few rows (M ≤ ``GEMV_ONLY_M``, and timed up to ``GEMV_MAX_M``), the small-M kernel that streams
+  the weights once (split-K), :func:`fxfuse.kernels.run_stage_gemv`;
 * ``tma``: the persistent TMA kernel (Hopper; row strides 16-byte aligned), :func:`fxfuse.kernels.run_stage_tma`;
 * ``triton``: the pointer-based GEMM + epilogue kernel, :func:`fxfuse.kernels.run_stage`;
 * ``torch``: the original ops of the stage (cuBLAS ``F.linear`` + the eager pointwise ops);
@@ -16,10 +16,10 @@ both. Above 64 rows a bucket is timed at both ends (the call's M and the bucket'
 and where the two ends' fastest differ, each runs on its side of the M where their times cross: the tiled
 kernels' time steps with whole row tiles, cuBLAS's grows with M. A few rows (M ≤ 16) choose between ``gemv``
 and the library paths (outside CUDA graphs a library path must beat ``gemv`` by ``LIBRARY_MARGIN``: its host
-path costs a decode call more than the bound kernel's), more rows between ``tma``, ``triton`` and the library
-paths (16-bit stages of ``TMA_ONLY_FROM_M`` rows or more that the TMA kernel takes: ``tma`` and the library
-paths). Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv`` for a few rows, else
-``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
+path costs a decode call more than the bound kernel's), more rows between ``tma``, ``triton``, ``gemv`` (up to
+64 rows) and the library paths (16-bit stages of ``TMA_ONLY_FROM_M`` rows or more that the TMA kernel takes:
+``tma`` and the library paths). Without timing (``FXFUSE_AUTOTUNE=0``, the interpreter) a kernel runs: ``gemv``
+for a few rows, else ``tma`` where it applies, else ``triton`` (the GPU tests check the kernels, not cuBLAS).
 
 Example:
     >>> h, ran = run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)  # doctest: +SKIP
@@ -57,6 +57,9 @@ _choices: dict[tuple, str | Split] = {}
 # cuBLAS or cuBLASLt was), and compiling and tuning it took 3.6 of seed_geglu's 9.6 s first call. (At 2048 rows it
 # still won seed's gate+up, whose TMA launch was host-bound when timed outside a replay.)
 TMA_ONLY_FROM_M = 4096
+# Up to this many rows the small-M kernel is a stage's only kernel candidate (and its pick without timing); from here
+# to GEMV_MAX_M (64) it is timed beside the GEMM kernels.
+GEMV_ONLY_M = 16
 
 
 def stage_choices() -> dict[tuple, str]:
@@ -161,15 +164,20 @@ def _as_replayed(run: Callable[[], Tensor], x: Tensor) -> Callable[[], Tensor]:
 
 def _implementations(x, weights, biases, operands, epilogue, timed: bool) -> dict[str, Callable[[], Tensor]]:
     runners: dict[str, Callable[[], Tensor]] = {}
-    if x.shape[0] <= GEMV_MAX_M:
+    gemv = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False)
+    if x.shape[0] <= GEMV_ONLY_M:
         # A few rows: the weight-streaming kernel; the GEMM kernels' 64-128-row tiles would mostly multiply padding.
-        runners["gemv"] = functools.partial(run_stage_gemv, x, weights, biases, operands, epilogue, check=False)
+        runners["gemv"] = gemv
     else:
         tma = tma_applicable(x, weights)
         if tma:
             runners["tma"] = functools.partial(run_stage_tma, x, weights, biases, operands, epilogue, check=False)
         if not (tma and timed and x.shape[0] >= TMA_ONLY_FROM_M and x.element_size() == 2):
             runners["triton"] = functools.partial(run_stage, x, weights, biases, operands, epilogue, check=False)
+        if timed and x.shape[0] <= GEMV_MAX_M:
+            # Up to 64 rows it is timed beside them (padded to 32 or 64 rows): its bound launch against cuBLAS's
+            # ATen path where the call is host-bound (gpt2m's MLP at 24-64 rows), a full grid where theirs is not.
+            runners["gemv"] = gemv
     if timed:
         runners["torch"] = functools.partial(_torch_stage, x, weights, biases, operands, epilogue)
         # CUDA only: on the CPU ATen's use_gelu is the exact (erf) GELU, not the tanh one.

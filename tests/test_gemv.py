@@ -1,4 +1,4 @@
-"""The small-M stage kernel (M <= 16, split-K) against the float64 reference, and its place among the stages."""
+"""The small-M stage kernel (M <= 64, split-K) against the float64 reference, and its place among the stages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from test_ops import TOL, rel_err
 
 from fxfuse import stages
 from fxfuse.kernels import GEMV_MAX_M, run_stage_gemv
-from fxfuse.kernels.gemv_template import _prune, fit_gemv_config, gpu_gemv_configs
+from fxfuse.kernels.gemv_template import (
+    GEMV_BLOCK_M,
+    MANY_ROWS_CONFIGS,
+    _prune,
+    fit_gemv_config,
+    gemv_block_m,
+    gpu_gemv_configs,
+)
 from fxfuse.kernels.workspace import _workspaces
 
 # (epilogue, number of linears, bias?, operands?, K, N): odd widths, not multiples of the test tiles.
@@ -49,7 +56,7 @@ def workspaces_are_clean():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("stage", STAGES, ids=[s[0] for s in STAGES])
 def test_gemv_matches_float64_reference(stage, dtype):
-    for m in (1, 3, GEMV_MAX_M):  # different M back to back share the split-K workspace
+    for m in (1, 3, GEMV_BLOCK_M, 24, GEMV_MAX_M):  # different M back to back share the split-K workspace (per BLOCK_M)
         args = make_stage(*stage, m, dtype)
         out = run_stage_gemv(*args)
         assert out.shape == (m, stage[-1]) and out.dtype == dtype
@@ -107,6 +114,23 @@ def test_register_stream_configs_take_the_m_bucket_as_their_rows():
             assert (len(stream) == len(kept)) == (bucket == 1)
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_more_than_16_rows_try_a_few_tiles_whose_sums_fit_the_registers(block_m):
+    x = torch.empty(block_m, 4096, dtype=torch.bfloat16)
+    for gated in (False, True):
+        args = {"x_ptr": x, "N": 14336, "K": 4096, "M_BUCKET": block_m, "BLOCK_M": block_m,
+                **({"w1_ptr": x} if gated else {})}
+        kept = _prune(gpu_gemv_configs(), args)
+        assert kept and len(kept) <= len(MANY_ROWS_CONFIGS)
+        for c in kept:
+            kw = c.kwargs
+            assert not kw["ONE_ROW"] and (kw["BLOCK_N"], kw["BLOCK_K"], kw["SPLIT_K"], c.num_warps) in {
+                t[:4] for t in MANY_ROWS_CONFIGS}
+            assert (2 if gated else 1) * kw["BLOCK_N"] * block_m <= 64 * 32 * c.num_warps
+            # (x's 64-row tile counted in each pipeline stage's shared memory)
+            assert fit_gemv_config(c, 2 if gated else 1, 2, block_m).num_stages == c.num_stages
+
+
 def test_one_row_keeps_the_tiles_when_columns_leave_sms_idle():
     x = torch.empty(1, 65536, dtype=torch.bfloat16)
     kept = _prune(gpu_gemv_configs(), {"x_ptr": x, "N": 64, "K": 65536, "M_BUCKET": 1})
@@ -149,11 +173,19 @@ def test_untimed_stage_choice_is_the_small_m_kernel(monkeypatch):
     calls = []
     real = stages.run_stage_gemv
     monkeypatch.setattr(stages, "run_stage_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
+    for m in (1, stages.GEMV_ONLY_M, stages.GEMV_ONLY_M + 1):
         x, ws, bs, ops, epi = make_stage(*STAGES[0], m)
         out, _ = stages.run_best_stage(x, ws, bs, ops, epi, timed=False)
         assert rel_err(out, reference(x, ws, bs, ops, epi)) < TOL[torch.float32]
-    assert calls == [1, GEMV_MAX_M]  # 17 rows take the GEMM kernels
+    assert calls == [1, stages.GEMV_ONLY_M]  # 17 rows take the GEMM kernels
+
+
+def test_from_17_to_64_rows_the_small_m_kernel_is_timed_beside_the_gemm_kernels():
+    x, ws, bs, ops, epi = make_stage(*STAGES[0], 24)
+    assert "gemv" in stages._runners(x, ws, bs, ops, epi, timed=True)
+    assert "gemv" not in stages._runners(x, ws, bs, ops, epi, timed=False)  # (untimed: a GEMM kernel runs)
+    x65 = make_stage(*STAGES[0], GEMV_MAX_M + 1)[0]
+    assert "gemv" not in stages._runners(x65, ws, bs, ops, epi, timed=True)
 
 
 def test_a_stage_after_a_small_m_stage_is_told_so(monkeypatch):
@@ -182,7 +214,7 @@ GPU_STAGES = [("mul(silu(a0),a1)", 2, False, 0, 512, 1000), ("a0", 1, True, 0, 1
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("stage", GPU_STAGES, ids=[s[0] for s in GPU_STAGES])
 def test_gemv_on_gpu(stage, dtype, no_tf32):
-    for m in (1, 5, GEMV_MAX_M):
+    for m in (1, 5, GEMV_BLOCK_M, 24, 40, GEMV_MAX_M):
         args = make_stage(*stage, m, dtype, "cuda")
         assert rel_err(run_stage_gemv(*args), reference(*args)) < GPU_TOL[dtype], m
     torch.cuda.synchronize()
@@ -194,8 +226,12 @@ def test_gemv_on_gpu(stage, dtype, no_tf32):
 def test_every_gpu_config(stage):
     """Each config the autotuner may pick (fitted to shared memory as it would be), split-K ones included, run
     directly (bf16)."""
-    for config in (fit_gemv_config(c, stage[1], 2) for c in gpu_gemv_configs()):
-        runs = [(config, m) for m in ((1,) if config.kwargs["ONE_ROW"] else (1, GEMV_MAX_M))]
+    for listed in gpu_gemv_configs():
+        config = fit_gemv_config(listed, stage[1], 2)
+        runs = [(config, m) for m in ((1,) if config.kwargs["ONE_ROW"] else (1, GEMV_BLOCK_M))]
+        kw = listed.kwargs
+        if (kw["BLOCK_N"], kw["BLOCK_K"], kw["SPLIT_K"], listed.num_warps, listed.num_stages) in MANY_ROWS_CONFIGS:
+            runs += [(fit_gemv_config(listed, stage[1], 2, gemv_block_m(m)), m) for m in (24, 40, GEMV_MAX_M)]
         if config.kwargs["ONE_ROW"]:  # the register stream at 4 rows too, where its partial sums fit (as pruned)
             four = fit_gemv_config(triton.Config({**config.kwargs, "ONE_ROW": 4}, num_warps=config.num_warps,
                                                  num_stages=config.num_stages), stage[1], 2)
@@ -265,7 +301,7 @@ def test_split_k_outputs_are_the_same_bits_on_every_call(one_row, no_tf32):
     for config in splits:
         config = triton.Config({**config.kwargs, "ONE_ROW": one_row}, num_warps=config.num_warps,
                                num_stages=1 if one_row else config.num_stages)
-        for m in ((1,) if one_row else (1, 8, GEMV_MAX_M)):
+        for m in ((1,) if one_row else (1, 8, GEMV_BLOCK_M, GEMV_MAX_M)):
             args = make_stage("a0", 1, True, 0, 4096, 1024, m, torch.float32, "cuda")
             first = run_stage_gemv(*args, config=config)
             for _ in range(30):

@@ -356,7 +356,7 @@ def test_a_kernel_refused_in_a_capture_runs_the_original_ops_and_keeps_the_kerne
 def test_stage_choice_takes_the_fastest_implementation(monkeypatch):
     x, w, b = torch.randn(40, 32), torch.randn(48, 32) / 32 ** 0.5, torch.randn(48) * 0.1
     available = list(stages._runners(x, [w], [b], [], "gelu_tanh(a0)", timed=True))  # tma only where it applies
-    times = {"tma": 0.030, "triton": 0.010, "torch": 0.020, "cublaslt": 0.040}
+    times = {"tma": 0.030, "triton": 0.010, "gemv": 0.015, "torch": 0.020, "cublaslt": 0.040}  # (gemv: 40 rows)
     fixed_times(monkeypatch, [times[name] for name in available])
     out, _ = stages.run_best_stage(x, [w], [b], [], "gelu_tanh(a0)", timed=True)
     assert list(stages.stage_choices().values()) == ["triton"]

@@ -1,6 +1,6 @@
-"""Python wrapper of the small-M stage kernel (:mod:`fxfuse.kernels.gemv_template`): one stage, M ≤ 16.
+"""Python wrapper of the small-M stage kernel (:mod:`fxfuse.kernels.gemv_template`): one stage, M ≤ 64.
 
-Split-K launches store their partial sums in an fp32 workspace ``[num_linears, GEMV_MAX_SPLIT, 16, N]`` (a slice
+Split-K launches store their partial sums in an fp32 workspace ``[num_linears, GEMV_MAX_SPLIT, BLOCK_M, N]`` (a slice
 per split) and count finished splits per column tile; the last split adds the slices in order and leaves the
 counters at zero (:mod:`.workspace`).
 
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen
 from . import fastlaunch
-from .gemv_template import GEMV_BLOCK_M, GEMV_MAX_SPLIT
+from .gemv_template import GEMV_MAX_ROWS, GEMV_MAX_SPLIT, gemv_block_m
 from .launch import (
     _input_precision,
     _parse,
@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GEMV_MAX_M", "run_stage_gemv"]
 
-# Rows the kernel takes: one padded BLOCK_M tile holds them all.
-GEMV_MAX_M = GEMV_BLOCK_M
+# Rows the kernel takes: one padded BLOCK_M tile (16, 32 or 64 rows: gemv_block_m) holds them all.
+GEMV_MAX_M = GEMV_MAX_ROWS
 _bound = fastlaunch.Bindings(limit=1024)  # bound launches by call key; past the limit all are dropped
 # A one-row stage after another small-M stage loads its first weights before waiting for it (``after_gemv``).
 # Probes turn it off to measure it (then drop ``_bound`` and the replays, which hold the choice).
@@ -110,7 +110,8 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     kernel = codegen.generated_gemv_kernel(len(weights), epilogue).fused_gemv_kernel
     n_lin = len(weights)
     # One counter per column tile of the narrowest BLOCK_N (a ONE_ROW tile may be one column).
-    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_MAX_SPLIT, GEMV_BLOCK_M, N), N)
+    block_m = gemv_block_m(M)
+    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_MAX_SPLIT, block_m, N), N)
     args: dict = {"x_ptr": x}
     args.update({f"w{i}_ptr": w for i, w in enumerate(weights)})
     args.update({f"b{i}_ptr": (b if b is not None else x) for i, b in enumerate(biases)})  # x: valid, unread
@@ -126,7 +127,7 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     # PREFETCH is only safe after the wait-then-release of the same kernel's previous launch (see the template);
     # without PDL (a CUDA graph capture) the launch starts after that kernel anyway. It does not depend on ``pdl``
     # so that a capture asks the autotuner for the keys the plain calls before it tuned (none is tuned inside).
-    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": GEMV_BLOCK_M, "USE_PDL": pdl,
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": block_m, "USE_PDL": pdl,
                  "PREFETCH": after_gemv and prefetch_weights and M == 1})
     if pdl:
         args["launch_pdl"] = True  # a launch option (compiled into the kernel's metadata), not a kernel argument

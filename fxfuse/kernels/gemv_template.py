@@ -1,12 +1,12 @@
-"""Source generator for the small-M stage kernel: one GEMM + epilogue for a few rows (M ≤ 16), split-K.
+"""Source generator for the small-M stage kernel: one GEMM + epilogue for a few rows (M ≤ 64), split-K.
 
 At decode sizes a stage ``epilogue(x @ W0^T + b0[, x @ W1^T + b1], v...)`` is a stream of its weights:
 every weight byte is read once and each does 2·M FLOPs. The kernel is built for that stream:
 
 * **Weights as the wide operand** ("swap AB"): each program owns ``BLOCK_N`` output columns, i.e. rows of
   ``W`` (contiguous along K), and computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T``. ``x`` (a few
-  rows, L2-resident) is padded to ``BLOCK_M = 16`` columns, what ``tl.dot`` needs; the weight tiles feed
-  ``tl.dot`` directly, so Triton's software pipeliner keeps ``num_stages`` of them in flight.
+  rows, L2-resident) is padded to ``BLOCK_M`` = 16 columns (what ``tl.dot`` needs; 32 or 64 for more rows); the
+  weight tiles feed ``tl.dot`` directly, so Triton's software pipeliner keeps ``num_stages`` of them in flight.
 * **Split-K** when the columns alone give too few programs to stream at full bandwidth (a 1024-wide
   output is 64 programs of 16 columns on 132 SMs): program ``(n, s)`` reduces K steps
   ``[s·per_split, (s+1)·per_split)``. Each split stores its fp32 partial sums in its own slice of a
@@ -49,12 +49,21 @@ from .template import interpreting as _interpreting
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GEMV_BLOCK_M", "GEMV_MAX_SPLIT", "GEMV_TEMPLATE_VERSION", "fit_gemv_config", "gemv_configs",
+__all__ = ["GEMV_BLOCK_M", "GEMV_MAX_ROWS", "GEMV_MAX_SPLIT", "GEMV_TEMPLATE_VERSION", "fit_gemv_config",
+           "gemv_block_m", "gemv_configs",
            "gpu_gemv_configs", "prune_gemv_configs", "render_gemv"]
 
 GEMV_TEMPLATE_VERSION = 7
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
+# The most rows one launch takes (padded to 16, 32 or 64: gemv_block_m). Above 16 rows the kernel is a timed stage
+# candidate beside the GEMM kernels (fxfuse.stages), for shapes whose call is host-bound (a bound launch against
+# ATen's path) or whose GEMM grids leave SMs idle.
+GEMV_MAX_ROWS = 64
+# The tl.dot configs tried above 16 rows, as (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, listed num_stages): few, because
+# each is a compile at a stage's first call. The 64-row winner of session 24's H100 trial (llama: N64 K128, one
+# split) and neighbours.
+MANY_ROWS_CONFIGS = {(64, 128, 1, 4, 3), (32, 256, 1, 4, 6), (64, 128, 2, 4, 6), (128, 64, 1, 8, 4)}
 # Rows the register stream (ONE_ROW) takes at most. Each program reads all of x's rows for its few weight rows, so x
 # traffic from L2 is ONE_ROW / BLOCK_N times the weights'. H200, one stage in a CUDA graph after do_bench's flush
 # (benchmarks/probes/probe_few_rows.py, best stream vs best tl.dot config, µs): gpt2m fc2 (K=4096, N=1024) 11.8 vs 15.1
@@ -357,11 +366,22 @@ def gemv_configs() -> list[triton.Config]:
     return gpu_gemv_configs()
 
 
+def gemv_block_m(m: int) -> int:
+    """The padded rows of a launch for ``m`` rows: 16 (what ``tl.dot`` needs), 32 or 64.
+
+    Example:
+        >>> [gemv_block_m(m) for m in (1, 16, 17, 40, 64)]
+        [16, 16, 32, 64, 64]
+    """
+    return max(GEMV_BLOCK_M, next_pow2(m))
+
+
 def _programs(c: triton.Config, N: int) -> int:
     return triton.cdiv(N, c.kwargs["BLOCK_N"]) * c.kwargs["SPLIT_K"]
 
 
-def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> triton.Config | None:
+def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int,
+                    block_m: int = GEMV_BLOCK_M) -> triton.Config | None:
     """``c`` with as many pipeline stages as fit shared memory (each holds the weight tiles and an x tile).
 
     A register-stream (ONE_ROW) config stages its rows of x, and with one stage keeps its loads in registers (no
@@ -378,7 +398,7 @@ def fit_gemv_config(c: triton.Config, num_linears: int, elem_size: int) -> trito
             return c
         fitted = fit_stages(c, (num_linears * kw["BLOCK_N"] + kw["ONE_ROW"]) * kw["BLOCK_K"] * elem_size)
         return fitted or triton.Config(dict(kw), num_warps=c.num_warps, num_stages=1)
-    return fit_stages(c, (num_linears * kw["BLOCK_N"] * kw["BLOCK_K"] + GEMV_BLOCK_M * kw["BLOCK_K"]) * elem_size)
+    return fit_stages(c, (num_linears * kw["BLOCK_N"] * kw["BLOCK_K"] + block_m * kw["BLOCK_K"]) * elem_size)
 
 
 # fp32 partial-sum registers per thread a register-stream config may hold (rows x linears x its weight tile's
@@ -398,8 +418,15 @@ def _prune(configs, named_args, **kwargs):
     x = args["x_ptr"]
     elem = x.element_size() if hasattr(x, "element_size") else 2
     N, K = args["N"], args["K"]
+    block_m = args.get("BLOCK_M", GEMV_BLOCK_M)
     device = getattr(x, "device", None)
     sms = sm_count(device)
+    if block_m > GEMV_BLOCK_M:  # more than 16 rows: a few tl.dot tiles (no stream), each keeping 64 fp32 sums a thread
+        n_lin = 2 if gated else 1
+        configs = [c for c in configs if not c.kwargs.get("ONE_ROW")
+                   and (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"], c.num_warps,
+                        c.num_stages) in MANY_ROWS_CONFIGS
+                   and n_lin * c.kwargs["BLOCK_N"] * block_m <= 64 * 32 * c.num_warps]
     # Register-stream configs compute ONE_ROW rows: they take the call's M bucket as that count, up to
     # MAX_STREAM_ROWS. Split stream tiles narrower than 16 columns work but stream slower than one share (llama m1
     # down 39-109 µs against 31.6; probe_one_row_split.py).
@@ -422,8 +449,8 @@ def _prune(configs, named_args, **kwargs):
             continue
         if split > 1 and triton.cdiv(N, bn) >= 2 * sms:
             continue
-        c = fit_gemv_config(c, 2 if gated else 1, elem)
-        if c is not None:
+        c = fit_gemv_config(c, 2 if gated else 1, elem, block_m)
+        if c is not None and not any(c.all_kwargs() == k.all_kwargs() for k in kept):  # (same after fitting)
             kept.append(c)
     if not kept:
         kept = [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
