@@ -450,7 +450,7 @@ def _prune(configs, named_args, **kwargs):
         if split > 1 and triton.cdiv(N, bn) >= 2 * sms:
             continue
         c = fit_gemv_config(c, 2 if gated else 1, elem, block_m)
-        if c is not None and not any(c.all_kwargs() == k.all_kwargs() for k in kept):  # (same after fitting)
+        if c is not None:
             kept.append(c)
     if not kept:
         kept = [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
