@@ -83,6 +83,12 @@ def running_at(opt, m: int) -> str:
     return "; ".join(r.running_at(m) for r in regions) if regions else "nothing fused"
 
 
+def shortcut_hits(opt) -> int:
+    """Calls of ``opt``'s host methods that took their shortcut (``fxfuse.shortcut``) so far: a host-bound point whose
+    timed calls did not is paying the full call path."""
+    return sum(v.hits for mod in opt.modules() for k, v in vars(mod).items() if k.startswith("_fxfuse_shortcut_"))
+
+
 def stage_impls(w: Workload, m: int) -> list[str]:
     """What the stages of ``w``'s per-stage strategies run at ``m``'s bucket (``fxfuse.stages``: cublaslt, torch,
     triton, tma, gemv), as ``epilogue: implementation``."""
@@ -103,7 +109,9 @@ def planner_times(opt, m: int) -> list[dict]:
 
 def running_cell(row: dict) -> str:
     stages = row.get("stages")
-    return row["running"] + (f" ({'; '.join(stages)})" if stages else "")
+    hits = row.get("shortcut_hits")
+    path = "" if hits is None else (" [shortcut]" if hits else " [full path]")
+    return row["running"] + (f" ({'; '.join(stages)})" if stages else "") + path
 
 
 def planner_cell(planned: list[dict]) -> str:
@@ -190,18 +198,22 @@ def sweep_shape(w: Workload, ms: list[int], timer: Timer, ceil: dict, rounds: in
             xc = make_input(w, device=device, seed=m + 100_000, m=m)
             ref = mod64(xc.double())
             err = {"eager": rel_err(mod(xc), ref), "fxfuse": rel_err(opt(xc), ref)}
+            hits = shortcut_hits(opt)
             per_round = time_rounds(fns, x, timer, rounds)
+            hits = shortcut_hits(opt) - hits
         us = {k: statistics.median(v) for k, v in per_round.items()}
         flops, nbytes = count_work(mod, m, lins[0][0], lins[-1][1], es)
         fl, bound, _, _ = floor_us(flops, nbytes, rate, ceil["copy_Bps"])
         row = {"m": m, "floor_us": fl, "bound": bound, "us": us, "rounds": per_round, "rel_err": err,
                "correct": bool(math.isfinite(err["fxfuse"]) and err["fxfuse"] <= TOL),
                "slower": slower(per_round), "first_call_s": first,
-               "running": running_at(opt, m), "stages": stage_impls(w, m), "planner": planner_times(opt, m)}
+               "running": running_at(opt, m), "stages": stage_impls(w, m), "planner": planner_times(opt, m),
+               "shortcut_hits": hits}
         rows.append(row)
         print(f"  M={m:<7} floor {fl:8.1f}  eager {us['eager']:8.1f}  compile {us['compile']:8.1f}  "
               f"fxfuse {us['fxfuse']:8.1f}  ({us['eager'] / us['fxfuse']:.2f}x eager)  err {err['fxfuse']:.1e}  "
-              f"first {first['fxfuse']:.2f}s  {row['running']}{'  SLOWER' if row['slower'] else ''}", flush=True)
+              f"first {first['fxfuse']:.2f}s  {row['running']}  shortcut hits {hits}"
+              f"{'  SLOWER' if row['slower'] else ''}", flush=True)
     for row in rows:
         if row["slower"]:
             recheck(row, fns, w, timer, rounds, device)
@@ -224,7 +236,9 @@ def render(env: dict, ceil: dict, results: dict[str, dict]) -> str:
            "that M (planning and tuning at a new bucket); planner's µs = what the planner measured for each "
            "candidate at the M that decided the bucket (the larger of GPU median and host time, see "
            "`fxfuse.strategy.time_candidates`; above 64 rows also at the bucket's largest M, 'top', and where the "
-           "two ends' fastest differ, the M from which the second runs: `fxfuse.strategy.decide`). "
+           "two ends' fastest differ, the M from which the second runs: `fxfuse.strategy.decide`); [shortcut] / "
+           "[full path]: whether fxfuse's timed calls took the module's shortcut to the region's replay "
+           "(`fxfuse.shortcut`) or the whole call path. "
            "slower = fxfuse above eager × "
            f"{1 + EAGER_SLACK:.2f} in the median and in the fastest of the rounds; a point read slower is timed "
            "again after the shape's last M (fresh input, same modules) and the second reading decides: the host "

@@ -1,20 +1,21 @@
 """Host µs of every layer of a decode-size module's call, for each replayed strategy, and its wall time.
 
-    python3 benchmarks/probes/probe_call_path.py [name]        (default gpt2m_mlp_m1)
+    python3 benchmarks/probes/probe_call_path.py [name [M]]        (default gpt2m_mlp_m1 at its own rows)
 
-For the row's module under ``fxfuse.optimize`` (no autograd), each strategy that is replayed at this shape
-(per-stage small-M launches, the one-launch grid-sync kernel) is forced in turn; then, as host µs per call
-(50 calls back to back, best of 20 loops): the module without its shortcut (``fxfuse.shortcut``) and its wall
-time, the shortcut's hits after learning, the module, the host method without ``nn.Module.__call__``,
-``fused_mlp``, ``_dispatch``, the replay key and lookup, the replay alone, and the small pieces they are made
-of (``torch.empty``, stream and capture queries, autocast check). Then the wall µs per call of 200 calls and
-the do_bench GPU median of the module, against eager, and the cProfile top of the module call.
+For the row's module under ``fxfuse.optimize`` (no autograd), at ``M`` rows, each strategy that is replayed at this
+shape (per-stage launches, the one-launch grid-sync kernel at one row, the original ops) is forced in turn; then, as
+host µs per call (50 calls back to back, best of 20 loops): the module without its shortcut (``fxfuse.shortcut``)
+and its wall time, the shortcut's hits after learning, the module, the host method without
+``nn.Module.__call__``, ``fused_mlp``, ``_dispatch``, the replay key and lookup, the replay alone, and the small
+pieces they are made of (``torch.empty``, stream and capture queries, autocast check). Then the wall µs per call
+of 200 calls and the do_bench GPU median of the module, against eager, and the cProfile top of the module call.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -50,13 +51,14 @@ def pieces(x: torch.Tensor) -> dict:
 SHORTCUT = "_fxfuse_shortcut_forward"  # the module's fxfuse.shortcut.Shortcut
 
 
-def probe(name: str) -> None:
-    mod, x, opt, args, m = optimized_row(name)
+def probe(name: str, rows: Optional[int] = None) -> None:
+    mod, x, opt, args, m = optimized_row(name, rows)
     torch.set_grad_enabled(False)
     print(f"== {name}: planner chose {strategy.cached_choice(args)}; timed {m.times}", flush=True)
     print("pieces: " + ", ".join(f"{k} {v:.2f}" for k, v in pieces(x).items()) + " us", flush=True)
     method = type(opt).forward
-    for forced in (strategy.GEMM_EPILOGUE, strategy.DECODE_GRID_SYNC):
+    forced_ones = (strategy.GEMM_EPILOGUE, strategy.DECODE_GRID_SYNC) if x.shape[0] == 1 else ()
+    for forced in (*forced_ones, strategy.ORIGINAL_OPS):
         strategy._choices[strategy.choice_key(args)] = forced
         replay.forget_all()
         opt(x), opt(x)
@@ -85,4 +87,4 @@ def probe(name: str) -> None:
 
 
 if __name__ == "__main__":
-    probe(sys.argv[1] if len(sys.argv) > 1 else "gpt2m_mlp_m1")
+    probe(sys.argv[1] if len(sys.argv) > 1 else "gpt2m_mlp_m1", int(sys.argv[2]) if len(sys.argv) > 2 else None)

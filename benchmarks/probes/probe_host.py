@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -27,11 +28,11 @@ from benchmarks.workloads import WORKLOADS, build_module, make_input  # noqa: E4
 from fxfuse import ops, replay, stages, strategy  # noqa: E402
 
 
-def optimized_row(name: str) -> tuple:
+def optimized_row(name: str, m: Optional[int] = None) -> tuple:
     """``(module, input, fxfuse.optimize(module) after its first call, the op's arguments for its one region,
-    the planner's measurement)`` for a benchmark row, built without autograd."""
+    the planner's measurement)`` for a benchmark row (``m`` rows instead of the row's), built without autograd."""
     w = next(w for w in WORKLOADS if w.name == name)
-    mod, x = build_module(w), make_input(w)
+    mod, x = build_module(w), make_input(w, m=m)
     with torch.no_grad():
         opt = fxfuse.optimize(mod)
         opt(x)
