@@ -326,7 +326,10 @@ def _training_choice(module: nn.Module, node_at: Any, original_at: Any, args: tu
     hidden, index, weights = (t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
                               for t in args)
     wanted = [t for t in (hidden, weights, *module._parameters.values()) if t is not None and t.requires_grad]
-    dout = torch.randn(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+    # (from a generator of its own: the user's random stream is theirs, and a resumed run must draw what an
+    # uninterrupted one does, though only a new process times this choice)
+    dout = torch.randn(hidden.shape, dtype=hidden.dtype, device=hidden.device,
+                       generator=torch.Generator(hidden.device).manual_seed(0))
 
     def step(run_at: Any) -> Any:  # (allow_unused: a parameter the module's own forward leaves out of this call)
         return lambda: torch.autograd.grad(run_at(hidden, weights), wanted, dout, allow_unused=True)

@@ -90,14 +90,15 @@ def _measured(device_index: int, dtypes: tuple[str, ...]) -> Ceilings:
     from triton.testing import do_bench
 
     dev = torch.device("cuda", device_index)
+    rng = torch.Generator(dev).manual_seed(0)  # (the user's random stream is theirs)
 
     def copy_ms(nbytes: int) -> float:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255, generator=rng)
         dst = torch.empty_like(src)
         return do_bench(lambda: dst.copy_(src), return_mode="median")
 
     def mm_ms(dt: torch.dtype) -> float:
-        a, b, c = (torch.randn(8192, 8192, device=dev, dtype=dt) for _ in range(3))
+        a, b, c = (torch.randn(8192, 8192, device=dev, dtype=dt, generator=rng) for _ in range(3))
         return do_bench(lambda: torch.mm(a, b, out=c), return_mode="median")
 
     nbytes = 1 << 30

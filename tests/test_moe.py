@@ -742,6 +742,22 @@ def test_training_calls_run_the_kernels_unless_turned_off(monkeypatch):
     assert rel_err(x.grad, expected) < TOL[torch.float32]
 
 
+def test_the_training_choice_leaves_the_users_random_stream_alone(monkeypatch):
+    # The bucket's first training call runs a forward and backward of its own for one random output gradient: drawn
+    # from the user's stream, it would move every later draw (dropout masks) off eager's, once per process.
+    monkeypatch.setattr(moe, "_CHOICES", {})
+    module = experts("silu", torch.float32, "cpu")
+    forward = moe.moe_forward(type(module).forward, "silu")
+    x = torch.randn(6, 32, requires_grad=True)
+    index, weights = local_routing(6, 2, 4, "cpu", torch.float32)
+    draws = []
+    for run in (forward, type(module).forward):  # fxfuse's forward (its choice made here), then the module's own
+        torch.manual_seed(123)
+        run(module, x, index, weights).sum().backward()
+        draws.append(torch.randn(8))
+    assert vars(module).get("_fxfuse_moe") is True and torch.equal(*draws)
+
+
 def model_gradients(family: str, device: str, dtype: torch.dtype, monkeypatch, layers: int = 2) -> list[dict]:
     """A tiny transformers MoE model's gradients (every parameter's, the routers' included: they flow through the
     routing weights) for a loss of its output: its own, through ``fxfuse.optimize`` with FXFUSE_MOE_TRAINING=1
