@@ -6,8 +6,9 @@ at a few thousand tokens) it adds to every layer. Once a region runs with its ch
 without timing), the next call like it replays what that call ran: each stage's *step*, a launch bound to
 everything but its input and output (:func:`fxfuse.kernels.fastlaunch.bind`) or the stage's library call.
 "Like it" is the :func:`replay_key`: the spec, the input's shape, strides, dtype, device, alignment and
-stream, and every weight's, bias's and operand's address, shape, strides and dtype, so a moved, replaced or
-re-typed parameter, a new batch shape or another stream is recorded again.
+stream, every weight's, bias's and operand's address, shape, strides and dtype, and whether
+``torch.use_deterministic_algorithms`` is on, so a moved, replaced or re-typed parameter, a new batch shape,
+another stream or the flag turned on (whose choices are their own: :mod:`fxfuse.strategy`) is recorded again.
 
 Only regions whose every launch left a step are replayed (the small-M, TMA and pointer GEMM kernels and the
 library stages leave one per stage, the one-row grid-sync kernel, the fused chain and the original ops one for the
@@ -70,7 +71,8 @@ class _Replays(dict):
 
 
 replays: _Replays = _Replays()  # key -> replay (``Callable[[Tensor], Tensor]``)
-_failed_builds: dict[tuple, int] = {}  # (spec, input shape) -> recordings that left no replay
+_failed_builds: dict[tuple, int] = {}  # (spec, input shape, flag) -> recordings that left no replay
+_deterministic = torch.are_deterministic_algorithms_enabled
 
 
 def weak_tensor(t: Optional[Tensor]) -> Callable[[], Optional[Tensor]]:
@@ -113,18 +115,27 @@ def weak_step(impl: Callable[..., Tensor], weights: Sequence[Tensor], biases: Se
 
 def may_replay(spec: str, x: Tensor) -> bool:
     """False for a region shape that will not be replayed (its strategy leaves no steps): no key is computed."""
-    return _failed_builds.get((spec, x.shape), 0) < _MAX_FAILED_BUILDS
+    return _failed_builds.get((spec, x.shape, _deterministic()), 0) < _MAX_FAILED_BUILDS
 
 
 def will_not_replay(spec: str, x: Tensor) -> None:
-    """Stop computing replay keys for this region shape (its strategy is one kernel or the original ops)."""
-    _failed_builds[(spec, x.shape)] = _MAX_FAILED_BUILDS
+    """Stop computing replay keys for this region shape (its strategy is one kernel or the original ops), while
+    ``torch.use_deterministic_algorithms`` stays as it is (the flag has choices of its own)."""
+    _failed_builds[(spec, x.shape, _deterministic())] = _MAX_FAILED_BUILDS
 
 
 def replay_key(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
                spec: str) -> tuple:
-    """What a replay of this call depends on (see the module doc): the key of its bound launches."""
-    return fastlaunch.bound_key(spec, x, weights, biases, operands)
+    """What a replay of this call depends on (see the module doc): the key of its bound launches, and whether
+    ``torch.use_deterministic_algorithms`` is on (its last entry).
+
+    Example:
+        >>> w = torch.randn(4, 3)
+        >>> key = replay_key(torch.randn(2, 3), [w], [], [], "1:a0")
+        >>> key[0], key[-1] == torch.are_deterministic_algorithms_enabled()
+        ('1:a0', True)
+    """
+    return (*fastlaunch.bound_key(spec, x, weights, biases, operands), _deterministic())
 
 
 def _chained(steps: tuple[Callable[[Tensor], Tensor], ...], x: Tensor, out: Tensor) -> Callable[[Tensor], Tensor]:
@@ -160,7 +171,7 @@ def build(key: tuple, x: Tensor, run: Callable[[], Tensor], num_steps: int) -> T
         replays[key] = _chained(tuple(steps), x, out)
         log.debug("fxfuse: replaying %s at %s from now on (%d steps)", key[0], tuple(x.shape), num_steps)
     elif len(steps) <= num_steps:  # a launch without a step (more steps: a timing run, which proves nothing)
-        site = (key[0], x.shape)
+        site = (key[0], x.shape, key[-1])  # (a replay key's last entry is the deterministic-algorithms flag)
         _failed_builds[site] = _failed_builds.get(site, 0) + 1
     return out
 

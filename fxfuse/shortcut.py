@@ -12,7 +12,8 @@ went the full way and found its replay, it learns an *entry* for the input's sha
 
 * a ``TensorGuards`` over the input and the region's tensors (dynamo's C++ check of type, dtype, device, shape,
   strides, ``requires_grad`` and dispatch keys: ~0.5 µs for five tensors, a third of the same in Python),
-* the tensors' addresses, the input's 16-byte alignment, the stream, the TF32 flag for fp32,
+* the tensors' addresses, the input's 16-byte alignment, the stream, the TF32 flag for fp32, the
+  ``torch.use_deterministic_algorithms`` flag (part of the replay's key),
 * whether any tensor requires gradients (then only calls without grad mode may take it),
 * the replay itself, and the replays' ``generation`` when it was learned.
 
@@ -156,6 +157,8 @@ def _entry(call: RegionCall, get: Callable[[Sequence[Tensor]], tuple], x: Tensor
     fp32 = x.dtype is torch.float32
     tf32 = torch.backends.cuda.matmul.allow_tf32 if fp32 else None
     needs_no_grad = x.requires_grad or any(map(_requires_grad, tensors))
+    is_deterministic = torch.are_deterministic_algorithms_enabled
+    deterministic = is_deterministic()  # (as the replay's key has it: learned right after the call that found it)
     learned = replay.replays.generation
     replays = replay.replays
     is_grad_enabled = torch.is_grad_enabled
@@ -169,7 +172,7 @@ def _entry(call: RegionCall, get: Callable[[Sequence[Tensor]], tuple], x: Tensor
         if (needs_no_grad and is_grad_enabled()) or _traced_or_watched(x) or casts \
                 or (autocast_free and any_autocast()) or capturing():
             return None
-        if fp32 and torch.backends.cuda.matmul.allow_tf32 != tf32:
+        if (fp32 and torch.backends.cuda.matmul.allow_tf32 != tf32) or is_deterministic() is not deterministic:
             return None
         try:
             return run(x)

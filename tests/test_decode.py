@@ -81,6 +81,23 @@ def test_bad_arguments_raise():
         run_decode(x[:4], w, b, o, epilogues, workspace_sem="seq_cst")
 
 
+def test_under_deterministic_algorithms_the_atomic_kernel_raises_or_warns(deterministic):
+    # Its fp32 partial sums meet in atomic adds: called directly under the flag it alerts as torch's own
+    # nondeterministic ops do (the planner never picks it then: test_planner).
+    args = make_args(*SPECS[1], torch.float32, lead=(2,))
+    with deterministic():
+        with pytest.raises(RuntimeError, match="run_decode"):
+            run_decode(*decode_call(args))
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with pytest.warns(UserWarning, match="run_decode"):
+            out = run_decode(*decode_call(args))
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert rel_err(out, reference_mlp(*f64(args))) < TOL[torch.float32]
+
+
 def test_traced_call_runs_torch_ops_and_kernel_file_is_readable():
     from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 

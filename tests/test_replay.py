@@ -330,6 +330,22 @@ class _FakeCudaLauncher:
         raise AssertionError("went through CudaLauncher.__call__")
 
 
+def test_the_deterministic_algorithms_flag_keys_replays_and_their_sites(deterministic):
+    # Choices made with torch.use_deterministic_algorithms on are their own (fxfuse.strategy, fxfuse.stages): a
+    # replay recorded with the flag off must not run once it is on, nor a shape marked unreplayable stay so.
+    w, x = torch.randn(4, 3), torch.randn(2, 3)
+    off = replay.replay_key(x, [w], [], [], "1:a0")
+    replay.will_not_replay("1:a0", x)
+    try:
+        with deterministic():
+            on = replay.replay_key(x, [w], [], [], "1:a0")
+            assert replay.may_replay("1:a0", x)
+        assert off != on and off[:-1] == on[:-1] and (off[-1], on[-1]) == (False, True)
+        assert not replay.may_replay("1:a0", x)
+    finally:
+        replay.forget_all()
+
+
 def test_direct_launch_calls_the_known_c_layout_and_falls_back_otherwise(monkeypatch):
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", fastlaunch._KNOWN_LAUNCH_FORMAT, raising=False)

@@ -119,7 +119,7 @@ def _learned(model: GPT2MLP, x: torch.Tensor, calls: list, autocast_free: bool =
     return sc, paths
 
 
-def test_an_entry_runs_its_replay_only_while_every_check_holds():
+def test_an_entry_runs_its_replay_only_while_every_check_holds(deterministic):
     model = GPT2MLP().eval()
     x = torch.randn(2, 64)
     calls: list = []
@@ -140,6 +140,8 @@ def test_an_entry_runs_its_replay_only_while_every_check_holds():
         with torch.autocast("cpu"):  # a host method that runs under autocast: the region follows autocast
             assert _learned(model, x, [], autocast_free=True)[0](x, extra()) is None
         assert sc(x.clone(), extra()) is not None
+        with deterministic():  # the flag's choices are their own (a replay's key has it)
+            assert sc(x.clone(), extra()) is None
 
         class Watch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):

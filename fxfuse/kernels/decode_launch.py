@@ -8,6 +8,7 @@ the last program leaves both at zero (:mod:`.workspace`: one pair per device, st
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -82,6 +83,18 @@ def _torch_decode(x, weights, biases, operands, epilogues) -> torch.Tensor:
     return _torch_stage(h, weights[-1:], biases[-1:], operands[1], _parse(epilogues[1]))
 
 
+def _alert_not_deterministic() -> None:
+    """What torch's own nondeterministic ops do under ``torch.use_deterministic_algorithms(True)``: raise, or warn
+    with ``warn_only=True`` (torch has no public Python entry for its alert)."""
+    msg = ("fxfuse.kernels.run_decode does not have a deterministic implementation (its fp32 partial sums meet in "
+           "atomic adds), but you set 'torch.use_deterministic_algorithms(True)'. fxfuse.optimize never runs it "
+           "then; call fxfuse.kernels.run_stage_gemv per stage instead.")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(msg, stacklevel=3)
+    else:
+        raise RuntimeError(msg)
+
+
 def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                operands: Sequence[Sequence[torch.Tensor]], epilogues: tuple[str, str], *,
                check: bool = True, workspace_sem: str = "relaxed",
@@ -107,6 +120,9 @@ def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
 
     Raises:
         ValueError: bad shapes, dtypes, devices, M > ``DECODE_MAX_M`` or epilogues (the caller falls back).
+        RuntimeError: under ``torch.use_deterministic_algorithms(True)`` (a warning instead with
+            ``warn_only=True``): its fp32 partial sums meet in atomic adds, whose order changes from call to call.
+            (The planner never picks this kernel under the flag.)
 
     Example:
         >>> x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
@@ -115,6 +131,8 @@ def run_decode(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequenc
     """
     if workspace_sem not in _WORKSPACE_SEMS:
         raise ValueError(f"workspace_sem must be one of {_WORKSPACE_SEMS}, got {workspace_sem!r}")
+    if torch.are_deterministic_algorithms_enabled():
+        _alert_not_deterministic()
     if check:
         M, K, H, N = _validate(x, weights, biases, operands, [_parse(e) for e in epilogues])
     else:
