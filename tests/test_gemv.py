@@ -12,10 +12,12 @@ from fxfuse import stages
 from fxfuse.kernels import GEMV_MAX_M, run_stage_gemv
 from fxfuse.kernels.gemv_template import (
     GEMV_BLOCK_M,
+    GEMV_MAX_SPLIT,
     MANY_ROWS_CONFIGS,
     _prune,
     fit_gemv_config,
     gemv_block_m,
+    gemv_workspace_splits,
     gpu_gemv_configs,
 )
 from fxfuse.kernels.workspace import _workspaces
@@ -131,6 +133,24 @@ def test_more_than_16_rows_try_a_few_tiles_whose_sums_fit_the_registers(block_m)
             assert fit_gemv_config(c, 2 if gated else 1, 2, block_m).num_stages == c.num_stages
 
 
+def test_a_shape_no_tile_suits_gets_the_narrowest_smallest_tile_fitted_to_shared_memory():
+    # A gated fp32 stage 8 columns wide at 64 rows: every tile is wider than N. The one kept must still fit the
+    # shared-memory budget (it was returned unfitted: 3 stages of 288 KB by the model).
+    from fxfuse.kernels.template import _SMEM_BUDGET
+
+    for block_m, k in ((64, 4096), (16, 64)):
+        x = torch.empty(block_m, k, dtype=torch.float32)
+        args = {"x_ptr": x, "w1_ptr": x, "N": 8, "K": k, "M_BUCKET": block_m, "BLOCK_M": block_m}
+        (c,) = _prune(gpu_gemv_configs(), args)
+        kw = c.kwargs
+        per_stage = (2 * kw["BLOCK_N"] * kw["BLOCK_K"] + block_m * kw["BLOCK_K"]) * 4
+        assert c.num_stages == 1 or c.num_stages * per_stage <= _SMEM_BUDGET, (kw, c.num_stages)
+        assert kw["BLOCK_N"] == min(t.kwargs["BLOCK_N"] for t in gpu_gemv_configs() if not t.kwargs["ONE_ROW"]
+                                    and t.kwargs["BLOCK_N"] * t.kwargs["BLOCK_K"] == kw["BLOCK_N"] * kw["BLOCK_K"]
+                                    and (block_m == 16 or (t.kwargs["BLOCK_N"], t.kwargs["BLOCK_K"], t.kwargs[
+                                        "SPLIT_K"], t.num_warps, t.num_stages) in MANY_ROWS_CONFIGS))
+
+
 def test_one_row_keeps_the_tiles_when_columns_leave_sms_idle():
     x = torch.empty(1, 65536, dtype=torch.bfloat16)
     kept = _prune(gpu_gemv_configs(), {"x_ptr": x, "N": 64, "K": 65536, "M_BUCKET": 1})
@@ -167,6 +187,40 @@ def test_bad_arguments_raise():
         run_stage_gemv(x, ws, bs, ops, epi)
     with pytest.raises(ValueError, match="weight 0"):
         run_stage_gemv(x[:2], [ws[0][:, :-1]], bs, ops, epi)
+
+
+def test_a_forced_config_may_not_split_past_the_workspaces_slices():
+    # Above 16 rows the workspace holds the two slices per linear its configs use (gemv_workspace_splits); a
+    # probe's config splitting further would write into the next linear's slices.
+    for m, split in ((24, gemv_workspace_splits(32) + 1), (GEMV_BLOCK_M, GEMV_MAX_SPLIT + 1)):
+        args = make_stage(*STAGES[0], m)
+        config = triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": split, "ONE_ROW": 0}, num_warps=4)
+        with pytest.raises(ValueError, match="K splits"):
+            run_stage_gemv(*args, config=config)
+
+
+def test_uneven_k_splits_each_get_steps_and_match_float64():
+    # 5 K steps over 4 splits: 1, 1, 1, 2 (each split a share of its own), the same sums in order on every call.
+    epilogue, n_lin, bias, n_ops, _, n = STAGES[0]
+    args = make_stage(epilogue, n_lin, bias, n_ops, 5 * 16 - 3, n, 3)
+    config = triton.Config({"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 4, "ONE_ROW": 0}, num_warps=4)
+    outs = [run_stage_gemv(*args, config=config) for _ in range(2)]
+    assert torch.equal(*outs) and rel_err(outs[0], reference(*args)) < TOL[torch.float32]
+    assert workspaces_are_clean()
+
+
+def test_the_split_k_workspace_is_not_filled_only_its_counters(monkeypatch):
+    # Each split writes its slice before the last one reads it: only the counters need zeros, and a fill of the
+    # slices captured into a CUDA graph would run on every replay.
+    from fxfuse.kernels import workspace
+
+    filled = []
+    zeros = torch.zeros
+    monkeypatch.setattr(workspace.torch, "zeros", lambda *a, **k: filled.append(a[0]) or zeros(*a, **k))
+    monkeypatch.setattr(workspace, "_workspaces", {})
+    args = make_stage(*STAGES[0], 3)
+    run_stage_gemv(*args)
+    assert filled == [(STAGES[0][-1],)]  # the counters, one per column
 
 
 def test_untimed_stage_choice_is_the_small_m_kernel(monkeypatch):
@@ -304,8 +358,8 @@ def test_split_k_outputs_are_the_same_bits_on_every_call(one_row, no_tf32):
         for m in ((1,) if one_row else (1, 8, GEMV_BLOCK_M, GEMV_MAX_M)):
             # (above 16 rows fitted to shared memory as the pruning fits them: x's tile is 64 fp32 rows there)
             fitted = config if one_row or m <= GEMV_BLOCK_M else fit_gemv_config(config, 1, 4, gemv_block_m(m))
-            if fitted is None:
-                continue
+            if fitted is None or fitted.kwargs["SPLIT_K"] > gemv_workspace_splits(gemv_block_m(m)):
+                continue  # (no such launch: the pruning keeps at most two splits above 16 rows)
             args = make_stage("a0", 1, True, 0, 4096, 1024, m, torch.float32, "cuda")
             first = run_stage_gemv(*args, config=fitted)
             for _ in range(30):

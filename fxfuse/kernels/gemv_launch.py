@@ -1,8 +1,8 @@
 """Python wrapper of the small-M stage kernel (:mod:`fxfuse.kernels.gemv_template`): one stage, M ≤ 64.
 
-Split-K launches store their partial sums in an fp32 workspace ``[num_linears, GEMV_MAX_SPLIT, BLOCK_M, N]`` (a slice
-per split) and count finished splits per column tile; the last split adds the slices in order and leaves the
-counters at zero (:mod:`.workspace`).
+Split-K launches store their partial sums in an fp32 workspace ``[num_linears, splits, BLOCK_M, N]`` (a slice
+per split, as many as its configs may take: ``gemv_workspace_splits``) and count finished splits per column
+tile; the last split adds the slices in order and leaves the counters at zero (:mod:`.workspace`).
 
 At decode sizes the kernel takes a few µs, so the host path matters as much: after the first launch at a
 given call (the same weights, biases, operands, row count, strides, dtype, stream), the next ones skip the
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import codegen
 from . import fastlaunch
-from .gemv_template import GEMV_MAX_ROWS, GEMV_MAX_SPLIT, gemv_block_m
+from .gemv_template import GEMV_MAX_ROWS, gemv_block_m, gemv_workspace_splits
 from .launch import (
     _input_precision,
     _parse,
@@ -111,7 +111,10 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     n_lin = len(weights)
     # One counter per column tile of the narrowest BLOCK_N (a ONE_ROW tile may be one column).
     block_m = gemv_block_m(M)
-    ws, counters = zeroed_workspace(x, "gemv", (n_lin, GEMV_MAX_SPLIT, block_m, N), N)
+    ws_splits = gemv_workspace_splits(block_m)
+    # (the slices are written before they are read: only the counters need zeros, and a capture records no fill of
+    # the slices, which would run on every replay)
+    ws, counters = zeroed_workspace(x, "gemv", (n_lin, ws_splits, block_m, N), N, zero_sums=False)
     args: dict = {"x_ptr": x}
     args.update({f"w{i}_ptr": w for i, w in enumerate(weights)})
     args.update({f"b{i}_ptr": (b if b is not None else x) for i, b in enumerate(biases)})  # x: valid, unread
@@ -127,7 +130,8 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     # PREFETCH is only safe after the wait-then-release of the same kernel's previous launch (see the template);
     # without PDL (a CUDA graph capture) the launch starts after that kernel anyway. It does not depend on ``pdl``
     # so that a capture asks the autotuner for the keys the plain calls before it tuned (none is tuned inside).
-    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": block_m, "USE_PDL": pdl,
+    args.update({"INPUT_PRECISION": _input_precision(x.dtype), "BLOCK_M": block_m, "WS_SPLITS": ws_splits,
+                 "USE_PDL": pdl,
                  "PREFETCH": after_gemv and prefetch_weights and M == 1})
     if pdl:
         args["launch_pdl"] = True  # a launch option (compiled into the kernel's metadata), not a kernel argument
@@ -139,6 +143,9 @@ def run_stage_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
         if config.kwargs.get("ONE_ROW") and M > config.kwargs["ONE_ROW"]:
             raise ValueError(f"a register-stream config computes at most ONE_ROW={config.kwargs['ONE_ROW']:d} rows; "
                              f"got {M}")
+        if config.kwargs["SPLIT_K"] > ws_splits:  # its splits past the workspace's slices would write others'
+            raise ValueError(f"a launch of {block_m} padded rows takes at most {ws_splits} K splits; the config asks "
+                             f"{config.kwargs['SPLIT_K']}")
         kernel.fn[grid](**{**args, **config.all_kwargs()})  # (a probe's config may set PREFETCH too)
         return out
     launch_kernel(kernel, grid, args, x)

@@ -9,7 +9,8 @@ every weight byte is read once and each does 2·M FLOPs. The kernel is built for
   weight tiles feed ``tl.dot`` directly, so Triton's software pipeliner keeps ``num_stages`` of them in flight.
 * **Split-K** when the columns alone give too few programs to stream at full bandwidth (a 1024-wide
   output is 64 programs of 16 columns on 132 SMs): program ``(n, s)`` reduces K steps
-  ``[s·per_split, (s+1)·per_split)``. Each split stores its fp32 partial sums in its own slice of a
+  ``[s·steps/SPLIT_K, (s+1)·steps/SPLIT_K)`` (rounded down: every split gets a step when there are as many as
+  splits). Each split stores its fp32 partial sums in its own slice of a
   workspace and counts itself on a per-column-tile counter; the last split of a tile adds the slices in split
   order (the same sums in the same order whichever split finishes last: the output is the same bits on every
   call, as cuBLAS's is), resets the counter, and runs the epilogue. Until session 40 the splits added into one
@@ -50,10 +51,10 @@ from .template import interpreting as _interpreting
 logger = logging.getLogger(__name__)
 
 __all__ = ["GEMV_BLOCK_M", "GEMV_MAX_ROWS", "GEMV_MAX_SPLIT", "GEMV_TEMPLATE_VERSION", "fit_gemv_config",
-           "gemv_block_m", "gemv_configs",
+           "gemv_block_m", "gemv_configs", "gemv_workspace_splits",
            "gpu_gemv_configs", "prune_gemv_configs", "render_gemv"]
 
-GEMV_TEMPLATE_VERSION = 7
+GEMV_TEMPLATE_VERSION = 8
 # Rows per launch, padded: tl.dot needs at least 16 along every dimension.
 GEMV_BLOCK_M = 16
 # The most rows one launch takes (padded to 16, 32 or 64: gemv_block_m). Above 16 rows the kernel is a timed stage
@@ -80,7 +81,7 @@ _HEADER = '''\
 #   linears:  {num_linears}
 #   epilogue: {epilogue}
 #
-# out[m, n] = epilogue(a0[m, n], ..., v0[n], ...), a_i = x @ W_i^T + b_i, for M <= 16 rows: each program
+# out[m, n] = epilogue(a0[m, n], ..., v0[n], ...), a_i = x @ W_i^T + b_i, for M <= 64 rows: each program
 # streams BLOCK_N rows of W over its share of K (split-K partial sums meet in an fp32 workspace).
 import triton
 import triton.language as tl
@@ -106,8 +107,8 @@ _DOC = '''\
     b0_ptr, b1_ptr: biases ``[N]`` (``stride_b*``), read only if ``HAS_BIAS*``; otherwise any valid pointer.
     v*_ptr:      epilogue operands, one value per column (``stride_v*`` 0 broadcasts a single element).
     out_ptr:     output ``[M, N]`` (``stride_om``, ``stride_on``), written once per element.
-    ws_ptr:      fp32 workspace ``[NUM_LINEARS, BLOCK_M, N]`` (contiguous), ALL ZERO on entry, left zero;
-                 read only if ``SPLIT_K > 1``.
+    ws_ptr:      fp32 workspace ``[NUM_LINEARS, WS_SPLITS, BLOCK_M, N]`` (contiguous), any contents: each split
+                 writes its slice before the last one reads it; used only if ``SPLIT_K > 1``.
     counter_ptr: int32 per column tile (at least ``cdiv(N, BLOCK_N)``), ZERO on entry, left zero; read only
                  if ``SPLIT_K > 1``.
     M:           rows (at run time).
@@ -116,6 +117,7 @@ _DOC = '''\
     M_BUCKET:    power-of-2 bucket of M (autotuning key only).
     INPUT_PRECISION: ``tl.dot`` precision for fp32 inputs ("ieee" or "tf32").
     BLOCK_M:     rows per launch (M padded to it); BLOCK_N: output columns per program; BLOCK_K: K step;
+    WS_SPLITS:   slices per linear in the workspace (``gemv_workspace_splits(BLOCK_M)``), at least SPLIT_K.
     SPLIT_K:     programs sharing one column tile's K steps (grid axis 1).
     ONE_ROW:     0: ``tl.dot`` tiles. R in 1, 2, 4: M <= R rows, multiplied and summed on the CUDA cores
                  (the register stream; BLOCK_N may be below 16), each weight tile loaded once for all R rows.
@@ -161,7 +163,8 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         params += [f"stride_w{i}n", f"stride_w{i}k"]
     params += [f"stride_b{i}" for i in lin] + [f"stride_v{j}" for j in range(n_ops)]
     params += ["stride_om", "stride_on", *(f"HAS_BIAS{i}: tl.constexpr" for i in lin),
-               "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
+               "INPUT_PRECISION: tl.constexpr", "BLOCK_M: tl.constexpr", "WS_SPLITS: tl.constexpr",
+               "BLOCK_N: tl.constexpr",
                "BLOCK_K: tl.constexpr", "SPLIT_K: tl.constexpr", "ONE_ROW: tl.constexpr", "USE_PDL: tl.constexpr",
                "PREFETCH: tl.constexpr"]
 
@@ -184,9 +187,8 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    k_first = 0",
         "    k_end = k_steps",
         "else:",
-        "    per_split = tl.cdiv(k_steps, SPLIT_K)",
-        "    k_first = pid_k * per_split",
-        "    k_end = tl.minimum(k_first + per_split, k_steps)",
+        "    k_first = pid_k * k_steps // SPLIT_K",
+        "    k_end = (pid_k + 1) * k_steps // SPLIT_K",
         "xt_ptrs = x_ptr + (k_first * BLOCK_K + offs_k)[:, None] * stride_xk + rows[None, :] * stride_xm",
     ]
     body += [f"w{i}_rows = cols[:, None] * stride_w{i}n" for i in lin]
@@ -260,7 +262,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    # puts every thread's stores before the counter's release; its acq_rel orders them before the reads.",
         "    ws_offs = offs_m[None, :] * N + offs_n[:, None]",
     ]
-    body += [f"    tl.store(ws_ptr + ({i} * {GEMV_MAX_SPLIT} + pid_k) * BLOCK_M * N + ws_offs, acc{i}, mask=out_mask)"
+    body += [f"    tl.store(ws_ptr + ({i} * WS_SPLITS + pid_k) * BLOCK_M * N + ws_offs, acc{i}, mask=out_mask)"
              for i in lin]
     body += [
         "    tl.debug_barrier()",
@@ -275,7 +277,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
     for i in lin:
         body += [f"        acc{i} = tl.zeros_like(acc{i})",  # ([BLOCK_N, ONE_ROW] for the register stream)
                  "        for s in tl.static_range(SPLIT_K):",
-                 f"            acc{i} += tl.load(ws_ptr + ({i} * {GEMV_MAX_SPLIT} + s) * BLOCK_M * N + ws_offs, "
+                 f"            acc{i} += tl.load(ws_ptr + ({i} * WS_SPLITS + s) * BLOCK_M * N + ws_offs, "
                  "mask=out_mask, other=0.0, cache_modifier=\".cg\")"]
     body += ["        tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch"]
     for i in lin:
@@ -376,6 +378,17 @@ def gemv_block_m(m: int) -> int:
     return max(GEMV_BLOCK_M, next_pow2(m))
 
 
+def gemv_workspace_splits(block_m: int) -> int:
+    """Slices per linear the split-K workspace holds for launches of ``block_m`` padded rows: the most K splits their
+    configs take (above 16 rows only ``MANY_ROWS_CONFIGS`` run).
+
+    Example:
+        >>> gemv_workspace_splits(16), gemv_workspace_splits(64)
+        (8, 2)
+    """
+    return GEMV_MAX_SPLIT if block_m <= GEMV_BLOCK_M else max(split for _, _, split, _, _ in MANY_ROWS_CONFIGS)
+
+
 def _programs(c: triton.Config, N: int) -> int:
     return triton.cdiv(N, c.kwargs["BLOCK_N"]) * c.kwargs["SPLIT_K"]
 
@@ -452,8 +465,10 @@ def _prune(configs, named_args, **kwargs):
         c = fit_gemv_config(c, 2 if gated else 1, elem, block_m)
         if c is not None:
             kept.append(c)
-    if not kept:
-        kept = [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    if not kept:  # none suits the shape: the smallest tile (the narrowest of those), fitted to shared memory
+        c = min(configs, key=lambda c: (c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"], c.kwargs["BLOCK_N"]))
+        kept = [fit_gemv_config(c, 2 if gated else 1, elem, block_m)
+                or triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=1)]
     if one_row and N >= sms and any(c.kwargs.get("ONE_ROW") for c in kept):
         # One row with a column per SM or more: the one-row stream beat every tl.dot tile on each shape measured
         # (H200, probe_gemv_sweep.py: llama gate+up 59.4 vs 63.9 µs, down 31.7 vs 40.0, gpt2m fc1 4.9 vs 6.4, fc2

@@ -2,7 +2,8 @@
 
 The decode kernel adds fp32 partial sums into a workspace and counts finished programs in int32 counters; the
 program that finishes last takes the sums out and leaves both at zero. The split-K small-M kernel stores each
-split's partial sums in a slice of its own and leaves only the counters at zero. So a pair is allocated zeroed
+split's partial sums in a slice of its own and leaves only the counters at zero (its slices are allocated
+unfilled: each is written before it is read). So a pair is allocated zeroed
 once and reused, one per (kernel kind, device, stream, shapes): launches on one
 stream run in order, so two never share a pair at the same time. A tracer (FakeTensor, ``torch.compile``)
 or a CUDA graph capture gets a fresh zeroed pair instead, so the traced or captured program owns its
@@ -56,9 +57,11 @@ def zero_after_capture():
         _capturer.unfilled = outer
 
 
-def zeroed_workspace(x: torch.Tensor, kind: str, ws_shape: tuple[int, ...], counters: int) \
-        -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp32 workspace of ``ws_shape`` and ``counters`` int32 counters on x's device, all zero."""
+def zeroed_workspace(x: torch.Tensor, kind: str, ws_shape: tuple[int, ...], counters: int, *,
+                     zero_sums: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 workspace of ``ws_shape`` and ``counters`` int32 counters on x's device, all zero; with
+    ``zero_sums=False`` only the counters are (a kernel that writes each part of the workspace before reading it:
+    no fill of it is captured into a CUDA graph)."""
     cuda = x.device.type == "cuda"
     tracing, capturing = _tracing(x), cuda and torch.cuda.is_current_stream_capturing()
     if tracing or capturing:
@@ -72,7 +75,7 @@ def zeroed_workspace(x: torch.Tensor, kind: str, ws_shape: tuple[int, ...], coun
                 torch.empty((counters,), dtype=torch.int32, device=x.device))
         unfilled.extend(pair)  # the capturer zeroes them once, after the capture
     if pair is None:
-        pair = (torch.zeros(ws_shape, dtype=torch.float32, device=x.device),
+        pair = ((torch.zeros if zero_sums else torch.empty)(ws_shape, dtype=torch.float32, device=x.device),
                 torch.zeros((counters,), dtype=torch.int32, device=x.device))
         if key is not None:
             _workspaces[key] = pair
