@@ -42,6 +42,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import autocast as fx_autocast
+from . import tuning_cache
 from .cost import ceilings_for
 from .install import Install
 from .kernels.moe_backward_launch import MoEExpertsFunction
@@ -163,26 +164,55 @@ def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, fo
             next_pow2(hidden.shape[0]))
 
 
+def _disk_key(key: tuple, what: str) -> str:
+    """The tuning cache's key (:mod:`fxfuse.tuning_cache`) of a :func:`_choice_key` on a GPU: everything but the
+    device, which the cache keys by its name.
+
+    Example:
+        >>> form = ExpertsForm("silu")
+        >>> _disk_key((nn.Module, "grouped_mm", 8, 28672, 4096, 2, torch.bfloat16, None, torch.device("cuda", 0),
+        ...            form, False, False, 16), "forward").split(" | ")[:4]
+        ['moe experts torch.nn.modules.module.Module', 'grouped_mm', '8x28672x4096 top 2', 'bfloat16 autocast None']
+    """
+    cls, impl, e, a, b, top_k, dtype, autocast, _device, form, graphs, training, bucket = key
+    return (f"moe experts {cls.__module__}.{cls.__qualname__} | {impl} | {e}x{a}x{b} top {top_k} | "
+            f"{str(dtype).removeprefix('torch.')} autocast {str(autocast).removeprefix('torch.')} | {form!r} | "
+            f"{what}{' for a CUDA graph' if graphs else ''} | tokens {bucket // 2 + 1}-{bucket}")
+
+
 def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, what: str = "forward",
                   work: Optional[Callable[[], tuple[float, float]]] = None) -> str:
     """Time the kernels and the module's own forward on this call's routing as the planner times its candidates
     (:func:`fxfuse.strategy.time_candidates`: the larger of GPU and host time per call, the GPU time alone when
     planned for a CUDA graph) and keep the faster for the key's token bucket, logged with both times and kept
     for the report (:func:`experts_timings`). ``what``: "forward", or "training step" when the runners are a
-    forward and its backward; ``work``: the call's ``(FLOPs, minimum bytes)``, for the report's verdict."""
+    forward and its backward; ``work``: the call's ``(FLOPs, minimum bytes)``, for the report's verdict.
+
+    On a GPU the times are kept in the tuning cache (:mod:`fxfuse.tuning_cache`, by GPU name and torch and Triton
+    versions), so another process on the same machine takes the same choice without timing again."""
     bucket = key[-1]
-    # (as ORIGINAL_OPS, the module's forward is never dropped: its error is the user's, raised)
-    times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
-                            {"kernels": kernels, ORIGINAL_OPS: original})
+    device = key[8]
+    cached = None
+    if device.type == "cuda":
+        disk_key, device_name = _disk_key(key, what), torch.cuda.get_device_name(device)
+        cached = tuning_cache.lookup(disk_key, device_name)
+    if cached is not None:
+        times = dict(cached.times)
+    else:
+        # (as ORIGINAL_OPS, the module's forward is never dropped: its error is the user's, raised)
+        times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
+                                {"kernels": kernels, ORIGINAL_OPS: original})
+        if device.type == "cuda":
+            tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
     choice = "kernels" if times.get("kernels", float("inf")) < times[ORIGINAL_OPS] else "original"
-    log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call: "
+    log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call%s: "
              "runs %s", type(module).__name__, bucket // 2 + 1, bucket, what, times.get("kernels", float("inf")),
-             key[1] or "its forward", times[ORIGINAL_OPS], "the kernels" if choice == "kernels" else "its own forward")
+             key[1] or "its forward", times[ORIGINAL_OPS], " (from the tuning cache)" if cached is not None else "",
+             "the kernels" if choice == "kernels" else "its own forward")
     kernels_us = times.get("kernels", float("inf"))
     verdict = None
     if work is not None and kernels_us < float("inf"):
         flops, nbytes = work()
-        device = key[8]
         ceilings = ceilings_for(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         # (launches: routing, gate/up, down, combine; a training step adds G, the gate's backward, dx and the two
         # weight gradients, a few more where those run on grouped_mm (its gathers): the count only weighs the

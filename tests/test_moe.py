@@ -22,6 +22,18 @@ from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralE
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture(autouse=True)
+def _own_tuning_cache(monkeypatch, tmp_path):
+    """Each test's timed MoE choices in a tuning cache file of its own: on a GPU a choice is kept on disk, and the
+    next test of the same shapes would take it without running the timer it forces."""
+    from fxfuse import tuning_cache
+
+    monkeypatch.setattr(tuning_cache, "cache_path", lambda: tmp_path / tuning_cache.FILE_NAME)
+    tuning_cache.clear_loaded()
+    yield
+    tuning_cache.clear_loaded()
+
+
 def experts(act: str, dtype: torch.dtype, device: str, hidden: int = 32, inter: int = 48, num: int = 4):
     config = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num, hidden_act=act)
     module = MixtralExperts(config)
@@ -459,6 +471,32 @@ def test_the_timed_choice_keeps_the_faster_and_says_so(monkeypatch, caplog):
     assert choice == "original"  # the best of each: 80 against 70
     assert "9-16 tokens" in caplog.text and "80.0 µs" in caplog.text and "70.0 µs" in caplog.text
     assert "runs its own forward" in caplog.text
+
+
+def test_a_gpu_choice_is_kept_in_the_tuning_cache_for_the_next_process(monkeypatch, caplog):
+    # (a CUDA device in the key; only its name is read, here stubbed: the choice's timing is the stubbed timer's)
+    from fxfuse import tuning_cache
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    monkeypatch.setattr(moe, "_TIMINGS", {})
+    module = experts("silu", torch.float32, "cpu")
+    timed = []
+    monkeypatch.setattr(moe, "time_candidates",
+                        lambda what, bucket, runners: timed.append(what) or dict(zip(runners, (30.0, 70.0))))
+    key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, None, torch.device("cuda", 0),
+           ExpertsForm("silu"), False, False, 16)
+    assert moe._timed_choice(module, lambda: "k", lambda: "o", key) == "kernels" and len(timed) == 1
+    tuning_cache.clear_loaded()  # another process: the file is read again
+    with caplog.at_level(logging.INFO, logger="fxfuse.moe"):
+        assert moe._timed_choice(module, lambda: "k", lambda: "o", key) == "kernels" and len(timed) == 1
+    assert "from the tuning cache" in caplog.text
+    assert moe.experts_timings(type(module), (4, 96, 32))[0].kernels_us == 30.0  # the report has the stored times
+    moe._timed_choice(module, lambda: "k", lambda: "o", (*key[:-2], True, 16), "training step")
+    moe._timed_choice(module, lambda: "k", lambda: "o", (*key[:-1], 32))
+    assert len(timed) == 3  # a training step and another token bucket are choices of their own
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU Y")
+    moe._timed_choice(module, lambda: "k", lambda: "o", key)
+    assert len(timed) == 4  # and so is another GPU
 
 
 def test_the_report_shows_each_timed_bucket_with_what_bounds_the_kernels(monkeypatch):
