@@ -1279,6 +1279,41 @@ def test_the_gate_up_gemm_runs_on_the_faster_of_tma_and_the_pointer_kernel(monke
     assert moe_launch._gate_up_choice(key[:-1] + (8192,), runners, gpu) == "pointer"
 
 
+def test_the_measured_kernel_choices_are_kept_for_the_next_process_on_the_same_gpu(monkeypatch):
+    # The gate/up form and a weight gradient's form, timed once on this GPU: another process (the tuning cache read
+    # again) takes the stored times without timing; another GPU times again.
+    from fxfuse import tuning_cache
+    from fxfuse.kernels import moe_weight_grads as wg
+
+    gpu_name = ["GPU X"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu_name[0])
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
+    timed = []
+    monkeypatch.setattr(moe_launch, "may_time", lambda device: True)
+    monkeypatch.setattr(moe_launch, "time_runners", lambda runners: timed.append("gate/up") or {"TMA": 3.0,
+                                                                                                "pointer": 5.0})
+    monkeypatch.setattr(wg, "time_runners", lambda runners: timed.append("grad") or {"grouped_mm": 5.0, "triton": 3.0})
+    monkeypatch.setitem(wg.GROUPED_WEIGHT_GRADS, "enabled", True)
+    key = (8, 64, 32, ExpertsForm("silu"), 128, True, torch.bfloat16, 4096)
+    runners = {"TMA": lambda: None, "pointer": lambda: None}
+    shape = ("down", 8, 64, 32, False, 16, torch.bfloat16)
+    gpu = torch.device("cuda")
+
+    def choose():  # (a fresh process: nothing in memory)
+        monkeypatch.setattr(moe_launch, "GATE_UP_CHOICES", {})
+        monkeypatch.setattr(moe_launch, "_GATE_UP_TIMES", {})
+        monkeypatch.setattr(wg, "WEIGHT_GRAD_CHOICES", {})
+        monkeypatch.setattr(wg, "_TIMES", {})
+        tuning_cache.clear_loaded()
+        return (moe_launch._gate_up_choice(key, runners, gpu),
+                wg.weight_grads_by("d down", shape, 100, lambda: ("grouped_mm",), lambda: ("triton",))[0])
+
+    assert choose() == ("TMA", "triton") and timed == ["gate/up", "grad"]
+    assert choose() == ("TMA", "triton") and timed == ["gate/up", "grad"]  # from the cache: not timed again
+    gpu_name[0] = "GPU Y"
+    assert choose() == ("TMA", "triton") and len(timed) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "privacy"])

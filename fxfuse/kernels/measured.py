@@ -5,7 +5,9 @@ on ``torch._grouped_mm`` or the Triton kernel, the gate/up GEMM by TMA or by poi
 its first call: each candidate run once (their first calls compile and tune), then timed in interleaved rounds by
 ``triton.testing.do_bench``, the best median of each kept; the plain candidate stays unless the other wins by a
 margin (:func:`faster`). Untimed inside a CUDA graph capture and with ``FXFUSE_AUTOTUNE=0``: the caller's
-default then.
+default then. The times are kept in the tuning cache (:func:`stored_times`, :func:`store_times`), so another process
+on the same GPU takes the same choice without timing (the two forms of a weight gradient sum in other orders: the
+same choice is the same bits).
 
 Example:
     >>> may_time() in (True, False)
@@ -21,7 +23,7 @@ import torch
 
 from .template import autotune_enabled
 
-__all__ = ["faster", "gpu_us", "may_time", "time_runners"]
+__all__ = ["faster", "gpu_us", "may_time", "store_times", "stored_times", "time_runners"]
 
 ROUNDS = 2  # interleaved timing rounds per candidate (the best median of each kept)
 # The share of the plain candidate's GPU time the other must beat: the other costs more host time a call (a gather
@@ -64,3 +66,33 @@ def time_runners(runners: dict[str, Callable[[], Any]], rounds: int = ROUNDS) ->
         for name, run in runners.items():
             times[name] = min(times.get(name, float("inf")), gpu_us(run))
     return times
+
+
+def _disk_key(what: str, key: tuple) -> str:
+    return f"{what} | {key!r}"
+
+
+def _gpu_name(device: Optional[torch.device]) -> Optional[str]:
+    try:
+        return torch.cuda.get_device_name(device)
+    except Exception:  # (no CUDA: nothing is kept)
+        return None
+
+
+def stored_times(what: str, key: tuple, device: Optional[torch.device] = None) -> Optional[dict[str, float]]:
+    """The µs :func:`store_times` kept for ``what`` at ``key`` on this GPU (``device``, else the current one) with
+    this torch and Triton, or None. ``key``'s ``repr`` is its disk key: ints, strings, dtypes, dataclasses."""
+    from .. import tuning_cache
+
+    name = _gpu_name(device)
+    stored = None if name is None else tuning_cache.lookup(_disk_key(what, key), name)
+    return None if stored is None else dict(stored.times)
+
+
+def store_times(what: str, key: tuple, times: dict[str, float], device: Optional[torch.device] = None) -> None:
+    """Keep ``times`` for ``what`` at ``key`` in the tuning cache (:mod:`fxfuse.tuning_cache`; nothing raises)."""
+    from .. import tuning_cache
+
+    name = _gpu_name(device)
+    if name is not None:
+        tuning_cache.store(_disk_key(what, key), name, tuning_cache.TunedChoice.of(times))

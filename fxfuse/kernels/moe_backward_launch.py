@@ -154,8 +154,8 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
         if not grouped:
             return triton_run()
         _, rows, cols = weight.shape  # ([E, out, in] views)
-        return weight_grads_by(f"d {which} ({E} experts of {rows} x {cols})", (which, E, two_i, H, form.transposed, bm),
-                               pairs, grouped_run, triton_run)
+        return weight_grads_by(f"d {which} ({E} experts of {rows} x {cols})",
+                               (which, E, two_i, H, form.transposed, bm, dtype), pairs, grouped_run, triton_run)
 
     # 3. d gate_up[e] = sum over e's rows of dgu^T x[t], and its bias's sums; first, so that dgu is freed before
     # the down weights' gradient is allocated (the step's peak: Mixtral's at 4096 tokens ~0.5 GB lower)

@@ -27,7 +27,7 @@ import torch
 
 from .fastlaunch import launch
 from .launch import _input_precision
-from .measured import faster, may_time, time_runners
+from .measured import faster, may_time, store_times, stored_times, time_runners
 from .moe_combine_template import moe_sum_pairs_kernel
 from .moe_template import (
     ACTIVATIONS,
@@ -349,13 +349,19 @@ def _gate_up_choice(key: tuple, runners: dict, device: torch.device) -> str:
         return "pointer"
     choice = GATE_UP_FORM["force"] or GATE_UP_CHOICES.get(key)
     if choice is None and may_time(device):
-        for run in runners.values():
-            run()  # (first calls compile and tune)
-        times = _GATE_UP_TIMES[key] = time_runners(runners)
+        times = stored_times("moe gate/up", key, device)  # (measured by an earlier process on this GPU)
+        cached = times is not None
+        if not cached:
+            for run in runners.values():
+                run()  # (first calls compile and tune)
+            times = time_runners(runners)
+            store_times("moe gate/up", key, times, device)
+        _GATE_UP_TIMES[key] = times
         choice = GATE_UP_CHOICES[key] = faster(times, "pointer", "TMA")
         logger.info("fxfuse.moe: experts' gate/up (%d experts of %d x %d, %s, %s), up to %d pairs: TMA %.1f us "
-                    "(x's rows gathered), pointer %.1f us: runs %s", key[0], key[1], key[2], key[3],
-                    "training" if key[5] else "inference", key[-1], times["TMA"], times["pointer"], choice)
+                    "(x's rows gathered), pointer %.1f us%s: runs %s", key[0], key[1], key[2], key[3],
+                    "training" if key[5] else "inference", key[-1], times["TMA"], times["pointer"],
+                    " (from the tuning cache)" if cached else "", choice)
     return choice or "pointer"
 
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from .measured import faster, may_time, time_runners
+from .measured import faster, may_time, store_times, stored_times, time_runners
 from .moe_launch import PairLayout, gather_rows
 from .template import next_pow2
 
@@ -107,19 +107,23 @@ def weight_grads_by(what: str, shape: tuple, pairs: int, grouped: Callable[[], A
 
 
 def _time_choice(what: str, key: tuple, grouped: Callable[[], Any], triton: Callable[[], Any]) -> str:
-    runners = {"grouped_mm": grouped, "triton": triton}
-    try:
-        grouped()  # (a failure here is grouped_mm's own: the Triton kernel from now on)
-    except RuntimeError as exc:
-        _grouped_failed(exc)
-        return "triton"
-    triton()  # (its first call autotunes)
-    times = time_runners(runners)
+    times = stored_times("moe weight gradient", key)  # (measured by an earlier process on this GPU)
+    cached = times is not None
+    if not cached:
+        try:
+            grouped()  # (a failure here is grouped_mm's own: the Triton kernel from now on)
+        except RuntimeError as exc:
+            _grouped_failed(exc)
+            return "triton"
+        triton()  # (its first call autotunes)
+        times = time_runners({"grouped_mm": grouped, "triton": triton})
+        store_times("moe weight gradient", key, times)
     choice = faster(times, "triton", "grouped_mm")  # (the Triton kernel: one lean launch, no torch glue)
     WEIGHT_GRAD_CHOICES[key] = choice
     _TIMES[key] = (times["grouped_mm"], times["triton"])
     logger.info("fxfuse.moe: experts' weight gradient %s, up to %d pairs: grouped_mm %.1f us, the Triton kernel "
-                "%.1f us: runs %s", what, key[-1], times["grouped_mm"], times["triton"], choice)
+                "%.1f us%s: runs %s", what, key[-1], times["grouped_mm"], times["triton"],
+                " (from the tuning cache)" if cached else "", choice)
     return choice
 
 
