@@ -196,15 +196,25 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, wh
     if device.type == "cuda":
         disk_key, device_name = _disk_key(key, what), torch.cuda.get_device_name(device)
         cached = tuning_cache.lookup(disk_key, device_name)
-    if cached is not None:
+    if cached is not None and any(name == ORIGINAL_OPS for name, _ in cached.times):
         times = dict(cached.times)
     else:
+        cached = None
         # (as ORIGINAL_OPS, the module's forward is never dropped: its error is the user's, raised)
         times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
                                 {"kernels": kernels, ORIGINAL_OPS: original})
         if device.type == "cuda":
             tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
     choice = "kernels" if times.get("kernels", float("inf")) < times[ORIGINAL_OPS] else "original"
+    if cached is not None and choice == "kernels":
+        try:  # (once, as timing them would have: kernels that fail leave this bucket to the module's forward)
+            kernels()
+        except (torch.OutOfMemoryError, *_CHECKPOINT_CONTROL):
+            raise
+        except Exception as err:
+            log.warning("fxfuse: the experts kernels of %s failed (%s: %s); its own forward runs at %d-%d tokens",
+                        type(module).__name__, type(err).__name__, err, bucket // 2 + 1, bucket)
+            choice = "original"
     log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call%s: "
              "runs %s", type(module).__name__, bucket // 2 + 1, bucket, what, times.get("kernels", float("inf")),
              key[1] or "its forward", times[ORIGINAL_OPS], " (from the tuning cache)" if cached is not None else "",

@@ -183,7 +183,8 @@ def replaying(x: Tensor, run: Callable[[], Tensor], num_steps: int) -> Callable[
     replayed, or the host path it will not take decides against it.
     """
     state: dict[str, Callable[[Tensor], Tensor]] = {}
-    key = ("replaying", id(state))  # private: the replay is kept in ``state``, not in ``replays``
+    # private: the replay is kept in ``state``, not in ``replays`` (its last entry, as a replay key's, the flag)
+    key = ("replaying", id(state), _deterministic())
 
     def runner() -> Tensor:
         fn = state.get("replay")

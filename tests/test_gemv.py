@@ -209,6 +209,32 @@ def test_uneven_k_splits_each_get_steps_and_match_float64():
     assert workspaces_are_clean()
 
 
+def test_a_prefetching_split_with_no_k_step_adds_nothing():
+    # 2 K steps over 3 splits: one split has none. Its prefetch (the first step's weights, loaded before the wait)
+    # must not add the step the next split adds too.
+    epilogue, n_lin, bias, n_ops, _, n = STAGES[2]
+    args = make_stage(epilogue, n_lin, bias, n_ops, 20, n, 1)
+    config = triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "ONE_ROW": 1, "PREFETCH": True}, num_warps=4)
+    assert rel_err(run_stage_gemv(*args, config=config), reference(*args)) < TOL[torch.float32]
+    assert workspaces_are_clean()
+
+
+def test_unfilled_workspaces_stay_unfilled_under_deterministic_algorithms(monkeypatch, deterministic):
+    # torch.empty fills NaN (ints: their largest value) under the flag; captured, that fill would run on every
+    # replay after the capturer zeroed the counters once.
+    from fxfuse.kernels import workspace
+
+    seen = []
+    empty, x = torch.empty, torch.zeros(2, 3)
+    monkeypatch.setattr(workspace.torch, "empty", lambda *a, **k: seen.append(
+        torch.utils.deterministic.fill_uninitialized_memory) or empty(*a, **k))
+    monkeypatch.setattr(workspace, "_workspaces", {})
+    with deterministic():
+        ws, counters = workspace.zeroed_workspace(x, "test", (4, 5), 3, zero_sums=False)
+        assert seen == [False] and torch.utils.deterministic.fill_uninitialized_memory
+    assert counters.count_nonzero() == 0
+
+
 def test_the_split_k_workspace_is_not_filled_only_its_counters(monkeypatch):
     # Each split writes its slice before the last one reads it: only the counters need zeros, and a fill of the
     # slices captured into a CUDA graph would run on every replay.

@@ -499,6 +499,28 @@ def test_a_gpu_choice_is_kept_in_the_tuning_cache_for_the_next_process(monkeypat
     assert len(timed) == 4  # and so is another GPU
 
 
+def test_a_cached_kernels_choice_runs_them_once_and_a_failure_keeps_the_modules_forward(monkeypatch, caplog):
+    # Timing would have run the kernels (a training step: forward and backward); a choice read from the cache runs
+    # them once instead, so kernels that fail here leave the bucket to the module's forward, not the user's step.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    monkeypatch.setattr(moe, "_TIMINGS", {})
+    monkeypatch.setattr(moe, "time_candidates", lambda what, bucket, runners: dict(zip(runners, (30.0, 70.0))))
+    module = experts("silu", torch.float32, "cpu")
+    key = (type(module), "grouped_mm", 4, 96, 32, 2, torch.float32, None, torch.device("cuda", 0),
+           ExpertsForm("silu"), False, True, 16)
+    assert moe._timed_choice(module, lambda: None, lambda: None, key, "training step") == "kernels"
+    runs = []
+    assert moe._timed_choice(module, lambda: runs.append(1), lambda: None, key, "training step") == "kernels"
+    assert runs == [1]
+
+    def failing():
+        raise RuntimeError("no kernel for this GPU")
+
+    with caplog.at_level(logging.WARNING, logger="fxfuse.moe"):
+        assert moe._timed_choice(module, failing, lambda: None, key, "training step") == "original"
+    assert "no kernel for this GPU" in caplog.text
+
+
 def test_the_report_shows_each_timed_bucket_with_what_bounds_the_kernels(monkeypatch):
     from fxfuse.report import RegionReport
 

@@ -198,7 +198,8 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    # from memory while that kernel finishes. (Read by the ONE_ROW stream only; unused loads are dropped.)",
         "    ks_first = k_first * BLOCK_K + offs_k[None, :]",
     ]
-    body += [f"    w{i}_first = tl.load(w{i}_ptr + w{i}_rows + ks_first * stride_w{i}k, mask=ks_first < K, other=0.0, "
+    body += ["    first_mask = (ks_first < K) & (ks_first < k_end * BLOCK_K)  # (a split with no K step: nothing)"]
+    body += [f"    w{i}_first = tl.load(w{i}_ptr + w{i}_rows + ks_first * stride_w{i}k, mask=first_mask, other=0.0, "
              "eviction_policy=\"evict_first\")" for i in lin]
     body += [
         "if USE_PDL:",
@@ -228,7 +229,7 @@ def render_gemv(num_linears: int, epilogue: str) -> str:
         "    k_loop = k_first",
         "    if PREFETCH:  # the first step, with the weights loaded before the wait",
     ]
-    body += ["        " + line for line in _stream_rows(lin, "w{i}_first", "ks_first", "ks_first < K")]
+    body += ["        " + line for line in _stream_rows(lin, "w{i}_first", "ks_first", "first_mask")]
     body += [
         "        k_loop = k_first + 1",
         "    for k in range(k_loop, k_end):",

@@ -79,14 +79,17 @@ def _gpu_name(device: Optional[torch.device]) -> Optional[str]:
         return None
 
 
-def stored_times(what: str, key: tuple, device: Optional[torch.device] = None) -> Optional[dict[str, float]]:
+def stored_times(what: str, key: tuple, names: tuple[str, ...], device: Optional[torch.device] = None) \
+        -> Optional[dict[str, float]]:
     """The µs :func:`store_times` kept for ``what`` at ``key`` on this GPU (``device``, else the current one) with
-    this torch and Triton, or None. ``key``'s ``repr`` is its disk key: ints, strings, dtypes, dataclasses."""
+    this torch and Triton, or None (also when an entry lacks one of the candidates ``names``). ``key``'s ``repr``
+    is its disk key: ints, strings, dtypes, dataclasses."""
     from .. import tuning_cache
 
     name = _gpu_name(device)
     stored = None if name is None else tuning_cache.lookup(_disk_key(what, key), name)
-    return None if stored is None else dict(stored.times)
+    times = None if stored is None else dict(stored.times)
+    return times if times is not None and all(n in times for n in names) else None
 
 
 def store_times(what: str, key: tuple, times: dict[str, float], device: Optional[torch.device] = None) -> None:

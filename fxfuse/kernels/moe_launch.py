@@ -349,7 +349,7 @@ def _gate_up_choice(key: tuple, runners: dict, device: torch.device) -> str:
         return "pointer"
     choice = GATE_UP_FORM["force"] or GATE_UP_CHOICES.get(key)
     if choice is None and may_time(device):
-        times = stored_times("moe gate/up", key, device)  # (measured by an earlier process on this GPU)
+        times = stored_times("moe gate/up", key, ("TMA", "pointer"), device)  # (an earlier process's, this GPU)
         cached = times is not None
         if not cached:
             for run in runners.values():

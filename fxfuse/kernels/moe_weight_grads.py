@@ -107,7 +107,7 @@ def weight_grads_by(what: str, shape: tuple, pairs: int, grouped: Callable[[], A
 
 
 def _time_choice(what: str, key: tuple, grouped: Callable[[], Any], triton: Callable[[], Any]) -> str:
-    times = stored_times("moe weight gradient", key)  # (measured by an earlier process on this GPU)
+    times = stored_times("moe weight gradient", key, ("grouped_mm", "triton"))  # (an earlier process's, this GPU)
     cached = times is not None
     if not cached:
         try:

@@ -27,6 +27,7 @@ import contextlib
 import threading
 
 import torch
+import torch.utils.deterministic
 
 from .fastlaunch import _raw_stream
 from .launch import _tracing
@@ -57,6 +58,20 @@ def zero_after_capture():
         _capturer.unfilled = outer
 
 
+@contextlib.contextmanager
+def _unfilled_empty():
+    """``torch.empty`` without the fill ``torch.use_deterministic_algorithms(True)`` gives it (NaN, or the largest
+    int): a captured fill would run on every replay, after the capturer zeroed the counters once (a split-K tile
+    would never see its last split, the grid-sync barrier would wait for ever)."""
+    det = torch.utils.deterministic
+    before = det.fill_uninitialized_memory
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = before
+
+
 def zeroed_workspace(x: torch.Tensor, kind: str, ws_shape: tuple[int, ...], counters: int, *,
                      zero_sums: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp32 workspace of ``ws_shape`` and ``counters`` int32 counters on x's device, all zero; with
@@ -71,12 +86,17 @@ def zeroed_workspace(x: torch.Tensor, kind: str, ws_shape: tuple[int, ...], coun
     pair = None if key is None else _workspaces.get(key)
     unfilled = getattr(_capturer, "unfilled", None)
     if pair is None and capturing and not tracing and unfilled is not None:
-        pair = (torch.empty(ws_shape, dtype=torch.float32, device=x.device),
-                torch.empty((counters,), dtype=torch.int32, device=x.device))
+        with _unfilled_empty():
+            pair = (torch.empty(ws_shape, dtype=torch.float32, device=x.device),
+                    torch.empty((counters,), dtype=torch.int32, device=x.device))
         unfilled.extend(pair)  # the capturer zeroes them once, after the capture
     if pair is None:
-        pair = ((torch.zeros if zero_sums else torch.empty)(ws_shape, dtype=torch.float32, device=x.device),
-                torch.zeros((counters,), dtype=torch.int32, device=x.device))
+        if zero_sums:
+            sums = torch.zeros(ws_shape, dtype=torch.float32, device=x.device)
+        else:
+            with _unfilled_empty():
+                sums = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
+        pair = (sums, torch.zeros((counters,), dtype=torch.int32, device=x.device))
         if key is not None:
             _workspaces[key] = pair
     return pair
