@@ -42,9 +42,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from . import autocast as fx_autocast
-from . import tuning_cache
 from .cost import ceilings_for
 from .install import Install
+from .kernels.measured import store_times, stored_times
 from .kernels.moe_backward_launch import MoEExpertsFunction
 from .kernels.moe_launch import ExpertsForm, run_moe
 from .kernels.template import interpreting, next_pow2
@@ -164,20 +164,18 @@ def _choice_key(module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, fo
             next_pow2(hidden.shape[0]))
 
 
-def _disk_key(key: tuple, what: str) -> str:
-    """The tuning cache's key (:mod:`fxfuse.tuning_cache`) of a :func:`_choice_key` on a GPU: everything but the
-    device, which the cache keys by its name.
+def _disk_key(key: tuple, what: str) -> tuple:
+    """What a :func:`_choice_key` is kept under in the tuning cache (:func:`fxfuse.kernels.measured.store_times`):
+    everything but the device, which the cache keys by its name, and the class by its qualified name.
 
     Example:
         >>> form = ExpertsForm("silu")
         >>> _disk_key((nn.Module, "grouped_mm", 8, 28672, 4096, 2, torch.bfloat16, None, torch.device("cuda", 0),
-        ...            form, False, False, 16), "forward").split(" | ")[:4]
-        ['moe experts torch.nn.modules.module.Module', 'grouped_mm', '8x28672x4096 top 2', 'bfloat16 autocast None']
+        ...            form, False, False, 16), "forward")[:3]
+        ('torch.nn.modules.module.Module', 'grouped_mm', 8)
     """
     cls, impl, e, a, b, top_k, dtype, autocast, _device, form, graphs, training, bucket = key
-    return (f"moe experts {cls.__module__}.{cls.__qualname__} | {impl} | {e}x{a}x{b} top {top_k} | "
-            f"{str(dtype).removeprefix('torch.')} autocast {str(autocast).removeprefix('torch.')} | {form!r} | "
-            f"{what}{' for a CUDA graph' if graphs else ''} | tokens {bucket // 2 + 1}-{bucket}")
+    return f"{cls.__module__}.{cls.__qualname__}", impl, e, a, b, top_k, dtype, autocast, form, graphs, what, bucket
 
 
 def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, what: str = "forward",
@@ -192,21 +190,16 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, wh
     versions), so another process on the same machine takes the same choice without timing again."""
     bucket = key[-1]
     device = key[8]
-    cached = None
-    if device.type == "cuda":
-        disk_key, device_name = _disk_key(key, what), torch.cuda.get_device_name(device)
-        cached = tuning_cache.lookup(disk_key, device_name)
-    if cached is not None and any(name == ORIGINAL_OPS for name, _ in cached.times):
-        times = dict(cached.times)
-    else:
-        cached = None
+    # (a GPU's only: a CPU device has no name there; "kernels" may be missing, a candidate that failed when timed)
+    times = stored_times("moe experts", _disk_key(key, what), (ORIGINAL_OPS,), device)
+    cached = times is not None
+    if not cached:
         # (as ORIGINAL_OPS, the module's forward is never dropped: its error is the user's, raised)
         times = time_candidates(f"{type(module).__name__} experts ({what})", bucket,
                                 {"kernels": kernels, ORIGINAL_OPS: original})
-        if device.type == "cuda":
-            tuning_cache.store(disk_key, device_name, tuning_cache.TunedChoice.of(times))
+        store_times("moe experts", _disk_key(key, what), times, device)
     choice = "kernels" if times.get("kernels", float("inf")) < times[ORIGINAL_OPS] else "original"
-    if cached is not None and choice == "kernels":
+    if cached and choice == "kernels":
         try:  # (once, as timing them would have: kernels that fail leave this bucket to the module's forward)
             kernels()
         except (torch.OutOfMemoryError, *_CHECKPOINT_CONTROL):
@@ -217,7 +210,7 @@ def _timed_choice(module: nn.Module, kernels: Any, original: Any, key: tuple, wh
             choice = "original"
     log.info("fxfuse: %s at %d-%d tokens, %s: the experts kernels %.1f µs, its own forward (%s) %.1f µs per call%s: "
              "runs %s", type(module).__name__, bucket // 2 + 1, bucket, what, times.get("kernels", float("inf")),
-             key[1] or "its forward", times[ORIGINAL_OPS], " (from the tuning cache)" if cached is not None else "",
+             key[1] or "its forward", times[ORIGINAL_OPS], " (from the tuning cache)" if cached else "",
              "the kernels" if choice == "kernels" else "its own forward")
     kernels_us = times.get("kernels", float("inf"))
     verdict = None
