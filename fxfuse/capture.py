@@ -97,6 +97,9 @@ class Scope:
     # then autocast as the method's would). False when that could not be watched (another profiler).
     autocast_free: bool = False
     autocast_used: str = ""  # what of the autocast state the code used ("" for nothing): not a host then
+    # The path of the submodule of every module call the trace made (leaf or traced into), in order: those the graph
+    # does not call as modules skip their hooks, so the installed method checks them (fxfuse.install).
+    calls: list[str] = field(default_factory=list)
 
 
 def weight_count(module: nn.Module) -> int:
@@ -121,6 +124,7 @@ class _Tracer(fx.Tracer):
         self.permissive_used = False
         self.permissive_reason = ""
         self.arg_specs: list[ArgSpec] = []
+        self.calls: list[str] = []
 
     # --- what stays opaque
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -130,6 +134,7 @@ class _Tracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):
         try:
+            self.calls.append(self.path_of_module(m))
             return super().call_module(m, forward, args, kwargs)
         except Exception as err:
             if not hasattr(err, "_fxfuse_module"):  # the innermost module the error came from
@@ -262,7 +267,7 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
         opaque = {p for p in leaf_paths if id(module.get_submodule(p)) in forced}
         return Scope(module_path, method, gm, tracer.arg_specs, sorted(opaque), tracer.permissive_used,
                      tracer.permissive_reason, constants, _mode_dependent(gm, codes), autocast_free=not autocast,
-                     autocast_used=used)
+                     autocast_used=used, calls=tracer.calls)
     raise RuntimeError(f"too many submodules fail to trace (> {_MAX_LEAF_RETRIES})")
 
 

@@ -298,7 +298,9 @@ def _role_forward(orig: Any, role: str):
             if st.x is not None:
                 raise RuntimeError("fxfuse: inline chain entered twice")
             ws = _attrs(st.parent, st.weights)
-            if not isinstance(x, torch.Tensor) or any(w.dtype != ws[0].dtype for w in ws):
+            # (None: a weight or bias set to None or removed since, which only the original code takes)
+            if not isinstance(x, torch.Tensor) or ws is None or any(w.dtype != ws[0].dtype for w in ws) \
+                    or _attrs(st.parent, st.biases) is None:
                 return orig(self, x)
             st.x, st.stage = x, index
             return _TOKEN

@@ -7,6 +7,9 @@ copied; each host copy gets a subclass of its own class that overrides the host 
 * the arguments: required ones are not ``None``; those traced with their default still have it
   (``None``, a flag); ``*args`` / ``**kwargs`` are empty;
 * the module's training mode is the one it was traced in (dropout was removed in eval mode);
+* the submodules whose calls the graph absorbed or traced into are the same objects, in the modes they were
+  traced in, without hooks or an instance ``forward`` (the graph skips their ``__call__``), and no global module
+  hook is registered;
 * the fused weights share one dtype (code like T5's ``if hidden.dtype != self.wo.weight.dtype: cast`` is
   traced for the uniform case); under autocast, only a graph whose trace touched no autocast state runs (a
   method that reads or sets it is not a host at all, :class:`fxfuse.capture.AutocastStateError`; one traced
@@ -33,14 +36,17 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import types
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from .autocast import any_autocast as _any_autocast
 from .capture import ArgSpec, Scope
@@ -55,6 +61,8 @@ if TYPE_CHECKING:
 __all__ = ["Install", "assemble", "bind_call", "fused_graphs"]
 
 _GRAPHS_ATTR = "_fxfuse_graphs"
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ guarded call
@@ -98,8 +106,65 @@ def _signature_of(specs: list[ArgSpec]) -> inspect.Signature:
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
+def _bypassed(scope: Scope) -> list[str]:
+    """The submodules the trace called that the fused graph does not call as modules (traced into, or absorbed
+    into a region): their hooks and an instance ``forward`` would not run in it."""
+    kept = Counter(str(n.target) for n in scope.gm.graph.nodes if n.op == "call_module")
+    return [path for path, n in Counter(scope.calls).items() if kept[path] < n]
+
+
+def _changed(self: nn.Module, attr: str) -> Optional[str]:
+    """Why the fused graph would not compute what the method computes now, or None. ``self.<attr>``:
+    ``(number of children, ((first path part, other parts, module, training mode or None), ...))`` of the
+    submodules in :func:`_bypassed`, as installed (their mode where the graph depends on it).
+
+    The graph skips those modules' ``__call__`` and baked in what they were: one replaced or removed, one with
+    hooks or an instance ``forward`` (accelerate's), one in another mode (a dropout switched on alone, as Monte
+    Carlo dropout does), a global module hook, or children added (a ``Sequential`` runs them all) makes the
+    original method run. (This runs on every call of a fused method: the checks ``nn.Module.__call__`` would
+    make for each of those modules, read straight from their dicts.)"""
+    kept = self.__dict__.get(attr)
+    if kept is None:  # (not installed by assemble)
+        return None
+    n_children, inner = kept
+    children = self._modules
+    if len(children) != n_children:
+        return "its submodules were added or removed"
+    if not inner:
+        return None
+    if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]:
+        return "a global module hook is registered"
+    for first, rest, want, training in inner:
+        m = children.get(first)
+        for part in rest:
+            m = m._modules.get(part) if m is not None else None
+        if m is not want:
+            return f"{'.'.join((first, *rest))} was replaced or removed"
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks \
+                or "forward" in m.__dict__:
+            return f"{'.'.join((first, *rest))} has hooks or its own forward"
+        if training is not None and m.training is not training:
+            return f"{'.'.join((first, *rest))} is in {'training' if m.training else 'eval'} mode"
+    return None
+
+
+# torch's global module hooks (dicts it mutates, never rebinds): any of them would run in each module's __call__
+_GLOBAL_HOOKS = (_nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks,
+                 _nn_module._global_backward_hooks, _nn_module._global_backward_pre_hooks)
+
+
+_logged_changes: set[tuple[type, str]] = set()
+
+
+def _original_because(cls: type, why: str) -> None:
+    if (cls, why) not in _logged_changes:
+        _logged_changes.add((cls, why))
+        log.info("fxfuse: %s runs its original method: %s since it was fused", cls.__qualname__, why)
+
+
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
-                 lifted_paths: Sequence[str] = (), autocast_free: bool = False, shortcut_attr: Optional[str] = None):
+                 lifted_paths: Sequence[str] = (), autocast_free: bool = False, shortcut_attr: Optional[str] = None,
+                 modules_attr: Optional[str] = None):
     """The host method: the fused graph when the guards hold, else the original method.
 
     ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
@@ -108,7 +173,8 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
     ``lifted_paths``: the parameters the fused graph takes as trailing arguments (:mod:`fxfuse.lift`), read
     here through the modules' dicts on every call.
     ``shortcut_attr``: the instance attribute holding the module's :class:`fxfuse.shortcut.Shortcut` (a graph
-    that is one region on one input): a call of that input alone tries it first, and teaches it afterwards."""
+    that is one region on one input): a call of that input alone tries it first, and teaches it afterwards.
+    ``modules_attr``: the instance attribute :func:`_changed` reads (the submodules as installed)."""
     sig = _signature_of(specs)
     # A positional call of exactly the leading required parameters needs no binding.
     n_fast = 0
@@ -128,7 +194,14 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
 
     def method(self, *args, **kwargs):
         if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
+            if modules_attr is not None:
+                why = _changed(self, modules_attr)
+                if why is not None:
+                    _original_because(type(self), why)
+                    return orig(self, *args, **kwargs)
             extra = get_lifted(self) if get_lifted is not None else ()
+            if extra is None:  # a tensor the graph reads is None or gone now
+                return orig(self, *args, **kwargs)
             shortcut = None
             if shortcut_attr is not None and not kwargs and len(args) == 1:
                 shortcut = self.__dict__.get(shortcut_attr)
@@ -138,6 +211,8 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
                         return out
             if get_weights is not None:
                 ws = extra if in_lifted is not None else get_weights(self)
+                if ws is None:
+                    return orig(self, *args, **kwargs)
                 dtype = ws[weight_at[0]].dtype
                 for i in weight_at:
                     if ws[i].dtype is not dtype:
@@ -232,6 +307,9 @@ class Install:
     methods: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     graphs: dict[str, fx.GraphModule] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
+    # attribute -> (submodule paths, whether the graph depends on their modes): set to what _changed reads, as the
+    # result holds them, once it is assembled
+    modules: dict[str, tuple[list[str], bool]] = field(default_factory=dict)
 
 
 def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] = (),
@@ -258,6 +336,14 @@ def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] 
 
     for path in sorted(by_path, key=lambda p: (p.count(".") if p else -1, p)):
         ensure(path)
+    for path, installs in by_path.items():
+        new = copies[path]
+        for inst in installs:
+            for attr, (paths, modal) in inst.modules.items():
+                subs = [new.get_submodule(p) for p in paths]
+                parts = [p.split(".") for p in paths]
+                new.__dict__[attr] = (len(new._modules), tuple((ps[0], tuple(ps[1:]), m, m.training if modal else None)
+                                                               for ps, m in zip(parts, subs)))
     return copies[""]
 
 
@@ -274,11 +360,13 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     if call is not None:  # one region on the method's one input (fxfuse.shortcut): each instance keeps its own
         shortcut_attr = f"_fxfuse_shortcut_{h.method}"
         attrs[shortcut_attr] = Shortcut(call, autocast_free)
+    modules_attr = f"_fxfuse_modules_{h.method}"
     key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted),
-           shortcut_attr)
+           shortcut_attr, modules_attr)
     fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
-                      shortcut_attr)
-    return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs)
+                      shortcut_attr, modules_attr)
+    return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs,
+                   {modules_attr: (_bypassed(h.scope), training is not None)})
 
 
 def _copy_module(module: nn.Module, installs: list[Install]) -> nn.Module:

@@ -118,13 +118,14 @@ def constant_value(node: Any) -> Optional[float]:
     return None
 
 
-def param_getter(paths: list[str]) -> Callable[[torch.nn.Module], Sequence[torch.Tensor]]:
-    """``self -> [tensors at paths]`` through the modules' own dicts (``getattr`` on modules is slow)."""
+def param_getter(paths: list[str]) -> Callable[[torch.nn.Module], Optional[Sequence[torch.Tensor]]]:
+    """``self -> [tensors at paths]`` through the modules' own dicts (``getattr`` on modules is slow); None when one
+    of them is None or gone now (a bias set to None after the graph was traced: only the original code takes that)."""
     # (owner module path, tensor name) per path, split once: this runs on every call of a fused method.
     split = [(tuple(p.split(".")[:-1]), p.split(".")[-1]) for p in paths]
     getters = [operator.attrgetter(p) for p in paths]
 
-    def get(module: torch.nn.Module) -> Sequence[torch.Tensor]:
+    def get(module: torch.nn.Module) -> Optional[Sequence[torch.Tensor]]:
         out = []
         try:
             for owner, name in split:
@@ -132,9 +133,17 @@ def param_getter(paths: list[str]) -> Callable[[torch.nn.Module], Sequence[torch
                 for part in owner:
                     m = m._modules[part]
                 t = m._parameters.get(name)
-                out.append(t if t is not None else m._buffers[name])
-        except (KeyError, AttributeError):  # not a plain parameter/buffer path: the slow way
-            return [g(module) for g in getters]
+                if t is None:
+                    t = m._buffers[name]
+                    if t is None:
+                        raise KeyError(name)
+                out.append(t)
+        except (KeyError, AttributeError):  # not a plain parameter/buffer path (or a None one): the slow way
+            try:
+                out = [g(module) for g in getters]
+            except AttributeError:  # a tensor removed since: the original code says what that means
+                return None
+            return None if any(t is None for t in out) else out
         return out
 
     return get

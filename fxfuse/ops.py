@@ -229,6 +229,8 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
         return "bfloat16 on the CPU runs the reference ops (the Triton interpreter cannot multiply bf16)"
     if x.numel() == 0 or x.dim() == 0:
         return "empty input"
+    if x.layout is not torch.strided:
+        return f"a {x.layout} input (the kernels take strided tensors)"
     for t in (*weights, *biases):
         if t.dtype != dtype or t.device != device:
             return f"a weight is {t.dtype} on {t.device}, the input {dtype} on {device}"
@@ -521,6 +523,8 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     if records_grad(x, weights, biases, operands):
         if spec in _trained:
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
+        if x.is_inference():  # autograd cannot save it (the op saves its inputs); eager's ops may not need it saved
+            return reference_mlp(x, weights, biases, operands, spec)
         # The op's autograd, in a plain autograd.Function: the custom op's wrapper flattens and checks its
         # list arguments on every call and in the backward (~0.3 ms of host time per training step on the
         # H200 machine, more than nerf64's fused backward kernel leaves the host).

@@ -224,6 +224,117 @@ def test_torch_nn_transformer_layers():
         torch.testing.assert_close(out, model(src, tgt), rtol=1e-4, atol=1e-5)
 
 
+def test_hooks_and_replaced_submodules_after_optimize():
+    # The fused graph skips the __call__ of the modules it absorbed or traced into: a hook there (registered before
+    # optimize or after, global too), an instance forward, or a replaced, removed or added submodule must make
+    # the original method run, not be silently ignored.
+    x = torch.randn(3, 32)
+
+    def check(fast, model, fused):
+        n, out = fused_calls(fast, x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+        assert n == fused
+
+    model = GPT2MLP().eval()
+    handle = model.c_fc.register_forward_hook(lambda m, a, out: out * 0.5 + 1)
+    fast = fxfuse.optimize(model)
+    check(fast, model, 0)
+    handle.remove()
+    check(fast, model, 1)  # fused again once the hook is gone
+    for register in (lambda: fast.c_proj.register_forward_pre_hook(lambda m, a: (a[0] * 2,)),
+                     lambda: fast.act.register_forward_hook(lambda m, a, out: out + 1),
+                     lambda: nn.modules.module.register_module_forward_hook(
+                         lambda m, a, out: out * 2 if isinstance(m, nn.Linear) else None)):
+        handle = register()
+        check(fast, model, 0)
+        handle.remove()
+    seen = []
+    handle = fast.c_fc.register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    fast(x.requires_grad_()).sum().backward()
+    handle.remove()
+    assert seen == [1]
+    fast.c_fc.forward = lambda h: nn.Linear.forward(fast.c_fc, h) * 2  # (accelerate wraps forward like this)
+    check(fast, model, 0)
+    del fast.c_fc.forward
+    fast.act = nn.ReLU()  # on the copy only: the model keeps its GELU
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.c_proj(torch.relu(model.c_fc(x))), rtol=1e-5, atol=1e-6)
+    assert n == 0 and isinstance(model.act, nn.GELU)
+
+    seq = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).eval()
+    fast = fxfuse.optimize(seq)
+    fast.append(nn.Tanh())
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, torch.tanh(seq(x)), rtol=1e-5, atol=1e-6)
+    del fast[1]  # renumbered: "2" is gone
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, torch.tanh(seq[2](seq[0](x))), rtol=1e-5, atol=1e-6)
+    assert n == 0 and len(seq) == 3
+
+
+def test_monte_carlo_dropout_after_optimize():
+    # Dropout switched on alone in an eval model (MC dropout): the graph traced in eval mode has none, so the
+    # original method must run while a submodule's mode differs from the trace's.
+    model = GPT2MLP().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 32)
+    assert fused_calls(fast, x)[0] == 1
+    fast.dropout.train()
+    torch.manual_seed(1)
+    ref = model(x)
+    torch.manual_seed(1)
+    n, out = fused_calls(fast, x)
+    assert n == 0 and (out == 0).any()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    fast.dropout.eval()
+    assert fused_calls(fast, x)[0] == 1
+
+
+def test_a_parameter_set_to_none_after_optimize():
+    # A bias removed (set to None) after optimize: eager drops it; the fused paths must run the original code.
+    x = torch.randn(3, 32)
+    for make in (GPT2MLP, InlineStyle):
+        model = make().eval()
+        fast = fxfuse.optimize(model)
+        assert fused_calls(fast, x)[0] == 1
+        (model.c_proj if make is GPT2MLP else model.fc2).bias = None  # (the parameter dicts are shared)
+        n, out = fused_calls(fast, x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+        assert n == 0
+
+
+def test_inference_tensor_into_a_partly_frozen_model(untrained_specs):
+    # Eager saves no inference tensor when the first Linear is frozen; the fused op must not try to either.
+    with torch.inference_mode():
+        x = torch.randn(3, 16)
+    model = nerf_mlp()
+    model[0].requires_grad_(False)
+    fast = fxfuse.optimize(model)
+    out = fast(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    ref = model(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, [p for p in model.parameters() if p.requires_grad]):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sparse_input_runs_the_original_ops_without_a_warning(caplog):
+    model = GPT2MLP().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32).to_sparse()
+    with caplog.at_level("WARNING", logger="fxfuse"), torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
