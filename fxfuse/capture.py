@@ -427,8 +427,9 @@ def _holds_stacked_experts(module: nn.Module) -> bool:
 
 
 def _stacked_weights(module: nn.Module) -> int:
-    """The 3-D parameters ``module`` holds itself."""
-    return sum(1 for p in module.parameters(recurse=False) if p.dim() == 3)
+    """The 3-D parameters ``module`` holds itself with more than one expert along dim 0 (a ``[1, N, D]`` class
+    token, mask token or position embedding, as ViT's and ViT-MAE's decoder keep, is not a stack of experts)."""
+    return sum(1 for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1)
 
 
 def _candidate_methods(module: nn.Module) -> list[str]:

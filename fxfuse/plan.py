@@ -219,8 +219,9 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
     first = min(view.order[n] for n in inside)
     for s in stages:
         for v in s.epilogue.operands if s.epilogue else ():
-            if _depends_on(view, v, inside, first):
-                return f"operand {v.name} depends on the chain itself"
+            if _depends_on(view, v, inside, first):  # (say which op: the name alone reads like a bug)
+                return f"operand {v.name} depends on the chain itself ({describe(v, gm)} is not a supported " \
+                    "pointwise op)"
     # 2. Nothing inside the chain (but its output) may be used outside it.
     for i, s in enumerate(stages[:-1]):
         nxt = set(stages[i + 1].linears)

@@ -102,7 +102,7 @@ def _clamp(lo: Any, hi: Any, x: Any, b: _Builder, expr: Optional[ep.Expr] = None
     return e
 
 
-_UNARY = ["relu", "sigmoid", "tanh", "neg", "exp", "log", "abs", "sqrt", "rsqrt", "silu"]
+_UNARY = ["relu", "sigmoid", "tanh", "neg", "exp", "log", "abs", "sqrt", "rsqrt", "silu", "erf"]
 
 # (name of the op as spelled by torch / Tensor methods) -> rule over (builder, arg getter)
 _RULES: dict[str, _Rule] = {name: _unary(name) for name in _UNARY}
@@ -139,7 +139,7 @@ _FUNCTIONS: dict[Any, str] = {
     F.hardtanh: "hardtanh", F.sigmoid: "sigmoid", F.tanh: "tanh", torch._C._nn.leaky_relu: "leaky_relu",
     torch._C._nn.hardtanh: "hardtanh", torch._C._nn.silu: "silu",
 }
-for _name in ["relu", "sigmoid", "tanh", "neg", "negative", "exp", "log", "abs", "sqrt", "rsqrt", "add", "sub",
+for _name in ["relu", "sigmoid", "tanh", "neg", "negative", "exp", "log", "abs", "sqrt", "rsqrt", "erf", "add", "sub",
               "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide", "maximum", "minimum", "pow",
               "clamp", "clip", "clamp_min", "clamp_max", "square"]:
     _FUNCTIONS[getattr(torch, _name)] = _name

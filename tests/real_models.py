@@ -145,9 +145,20 @@ _DECODERS = {
     "cohere": ("CohereModel", 2, dict(num_key_value_heads=2)),
     "nemotron": ("NemotronModel", 2, dict(num_key_value_heads=2, head_dim=8)),  # relu² between two linears
     "starcoder2": ("Starcoder2Model", 2, dict(num_key_value_heads=2)),
+    "olmo": ("OlmoModel", 2, dict(num_key_value_heads=2)),
+    "glm": ("GlmModel", 2, dict(num_key_value_heads=2, head_dim=8, pad_token_id=0)),
+    "esm": ("EsmModel", 2, dict(pad_token_id=1)),  # its GELU written out: x * 0.5 * (1 + erf(x / sqrt(2)))
     # Mixture of experts: its first layer dense (fused), the second's experts left as they are.
     "qwen3_moe": ("Qwen3MoeModel", 1, dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0])),
+    # Dense first layer, then experts beside a shared expert (an MLP of its own: fused).
+    "qwen2_moe": ("Qwen2MoeModel", 2, dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                           decoder_sparse_step=1, mlp_only_layers=[0])),
+    "deepseek_v3": ("DeepseekV3Model", 2, dict(num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+                                               first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                                               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
     "mixtral": ("MixtralModel", 0, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     # gpt-oss: experts of another layout ([E, in, out], biases, gate/up interleaved, a clamped SwiGLU)
     "gpt_oss": ("GptOssModel", 0, dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
@@ -177,6 +188,14 @@ def _more(T, name: str, batch: int, ids: torch.Tensor):
         cfg = T.WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
                               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
         return T.WhisperModel(cfg), dict(input_features=torch.randn(batch, 8, 32), decoder_input_ids=ids[:, :3]), 2
+    if name == "t5_gated":  # T5 v1.1 / Flan-T5: T5DenseGatedActDense, wo(gelu_tanh(wi_0(x)) * wi_1(x))
+        cfg = T.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8,
+                         feed_forward_proj="gated-gelu")
+        return T.T5Model(cfg), dict(input_ids=ids, decoder_input_ids=ids[:, :3]), 2
+    if name == "vit_mae":  # pretraining model: its decoder keeps [1, 1, D] / [1, N, D] tokens (not experts)
+        cfg = T.ViTMAEConfig(**vision, intermediate_size=64, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                             decoder_num_attention_heads=4, decoder_intermediate_size=64)
+        return T.ViTMAEForPreTraining(cfg), dict(pixels, noise=torch.rand(batch, 4)), 3
     if name == "dinov2":
         return T.Dinov2Model(T.Dinov2Config(**vision, mlp_ratio=2)), pixels, 2
     if name == "siglip":  # two layers and the pooling head's MLP
