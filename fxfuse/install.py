@@ -115,37 +115,62 @@ def _bypassed(scope: Scope) -> list[str]:
 
 def _changed(self: nn.Module, attr: str) -> Optional[str]:
     """Why the fused graph would not compute what the method computes now, or None. ``self.<attr>``:
-    ``(number of children, ((first path part, other parts, module, training mode or None), ...))`` of the
-    submodules in :func:`_bypassed`, as installed (their mode where the graph depends on it).
+    ``(number of children, hook dicts, ((first path part, other parts, module, training mode or None), ...))``
+    of the submodules in :func:`_bypassed`, as installed (their mode where the graph depends on it); the hook
+    dicts are torch's global ones and those submodules' own.
 
     The graph skips those modules' ``__call__`` and baked in what they were: one replaced or removed, one with
     hooks or an instance ``forward`` (accelerate's), one in another mode (a dropout switched on alone, as Monte
     Carlo dropout does), a global module hook, or children added (a ``Sequential`` runs them all) makes the
-    original method run. (This runs on every call of a fused method: the checks ``nn.Module.__call__`` would
-    make for each of those modules, read straight from their dicts.)"""
+    original method run. This runs on every call of a fused method (the hook dicts are bound once: torch mutates
+    them and never rebinds them), so it only tests; :func:`_what_changed` says what."""
     kept = self.__dict__.get(attr)
     if kept is None:  # (not installed by assemble)
         return None
-    n_children, inner = kept
+    n_children, hooks, inner = kept
     children = self._modules
-    if len(children) != n_children:
-        return "its submodules were added or removed"
-    if not inner:
-        return None
-    if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]:
-        return "a global module hook is registered"
+    if len(children) != n_children or any(hooks):
+        return _what_changed(self, n_children, inner)
     for first, rest, want, training in inner:
         m = children.get(first)
         for part in rest:
             m = m._modules.get(part) if m is not None else None
         if m is not want:
-            return f"{'.'.join((first, *rest))} was replaced or removed"
+            return _what_changed(self, n_children, inner)
+        state = m.__dict__  # (read here: a deep copy or unpickling gives the module a new one)
+        if "forward" in state or (training is not None and state.get("training", training) is not training):
+            return _what_changed(self, n_children, inner)
+    return None
+
+
+def _what_changed(self: nn.Module, n_children: int, inner: tuple) -> str:
+    if len(self._modules) != n_children:
+        return "its submodules were added or removed"
+    if any(_GLOBAL_HOOKS):
+        return "a global module hook is registered"
+    for first, rest, want, training in inner:
+        name, m = ".".join((first, *rest)), self
+        for part in (first, *rest):
+            m = m._modules.get(part) if m is not None else None
+        if m is not want:
+            return f"{name} was replaced or removed"
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks \
                 or "forward" in m.__dict__:
-            return f"{'.'.join((first, *rest))} has hooks or its own forward"
+            return f"{name} has hooks or its own forward"
         if training is not None and m.training is not training:
-            return f"{'.'.join((first, *rest))} is in {'training' if m.training else 'eval'} mode"
-    return None
+            return f"{name} is in {'training' if m.training else 'eval'} mode"
+    return "a submodule changed"
+
+
+def _installed_modules(host: nn.Module, paths: list[str], modal: bool) -> tuple:
+    """What :func:`_changed` reads, for the submodules at ``paths`` of ``host`` as installed."""
+    inner, hooks = [], list(_GLOBAL_HOOKS)
+    for path in paths:
+        m = host.get_submodule(path)
+        first, *rest = path.split(".")
+        inner.append((first, tuple(rest), m, m.training if modal else None))
+        hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
+    return len(host._modules), tuple(hooks), tuple(inner)
 
 
 # torch's global module hooks (dicts it mutates, never rebinds): any of them would run in each module's __call__
@@ -340,10 +365,7 @@ def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] 
         new = copies[path]
         for inst in installs:
             for attr, (paths, modal) in inst.modules.items():
-                subs = [new.get_submodule(p) for p in paths]
-                parts = [p.split(".") for p in paths]
-                new.__dict__[attr] = (len(new._modules), tuple((ps[0], tuple(ps[1:]), m, m.training if modal else None)
-                                                               for ps, m in zip(parts, subs)))
+                new.__dict__[attr] = _installed_modules(new, paths, modal)
     return copies[""]
 
 
