@@ -6,7 +6,9 @@ the whole chain: ``LlamaMLP.forward``, ``GPT2MLP.forward``, ``BertLayer.feed_for
 chain spans its sibling ``intermediate`` and ``output`` submodules), ``Sequential.forward``. The host
 is traced again, strictly, and fused with :func:`fxfuse.pipeline.fuse_graph`; if that does not fuse
 the chain, the next enclosing method is tried. A chain written inline in a method that cannot be
-traced (BART-style layers) is fused by a proven hand-off between its submodules instead
+traced (BART-style layers), or whose trace stands only for calls that leave its defaulted arguments alone
+(MPNet's, DeBERTa's and Data2VecVision's layers, whose models pass them on every call; the chain spans their
+sibling ``intermediate`` and ``output``), is fused by a proven hand-off between its submodules instead
 (:mod:`fxfuse.inline`).
 
 The fused hosts are installed in a copy of the model by :mod:`fxfuse.install`, whose guarded
@@ -254,27 +256,39 @@ def _inline_chain(model: nn.Module, scope: Scope, region: Any, candidates: list[
     parent = model.get_submodule(path)
     direct = set(parent._modules)
 
-    def child_of(target: Any) -> Optional[str]:
-        t = str(target)
-        if not t.startswith(prefix) or t[len(prefix):] not in direct:
+    def child_of(target: Any, group: Optional[str] = None) -> Optional[str]:
+        """``target``'s name relative to ``parent`` if it is a child of it (or of its child ``group``)."""
+        t, pre = str(target), prefix + (f"{group}." if group else "")
+        if not t.startswith(pre) or t[len(pre):] not in (parent._modules[group]._modules if group else direct):
             return None
-        return t[len(prefix):]
+        return f"{group}.{t[len(pre):]}" if group else t[len(pre):]
 
-    innermost = None
+    def group_of(frames: tuple) -> Optional[str] | bool:
+        """The child of ``parent`` whose ``forward`` (called by ``method``) ran the node, ``None`` when ``method``
+        itself ran it, ``False`` when some other frame is between them."""
+        at = [k for k, (r, code) in enumerate(frames) if r == rel and code.co_name == method]
+        inner = [f for f in frames[at[-1] + 1:] if f[1] not in _CALL_FRAMES] if at else [None, None]
+        if not inner:
+            return None
+        group = child_of(inner[0][0]) if len(inner) == 1 and inner[0] == frames[-1] else None
+        return group if group is not None and _method_of(parent._modules[group], inner[0][1]) == "forward" else False
+
+    innermost: dict[Optional[str], Any] = {}
     linears, middles = [], []
     for node in region.nodes:
         frames = node.meta.get("fxfuse_frames") or ()
-        if not frames or (innermost is not None and frames[-1] != innermost):
-            return f"the chain is not called directly in {type(parent).__name__}.{method}", None
-        innermost = frames[-1]
+        group = group_of(frames) if frames else False
+        if group is False or innermost.setdefault(group, frames[-1]) != frames[-1]:
+            return f"the chain is not called directly in {type(parent).__name__}.{method} or in the forward " \
+                "of a child it calls", None
         if node in region.weights or node.op == "call_function" and node.target is torch.nn.functional.linear:
-            name = child_of(node.meta.get("fxfuse_module_path", ""))
-            if name is None or not isinstance(parent._modules[name], nn.Linear):
-                return "a linear of the chain is not a direct nn.Linear child", None
+            name = child_of(node.meta.get("fxfuse_module_path", ""), group)
+            if name is None or not isinstance(parent.get_submodule(name), nn.Linear):
+                return "a linear of the chain is not an nn.Linear child (or a child's child)", None
             linears.append(name)
             middles.append([])
-        elif node.op == "call_module" and child_of(node.target) is not None and linears:
-            middles[-1].append(child_of(node.target))
+        elif node.op == "call_module" and child_of(node.target, group) is not None and linears:
+            middles[-1].append(child_of(node.target, group))
         else:
             return f"{node.format_node()} is not a submodule call", None
     chain_mods = chain_modules(parent, linears, middles[:-1]) if not middles[-1] else None
@@ -291,6 +305,10 @@ def _inline_chain(model: nn.Module, scope: Scope, region: Any, candidates: list[
     report = RegionReport(path or "<root>", region.pattern, spec, _strategy(parent, region, weights),
                           [f"runs as a hand-off between {', '.join(chain_mods)} in {type(parent).__name__}.{method}"])
     return chain, report
+
+
+# A module's __call__ between a method and the forward it calls.
+_CALL_FRAMES = (nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__)
 
 
 def _strategy(parent: nn.Module, region: Any, weights: list[str]) -> str:

@@ -17,10 +17,19 @@ done when the method's source proves the hand-off safe (:func:`prove`):
 * the statements from the first linear to the last are top-level (no branch or loop around them), each
   ``h = <calls>`` on one variable ``h``, and the value flows only through the chain's modules and dropout
   calls (``training=self.training``), in the order of the chain the graph matcher found;
-* nothing else reads ``h`` while it holds the token, and the last statement overwrites it.
+* nothing else reads ``h`` while it holds the token, and the last statement overwrites it (or assigns
+  the result to another variable, and ``h`` is read neither after it nor in a closure).
 
-At run time the hand-off is armed only while the method runs, in eval mode, without autocast, hooks on
-the chain's modules, or compilation/export tracing; otherwise every module runs its original forward. A
+A chain may also span sibling submodules called from the method (MPNet's, DeBERTa's, Data2VecVision's layers:
+``x = self.intermediate(a)`` then ``y = self.output(x, a)``, the linears and the activation inside them).
+Each such *group* is proven the same way in its own ``forward``: the group holding the first linear
+returns the token (``return h`` right after the chain's statements), a later group takes it as its first
+parameter, which the chain's statements consume from the method's first line on; in the method, a group
+that takes the token may get other arguments, which do not read ``h``.
+
+At run time the hand-off is armed only while the method runs, in eval mode, without autocast, hooks or an
+instance ``forward`` on the chain's modules and groups, or compilation/export tracing, and while those
+modules are still the ones it was installed on; otherwise every module runs its original forward. A
 violation of the protocol raises instead of computing a wrong value (the token is a meta tensor).
 """
 
@@ -79,12 +88,19 @@ def _attr_path(node: ast.AST) -> Optional[tuple[str, ...]]:
     return None
 
 
-def _self_call(node: ast.AST, self_name: str) -> Optional[str]:
-    """``name`` if ``node`` is ``self.name(arg)`` with one positional argument and nothing else."""
-    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
-        path = _attr_path(node.func)
-        if path is not None and len(path) == 2 and path[0] == self_name:
-            return path[1]
+def _self_call(node: ast.AST, self_name: str, groups: frozenset = frozenset()) -> Optional[str]:
+    """``name`` if ``node`` is ``self.name(arg)`` with one positional argument and nothing else; a group (in
+    ``groups``) may get more arguments, none of them ``*``/``**``."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    path = _attr_path(node.func)
+    if path is None or len(path) != 2 or path[0] != self_name:
+        return None
+    if len(node.args) == 1 and not node.keywords:
+        return path[1]
+    if path[1] in groups and not any(isinstance(a, ast.Starred) for a in node.args) \
+            and all(k.arg is not None for k in node.keywords):
+        return path[1]
     return None
 
 
@@ -105,50 +121,89 @@ def _names_in(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
-def _carrier(expr: ast.AST, h: Optional[str], self_name: str, first: str, out: list[str]) -> bool:
+def _carrier(expr: ast.AST, h: Optional[str], self_name: str, first: str, out: list[str],
+             groups: frozenset = frozenset()) -> bool:
     """Walk ``expr`` from the outside in along the value of the chain; ``out`` gets the module names
     (inner last). ``h`` is the variable holding the token (``None`` in the statement that calls the
     first linear, whose argument is ordinary code)."""
-    name = _self_call(expr, self_name)
+    name = _self_call(expr, self_name, groups)
     if name is not None:
         out.append(name)
         if name == first and h is None:
             return True
-        return _carrier(expr.args[0], h, self_name, first, out)
+        others = [*expr.args[1:], *(k.value for k in expr.keywords)]  # (a group's other arguments)
+        if h is not None and any(h in _names_in(o) for o in others):
+            return False
+        return _carrier(expr.args[0], h, self_name, first, out, groups)
     if _is_eval_dropout_call(expr, self_name):
         others = [*expr.args[1:], *(k.value for k in expr.keywords)]
         if h is not None and any(h in _names_in(o) for o in others):
             return False
         out.append("<dropout>")
-        return _carrier(expr.args[0], h, self_name, first, out)
+        return _carrier(expr.args[0], h, self_name, first, out, groups)
     return h is not None and isinstance(expr, ast.Name) and expr.id == h
 
 
-def _find_call(expr: ast.AST, self_name: str, name: str) -> list[ast.Call]:
-    return [n for n in ast.walk(expr) if _self_call(n, self_name) == name]
+def _find_call(expr: ast.AST, self_name: str, name: str, groups: frozenset = frozenset()) -> list[ast.Call]:
+    return [n for n in ast.walk(expr) if _self_call(n, self_name, groups) == name]
+
+
+def _dropouts(module: nn.Module) -> tuple:
+    return tuple(n for n, m in module.named_children() if isinstance(m, nn.modules.dropout._DropoutNd))
 
 
 def prove(module: nn.Module, method: str, chain: list[str]) -> tuple[Optional[str], list[str]]:
-    """``(None, dropout modules on the way)`` if ``type(module).<method>`` hands the value through ``chain``
-    (child names) as described in the module doc, else ``(the reason it cannot be proven, [])``."""
-    dropouts = tuple(n for n, m in module.named_children() if isinstance(m, nn.modules.dropout._DropoutNd))
-    return _prove_cached(type(module), method, tuple(chain), dropouts)
+    """``(None, the modules on the way that are not the chain's: dropouts, and the groups whose forward calls the
+    chain's modules)`` if ``type(module).<method>`` hands the value through ``chain`` (child names, or
+    ``group.child`` for a child of a child) as described in the module doc, else ``(the reason it cannot be
+    proven, [])``."""
+    tops = [name.split(".")[0] for name in chain]
+    outer = list(dict.fromkeys(tops))
+    if [t for k, t in enumerate(tops) if k == 0 or t != tops[k - 1]] != outer:
+        return "a submodule is entered twice along the chain", []
+    if any(name.count(".") > 1 for name in chain):
+        return "the chain's modules are not children of the method's module or of its children", []
+    grouped = [g for g in outer if any(name.startswith(f"{g}.") for name in chain)]
+    if any(g in chain for g in grouped):
+        return "a module of the chain is also a group of it", []
+    groups = tuple((g, type(module._modules[g]), _dropouts(module._modules[g])) for g in grouped)
+    return _prove_cached(type(module), method, tuple(chain), _dropouts(module), groups)
 
 
 @functools.lru_cache(maxsize=256)
-def _prove_cached(cls: type, method: str, chain: tuple, dropouts: tuple) -> tuple[Optional[str], list[str]]:
-    reason, passthrough = _prove(cls, method, list(chain), set(dropouts))
-    return reason, passthrough if reason is None else []
+def _prove_cached(cls: type, method: str, chain: tuple, dropouts: tuple, groups: tuple) \
+        -> tuple[Optional[str], list[str]]:
+    names = frozenset(g for g, _, _ in groups)
+    outer = list(dict.fromkeys(name.split(".")[0] for name in chain))
+    reason, passthrough = _prove(cls, method, outer, set(dropouts), names)
+    if reason is not None:
+        return reason, []
+    for g, gcls, gdropouts in groups:
+        inner = [name.split(".", 1)[1] for name in chain if name.startswith(f"{g}.")]
+        # The group holding the first linear returns the token; a later one takes it as its first parameter.
+        reason, more = _prove(gcls, "forward", inner, set(gdropouts), frozenset(),
+                              entry="call" if g == outer[0] else "param", leave="value" if g == outer[-1] else "return")
+        if reason is not None:
+            return f"in {g} ({gcls.__name__}): {reason}", []
+        passthrough += [f"{g}.{m}" for m in more]
+    return None, passthrough + [g for g, _, _ in groups]
 
 
-def _prove(cls: type, method: str, chain: list[str], dropouts: set[str]):
-    fn = inspect.unwrap(getattr(cls, method))
+def _prove(cls: type, method: str, chain: list[str], dropouts: set[str], groups: frozenset = frozenset(),
+           entry: str = "call", leave: str = "value"):
+    """``entry``: ``"call"`` (the first module is called on ordinary code) or ``"param"`` (the token is the
+    method's first argument); ``leave``: ``"value"`` (the last module's output is a real value) or ``"return"``
+    (the method returns the token)."""
+    raw = getattr(cls, method)
+    fn = inspect.unwrap(raw)
     try:
         fdef = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError) as err:
         return f"source of {cls.__name__}.{method} unavailable ({type(err).__name__})", []
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fdef.args.args:
         return "not a method", []
+    if (entry, leave) != ("call", "value") and (fn is not raw or fdef.decorator_list):  # it sees the token
+        return f"{cls.__name__}.{method} is decorated", []
     self_name = fdef.args.args[0].arg
     # 1. Each chain module is used once in the whole class (so only this statement sequence calls it).
     reason = _used_once(cls, set(chain))
@@ -157,34 +212,49 @@ def _prove(cls: type, method: str, chain: list[str], dropouts: set[str]):
     # 2. Top-level straight-line statements h = <calls> from the first linear to the last.
     body = fdef.body
     first, last = chain[0], chain[-1]
-    idx = {name: [i for i, s in enumerate(body) if _find_call(s, self_name, name)] for name in (first, last)}
+    idx = {name: [i for i, s in enumerate(body) if _find_call(s, self_name, name, groups)] for name in (first, last)}
     if len(idx[first]) != 1 or len(idx[last]) != 1:
         return f"{first} / {last} are not called in top-level statements of {cls.__name__}.{method}", []
     i, j = idx[first][0], idx[last][0]
     if j < i:
         return "the chain's linears are called out of order", []
-    path: list[str] = []
     h: Optional[str] = None
+    if entry == "param":  # the token arrives as the first argument, consumed from the first line on
+        params = fdef.args.args[1:]
+        start = 1 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0
+        if fdef.args.posonlyargs or not params:
+            return f"{cls.__name__}.{method} has no first argument to take the chain's value", []
+        if i != start:
+            return f"{cls.__name__}.{method} does more than pass its first argument through the chain", []
+        h = params[0].arg
+    path: list[str] = []
     for k in range(i, j + 1):
         stmt = body[k]
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
             return f"line {stmt.lineno} of {cls.__name__}.{method} is not a plain assignment inside the chain", []
         target = stmt.targets[0].id
         if h is not None and target != h:
-            return f"the chain's value changes variable ({h} -> {target})", []
+            if k != j:
+                return f"the chain's value changes variable ({h} -> {target})", []
+            if _read_after(fdef, h, body[j + 1:]):  # it still holds the token
+                return f"{h} is read after line {stmt.lineno} of {cls.__name__}.{method}", []
         value = stmt.value
-        if k == j:  # ordinary code may use the last linear's (real) output
-            (call,) = _find_call(value, self_name, last)
+        if k == j and leave == "value":  # ordinary code may use the last linear's (real) output
+            (call,) = _find_call(value, self_name, last, groups)
             outside = [n for n in ast.walk(value) if isinstance(n, ast.Name) and n.id == h and
                        not any(n is m for m in ast.walk(call))]
             if outside:
                 return f"{h} is read outside the chain on line {stmt.lineno}", []
             value = call
         steps: list[str] = []
-        if not _carrier(value, h, self_name, first, steps):
+        if not _carrier(value, h, self_name, first, steps, groups):
             return f"line {stmt.lineno} of {cls.__name__}.{method} does more than pass the value through the chain", []
         path += [s for s in reversed(steps)]
         h = target
+    if leave == "return":
+        after = body[j + 1] if j + 1 < len(body) else None
+        if not (isinstance(after, ast.Return) and isinstance(after.value, ast.Name) and after.value.id == h):
+            return f"{cls.__name__}.{method} does more than return the chain's value after line {body[j].lineno}", []
     modules = [p for p in path if p != "<dropout>"]
     passthrough = [m for m in modules if m not in chain]
     for m in passthrough:
@@ -193,6 +263,14 @@ def _prove(cls: type, method: str, chain: list[str], dropouts: set[str]):
     if [m for m in modules if m in chain] != chain:
         return f"the code calls {modules}, the chain is {chain}", []
     return None, passthrough
+
+
+def _read_after(fdef: ast.AST, name: str, rest: list[ast.stmt]) -> bool:
+    """Whether ``name`` is used after the chain's statements, or in a closure that may run then."""
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp,
+              ast.DictComp, ast.GeneratorExp)
+    nested = [n for n in ast.walk(fdef) if isinstance(n, scopes) and n is not fdef]
+    return any(name in _names_in(n) for n in [*rest, *nested])
 
 
 @functools.lru_cache(maxsize=256)
@@ -225,10 +303,13 @@ def _used_once(cls: type, names: set[str]) -> Optional[str]:
 class _State:
     """Per parent instance: whether the hand-off is armed, and the pending input."""
 
-    __slots__ = ("active", "x", "stage", "parent", "chain", "weights", "biases")
+    __slots__ = ("active", "x", "stage", "parent", "chain", "weights", "biases", "roles", "checked")
 
     def __init__(self, chain: InlineChain):
         self.chain = chain
+        # (split once: read on every call) the role modules, and the other modules on the way
+        self.roles = [tuple(p.split(".")) for p in chain.modules]
+        self.checked = [tuple(p.split(".")) for p in chain.checked if p not in chain.modules]
         self.weights = param_getter(chain.weights)
         self.biases = param_getter(chain.biases) if chain.biases else None
         self.active = 0  # the id of the thread running the method, 0 when none
@@ -250,6 +331,11 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None))
 
 
+def _altered(m: nn.Module) -> bool:
+    """Whether ``m`` runs some other code than its class's ``forward`` in eval mode."""
+    return m.training or _hooked(m) or "forward" in m.__dict__
+
+
 def _global_hooks() -> bool:
     mm = torch.nn.modules.module
     return bool(mm._global_forward_hooks or mm._global_forward_pre_hooks)
@@ -264,10 +350,13 @@ def _parent_method(orig: Any, state_attr: str):
         st: _State = self.__dict__[state_attr]
         if self.training or st.active or _tracing() or _global_hooks() or _any_autocast():
             return orig(self, *args, **kwargs)  # (another call in progress: recursion or another thread)
-        mods = self._modules
-        for name in st.chain.checked:
-            m = mods[name]
-            if m.training or _hooked(m):
+        for parts in st.roles:  # still the modules the roles were installed on (not replaced since)
+            m = _submodule(self, parts)
+            if m is None or m.__dict__.get("_fxfuse_inline_role", (None,))[0] is not st or _altered(m):
+                return orig(self, *args, **kwargs)
+        for parts in st.checked:  # dropouts (identity in eval mode) and groups, whose forward the proof read
+            m = _submodule(self, parts)
+            if m is None or _altered(m):
                 return orig(self, *args, **kwargs)
         st.active, st.x, st.stage, st.parent = threading.get_ident(), None, -1, self
         try:
@@ -280,6 +369,14 @@ def _parent_method(orig: Any, state_attr: str):
 
     functools.update_wrapper(method, orig)
     return method
+
+
+def _submodule(module: nn.Module, parts: tuple) -> Optional[nn.Module]:
+    for part in parts:
+        module = module._modules.get(part)
+        if module is None:
+            return None
+    return module
 
 
 def _attrs(obj: Any, getter: Any) -> Sequence:
@@ -330,7 +427,7 @@ def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict,
     parts[chain.module_path] = ({chain.method: (("inline-parent", chain.method, attr), _parent_method(orig, attr))},
                                 {attr: state})
     for index, name in enumerate(chain.modules):
-        child = getattr(parent, name)
+        child = parent.get_submodule(name)
         role = "head" if index == 0 else "tail" if index == len(chain.modules) - 1 else "pass"
         path = f"{chain.module_path}.{name}" if chain.module_path else name
         fwd = _role_forward(type(child).forward, role)
@@ -339,13 +436,14 @@ def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict,
 
 
 def chain_modules(parent: nn.Module, linears: list[str], middles: list[list[str]]) -> Optional[list[str]]:
-    """The child names along a serial chain: linear, its activation modules, linear, ... (or ``None``)."""
+    """The child names (or ``group.child``) along a serial chain: linear, its activation modules, linear, ...
+    (or ``None``)."""
     out = []
     for k, lin in enumerate(linears):
         out.append(lin)
         if k < len(middles):
             for m in middles[k]:
-                mod = getattr(parent, m, None)
+                mod = _submodule(parent, tuple(m.split(".")))
                 if not (is_known_activation(mod) or is_identity_module(mod)):
                     return None
                 out.append(m)

@@ -148,6 +148,8 @@ _DECODERS = {
     "olmo": ("OlmoModel", 2, dict(num_key_value_heads=2)),
     "glm": ("GlmModel", 2, dict(num_key_value_heads=2, head_dim=8, pad_token_id=0)),
     "esm": ("EsmModel", 2, dict(pad_token_id=1)),  # its GELU written out: x * 0.5 * (1 + erf(x / sqrt(2)))
+    # sentence-transformers' all-mpnet-base-v2: intermediate → output called in the layer's defaulted forward
+    "mpnet": ("MPNetModel", 2, {}),
     # Mixture of experts: its first layer dense (fused), the second's experts left as they are.
     "qwen3_moe": ("Qwen3MoeModel", 1, dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0])),
@@ -196,6 +198,8 @@ def _more(T, name: str, batch: int, ids: torch.Tensor):
         cfg = T.ViTMAEConfig(**vision, intermediate_size=64, decoder_hidden_size=32, decoder_num_hidden_layers=1,
                              decoder_num_attention_heads=4, decoder_intermediate_size=64)
         return T.ViTMAEForPreTraining(cfg), dict(pixels, noise=torch.rand(batch, 4)), 3
+    if name == "data2vec_vision":  # BEiT's layer: intermediate → output in a forward called with resolution=
+        return T.Data2VecVisionModel(T.Data2VecVisionConfig(**vision, intermediate_size=64)), pixels, 2
     if name == "dinov2":
         return T.Dinov2Model(T.Dinov2Config(**vision, mlp_ratio=2)), pixels, 2
     if name == "siglip":  # two layers and the pooling head's MLP

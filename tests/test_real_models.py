@@ -47,6 +47,8 @@ FAMILIES = {
     **{f: ["h.0.mlp", "h.1.mlp"] for f in ("gptj", "gpt_bigcode", "bloom", "falcon")},
     **{f: ["encoder.layers.0", "decoder.layers.0"] for f in ("mbart", "whisper")},  # inline hand-off
     "esm": ["encoder.layer.0", "encoder.layer.1"],  # erf GELU written out, in EsmLayer.feed_forward_chunk
+    # Intermediate + Output siblings called from a forward whose defaulted arguments every call passes: hand-off
+    **{f: ["encoder.layer.0", "encoder.layer.1"] for f in ("mpnet", "data2vec_vision")},
     "t5_gated": ["encoder.block.0.layer.1.DenseReluDense", "decoder.block.0.layer.2.DenseReluDense"],
     "vit_mae": ["vit.layers.0.mlp", "vit.layers.1.mlp", "decoder.decoder_layers.0.mlp"],
     "dinov2": ["encoder.layer.0.mlp", "encoder.layer.1.mlp"],
@@ -430,6 +432,94 @@ def test_inline_hand_off_is_only_used_when_proven():
     n, out = fused_calls(fast_good, x)
     assert n == 0
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+class _Intermediate(torch.nn.Module):
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.dense, self.act = torch.nn.Linear(d, h), torch.nn.GELU()
+
+    def forward(self, x):
+        x = self.dense(x)
+        x = self.act(x)
+        return x
+
+
+class _OutputParts(torch.nn.Module):
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.dense, self.dropout, self.norm = torch.nn.Linear(h, d), torch.nn.Dropout(0.1), torch.nn.LayerNorm(d)
+
+
+class _Output(_OutputParts):
+    def forward(self, h, residual):
+        h = self.dense(h)
+        h = self.dropout(h)
+        return self.norm(h + residual)
+
+
+class _OutputKeepsItsInput(_OutputParts):
+    def forward(self, h, residual):
+        self.seen = h  # the token would escape: not provable
+        h = self.dense(h)
+        return self.norm(self.dropout(h) + residual)
+
+
+class _SiblingParts(torch.nn.Module):
+    def __init__(self, output=_Output):
+        super().__init__()
+        self.intermediate, self.output = _Intermediate(), output()
+
+
+class SiblingLayer(_SiblingParts):
+    """MPNet / BEiT-style: the chain spans two children, called from a forward that cannot be traced."""
+
+    def forward(self, x, bias=None):
+        if x.sum() > 1e9:
+            x = x * 0
+        a = x if bias is None else x + bias
+        inter = self.intermediate(a)
+        out = self.output(inter, a)
+        return out
+
+
+class SiblingLayerKeepsTheIntermediate(_SiblingParts):
+    def forward(self, x, bias=None):
+        if x.sum() > 1e9:
+            x = x * 0
+        inter = self.intermediate(x)
+        self.seen = inter  # the token would escape: not provable
+        return self.output(inter, x)
+
+
+def test_inline_hand_off_through_sibling_submodules():
+    x, bias = torch.randn(3, 32), torch.randn(32)
+    good = SiblingLayer().eval()
+    fast = fxfuse.optimize(good)
+    assert [r.module_path for r in fxfuse.report(fast).regions] == ["<root>"]
+    for kwargs in ({}, dict(bias=bias)):  # every call, whatever it passes
+        n, out = fused_calls(fast, x, **kwargs)
+        assert n == 1
+        with torch.no_grad():
+            close(out, good(x, **kwargs))
+    for bad in (SiblingLayerKeepsTheIntermediate().eval(), SiblingLayer(_OutputKeepsItsInput).eval()):
+        fast_bad = fxfuse.optimize(bad)
+        assert any("not provable" in r.reason for r in fxfuse.report(fast_bad).rejections)
+        n, out = fused_calls(fast_bad, x, bias=bias)
+        assert n == 0
+        with torch.no_grad():
+            close(out, bad(x, bias=bias))
+    # A hook on a group would see the token; a replaced group does not hand it on: the original code runs.
+    seen = []
+    handle = fast.intermediate.register_forward_hook(lambda m, i, o: seen.append(o.device.type))
+    n, out = fused_calls(fast, x, bias=bias)
+    handle.remove()
+    assert n == 0 and seen == ["cpu"]
+    fast.output = copy.deepcopy(good.output)
+    n, out = fused_calls(fast, x, bias=bias)
+    assert n == 0
+    with torch.no_grad():
+        close(out, good(x, bias=bias))
 
 
 # ------------------------------------------------------------------------------------------------ timm
