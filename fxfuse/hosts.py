@@ -31,9 +31,9 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .capture import ArgSpec, CaptureFailure, Discovery, Scope, trace_scope
+from .capture import CaptureFailure, Discovery, Scope, trace_scope
 from .inline import InlineChain, chain_modules, prove
-from .install import bind_call
+from .install import bind_call, guard_text
 from .normalize import normalize
 from .ops import is_fused_call
 from .pipeline import fuse_graph
@@ -158,7 +158,7 @@ def place(model: nn.Module, discovery: Discovery, module_inputs: Optional[dict] 
             if key not in chosen:
                 chosen[key] = host
                 for r in host.report.regions:
-                    r.notes.append("fused only for calls with " + _guard_text(host.scope.args))
+                    r.notes.append("fused only for calls with " + guard_text(host.scope.args))
             continue
         _add_rejection(out, seen_rejections, Rejection(f.pattern, f.path, f"not captured: {'; '.join(reasons)}",
                                                        f.names), "")
@@ -191,19 +191,9 @@ def _why_not(key: tuple[str, str], host: Any, model: nn.Module, weights: frozens
     if isinstance(host, Exception):
         return f"{name} cannot be traced ({_short(host)})"
     if any(weights <= w for w in host.fused):
-        return f"{name} is fused only for calls with {_guard_text(host.scope.args)}"
+        return f"{name} is fused only for calls with {guard_text(host.scope.args)}"
     reasons = {r.reason for r in host.report.rejections}
     return f"{name} does not fuse it" + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
-
-
-def _guard_text(specs: list[ArgSpec]) -> str:
-    parts = []
-    for s in specs:
-        if s.mode == "const":
-            parts.append(f"{s.name}={s.value!r}")
-        elif s.mode == "empty":
-            parts.append(f"no {'*' if s.kind is inspect.Parameter.VAR_POSITIONAL else '**'}{s.name}")
-    return ", ".join(parts)
 
 
 def _needs_guards(model: nn.Module, key: tuple[str, str]) -> bool:

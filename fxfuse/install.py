@@ -58,7 +58,7 @@ from .shortcut import Shortcut, region_call
 if TYPE_CHECKING:
     from .hosts import Host
 
-__all__ = ["Install", "assemble", "bind_call", "fused_graphs"]
+__all__ = ["Install", "assemble", "bind_call", "fused_graphs", "guard_text"]
 
 _GRAPHS_ATTR = "_fxfuse_graphs"
 
@@ -95,6 +95,17 @@ def bind_call(scope_or_specs: Any, args: tuple, kwargs: dict, sig: Optional[insp
                 return None
             values.append(v)
     return values
+
+
+def guard_text(specs: list[ArgSpec]) -> str:
+    """The calls a graph traced with ``specs`` stands for, as text: ``bias=None, no **kwargs``."""
+    parts = []
+    for s in specs:
+        if s.mode == "const":
+            parts.append(f"{s.name}={s.value!r}")
+        elif s.mode == "empty":
+            parts.append(f"no {'*' if s.kind is inspect.Parameter.VAR_POSITIONAL else '**'}{s.name}")
+    return ", ".join(parts)
 
 
 def _signature_of(specs: list[ArgSpec]) -> inspect.Signature:
@@ -184,7 +195,7 @@ _logged_changes: set[tuple[type, str]] = set()
 def _original_because(cls: type, why: str) -> None:
     if (cls, why) not in _logged_changes:
         _logged_changes.add((cls, why))
-        log.info("fxfuse: %s runs its original method: %s since it was fused", cls.__qualname__, why)
+        log.info("fxfuse: %s runs its original method: %s", cls.__qualname__, why)
 
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
@@ -201,6 +212,7 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
     that is one region on one input): a call of that input alone tries it first, and teaches it afterwards.
     ``modules_attr``: the instance attribute :func:`_changed` reads (the submodules as installed)."""
     sig = _signature_of(specs)
+    guards = guard_text(specs) or "required arguments not None"
     # A positional call of exactly the leading required parameters needs no binding.
     n_fast = 0
     for s in specs:
@@ -222,7 +234,7 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             if modules_attr is not None:
                 why = _changed(self, modules_attr)
                 if why is not None:
-                    _original_because(type(self), why)
+                    _original_because(type(self), f"{why} since it was fused")
                     return orig(self, *args, **kwargs)
             extra = get_lifted(self) if get_lifted is not None else ()
             if extra is None:  # a tensor the graph reads is None or gone now
@@ -254,6 +266,8 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             values = bind_call(specs, args, kwargs, sig)
             if values is not None:
                 return fused(self, *values, *extra)
+            # (said once: a model that passes such an argument on every call never runs the fused graph)
+            _original_because(type(self), f"a call's arguments are not those it was traced for ({guards})")
         return orig(self, *args, **kwargs)
 
     functools.update_wrapper(method, orig)

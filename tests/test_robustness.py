@@ -326,6 +326,32 @@ def test_inference_tensor_into_a_partly_frozen_model(untrained_specs):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_calls_outside_the_traced_arguments_run_the_original_method_and_say_so_once(caplog):
+    # A host traced with a defaulted argument stands only for calls that leave it alone; a model that passes it
+    # on every call would never run the fused graph, so the first such call says why (once).
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+
+        def forward(self, x, scale=None):
+            if scale is not None:
+                x = x * scale
+            return self.fc2(self.act(self.fc1(x)))
+
+    model = Scaled().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32)
+    assert fused_calls(fast, x)[0] == 1
+    with caplog.at_level("INFO", logger="fxfuse"), torch.no_grad():
+        for _ in range(2):
+            n, out = fused_calls(fast, x, scale=2.0)
+            torch.testing.assert_close(out, model(x, scale=2.0), rtol=1e-5, atol=1e-6)
+            assert n == 0
+    said = [r.getMessage() for r in caplog.records if "are not those it was traced for" in r.getMessage()]
+    assert len(said) == 1 and "scale=None" in said[0] and "Scaled" in said[0]
+
+
 def test_a_sparse_input_runs_the_original_ops_without_a_warning(caplog):
     model = GPT2MLP().eval()
     fast = fxfuse.optimize(model)
