@@ -327,18 +327,21 @@ class _State:
 _TOKEN = torch.empty(0, device="meta")
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None))
+# torch's global module hooks (dicts it mutates, never rebinds): any of them runs in every module's __call__
+GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks,
+                torch.nn.modules.module._global_backward_hooks, torch.nn.modules.module._global_backward_pre_hooks)
+
+
+def runs_own_code(m: nn.Module) -> bool:
+    """Whether calling ``m`` runs more than its class's ``forward``: hooks of its own, or an instance ``forward``
+    (accelerate's). Code that skips ``m.__call__`` (a fused graph, the hand-off) is only right without them."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
+        or "forward" in m.__dict__
 
 
 def _altered(m: nn.Module) -> bool:
     """Whether ``m`` runs some other code than its class's ``forward`` in eval mode."""
-    return m.training or _hooked(m) or "forward" in m.__dict__
-
-
-def _global_hooks() -> bool:
-    mm = torch.nn.modules.module
-    return bool(mm._global_forward_hooks or mm._global_forward_pre_hooks)
+    return m.training or runs_own_code(m)
 
 
 def _tracing() -> bool:
@@ -348,14 +351,14 @@ def _tracing() -> bool:
 def _parent_method(orig: Any, state_attr: str):
     def method(self, *args, **kwargs):
         st: _State = self.__dict__[state_attr]
-        if self.training or st.active or _tracing() or _global_hooks() or _any_autocast():
+        if self.training or st.active or _tracing() or any(GLOBAL_HOOKS) or _any_autocast():
             return orig(self, *args, **kwargs)  # (another call in progress: recursion or another thread)
         for parts in st.roles:  # still the modules the roles were installed on (not replaced since)
-            m = _submodule(self, parts)
+            m = submodule(self, parts)
             if m is None or m.__dict__.get("_fxfuse_inline_role", (None,))[0] is not st or _altered(m):
                 return orig(self, *args, **kwargs)
         for parts in st.checked:  # dropouts (identity in eval mode) and groups, whose forward the proof read
-            m = _submodule(self, parts)
+            m = submodule(self, parts)
             if m is None or _altered(m):
                 return orig(self, *args, **kwargs)
         st.active, st.x, st.stage, st.parent = threading.get_ident(), None, -1, self
@@ -371,7 +374,8 @@ def _parent_method(orig: Any, state_attr: str):
     return method
 
 
-def _submodule(module: nn.Module, parts: tuple) -> Optional[nn.Module]:
+def submodule(module: nn.Module, parts: tuple) -> Optional[nn.Module]:
+    """``module``'s submodule at the path ``parts`` through the modules' dicts, or None."""
     for part in parts:
         module = module._modules.get(part)
         if module is None:
@@ -443,7 +447,7 @@ def chain_modules(parent: nn.Module, linears: list[str], middles: list[list[str]
         out.append(lin)
         if k < len(middles):
             for m in middles[k]:
-                mod = _submodule(parent, tuple(m.split(".")))
+                mod = submodule(parent, tuple(m.split(".")))
                 if not (is_known_activation(mod) or is_identity_module(mod)):
                     return None
                 out.append(m)

@@ -46,11 +46,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.fx as fx
 from torch import nn
-from torch.nn.modules import module as _nn_module
 
 from .autocast import any_autocast as _any_autocast
 from .capture import ArgSpec, Scope
-from .inline import InlineChain, install_parts
+from .inline import GLOBAL_HOOKS, InlineChain, install_parts, runs_own_code, submodule
 from .lift import lift_params
 from .meta import param_getter
 from .shortcut import Shortcut, region_call
@@ -128,7 +127,7 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
     """Why the fused graph would not compute what the method computes now, or None. ``self.<attr>``:
     ``(number of children, hook dicts, ((first path part, other parts, module, training mode or None), ...))``
     of the submodules in :func:`_bypassed`, as installed (their mode where the graph depends on it); the hook
-    dicts are torch's global ones and those submodules' own.
+    dicts are torch's global ones (:data:`fxfuse.inline.GLOBAL_HOOKS`) and those submodules' own.
 
     The graph skips those modules' ``__call__`` and baked in what they were: one replaced or removed, one with
     hooks or an instance ``forward`` (accelerate's), one in another mode (a dropout switched on alone, as Monte
@@ -157,16 +156,13 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
 def _what_changed(self: nn.Module, n_children: int, inner: tuple) -> str:
     if len(self._modules) != n_children:
         return "its submodules were added or removed"
-    if any(_GLOBAL_HOOKS):
+    if any(GLOBAL_HOOKS):
         return "a global module hook is registered"
     for first, rest, want, training in inner:
-        name, m = ".".join((first, *rest)), self
-        for part in (first, *rest):
-            m = m._modules.get(part) if m is not None else None
+        name, m = ".".join((first, *rest)), submodule(self, (first, *rest))
         if m is not want:
             return f"{name} was replaced or removed"
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks \
-                or "forward" in m.__dict__:
+        if runs_own_code(m):
             return f"{name} has hooks or its own forward"
         if training is not None and m.training is not training:
             return f"{name} is in {'training' if m.training else 'eval'} mode"
@@ -175,18 +171,13 @@ def _what_changed(self: nn.Module, n_children: int, inner: tuple) -> str:
 
 def _installed_modules(host: nn.Module, paths: list[str], modal: bool) -> tuple:
     """What :func:`_changed` reads, for the submodules at ``paths`` of ``host`` as installed."""
-    inner, hooks = [], list(_GLOBAL_HOOKS)
+    inner, hooks = [], list(GLOBAL_HOOKS)
     for path in paths:
         m = host.get_submodule(path)
         first, *rest = path.split(".")
         inner.append((first, tuple(rest), m, m.training if modal else None))
         hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
     return len(host._modules), tuple(hooks), tuple(inner)
-
-
-# torch's global module hooks (dicts it mutates, never rebinds): any of them would run in each module's __call__
-_GLOBAL_HOOKS = (_nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks,
-                 _nn_module._global_backward_hooks, _nn_module._global_backward_pre_hooks)
 
 
 _logged_changes: set[tuple[type, str]] = set()
