@@ -50,6 +50,7 @@ from torch import nn
 
 from .autocast import any_autocast as _any_autocast
 from .meta import param_getter
+from .module_state import GLOBAL_HOOKS, Settings, original_because, runs_own_code, submodule
 from .ops import fused_mlp
 from .pointwise import is_identity_module, is_known_activation
 
@@ -303,13 +304,15 @@ def _used_once(cls: type, names: set[str]) -> Optional[str]:
 class _State:
     """Per parent instance: whether the hand-off is armed, and the pending input."""
 
-    __slots__ = ("active", "x", "stage", "parent", "chain", "weights", "biases", "roles", "checked")
+    __slots__ = ("active", "x", "stage", "parent", "chain", "weights", "biases", "roles", "checked", "settings")
 
-    def __init__(self, chain: InlineChain):
+    def __init__(self, chain: InlineChain, settings: Sequence[Optional[Settings]] = ()):
         self.chain = chain
         # (split once: read on every call) the role modules, and the other modules on the way
         self.roles = [tuple(p.split(".")) for p in chain.modules]
         self.checked = [tuple(p.split(".")) for p in chain.checked if p not in chain.modules]
+        # (path parts, settings as proven) of those modules that have settings (an activation's)
+        self.settings = [(parts, s) for parts, s in zip(self.roles + self.checked, settings) if s is not None]
         self.weights = param_getter(chain.weights)
         self.biases = param_getter(chain.biases) if chain.biases else None
         self.active = 0  # the id of the thread running the method, 0 when none
@@ -319,24 +322,13 @@ class _State:
 
     def __deepcopy__(self, memo):
         new = _State(self.chain)
+        new.settings = self.settings
         memo[id(self)] = new
         new.parent = copy.deepcopy(self.parent, memo)
         return new
 
 
 _TOKEN = torch.empty(0, device="meta")
-
-
-# torch's global module hooks (dicts it mutates, never rebinds): any of them runs in every module's __call__
-GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks,
-                torch.nn.modules.module._global_backward_hooks, torch.nn.modules.module._global_backward_pre_hooks)
-
-
-def runs_own_code(m: nn.Module) -> bool:
-    """Whether calling ``m`` runs more than its class's ``forward``: hooks of its own, or an instance ``forward``
-    (accelerate's). Code that skips ``m.__call__`` (a fused graph, the hand-off) is only right without them."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
-        or "forward" in m.__dict__
 
 
 def _altered(m: nn.Module) -> bool:
@@ -356,11 +348,14 @@ def _parent_method(orig: Any, state_attr: str):
         for parts in st.roles:  # still the modules the roles were installed on (not replaced since)
             m = submodule(self, parts)
             if m is None or m.__dict__.get("_fxfuse_inline_role", (None,))[0] is not st or _altered(m):
-                return orig(self, *args, **kwargs)
+                return _original(orig, self, st, args, kwargs)
         for parts in st.checked:  # dropouts (identity in eval mode) and groups, whose forward the proof read
             m = submodule(self, parts)
             if m is None or _altered(m):
-                return orig(self, *args, **kwargs)
+                return _original(orig, self, st, args, kwargs)
+        for parts, kept in st.settings:  # (an activation's setting changed in place: the fused op baked it in)
+            if kept.changed(submodule(self, parts)):
+                return _original(orig, self, st, args, kwargs)
         st.active, st.x, st.stage, st.parent = threading.get_ident(), None, -1, self
         try:
             out = orig(self, *args, **kwargs)
@@ -374,13 +369,27 @@ def _parent_method(orig: Any, state_attr: str):
     return method
 
 
-def submodule(module: nn.Module, parts: tuple) -> Optional[nn.Module]:
-    """``module``'s submodule at the path ``parts`` through the modules' dicts, or None."""
-    for part in parts:
-        module = module._modules.get(part)
-        if module is None:
-            return None
-    return module
+def _original(orig: Any, parent: nn.Module, st: _State, args: tuple, kwargs: dict) -> Any:
+    """The original method, for a parent whose chain modules changed since the hand-off was proven; says why."""
+    why = "a chain module changed"
+    for parts in st.roles + st.checked:
+        m, name = submodule(parent, parts), ".".join(parts)
+        if m is None or (parts in st.roles and m.__dict__.get("_fxfuse_inline_role", (None,))[0] is not st):
+            why = f"{name} was replaced or removed"
+        elif runs_own_code(m):
+            why = f"{name} has hooks or its own forward"
+        elif m.training:
+            why = f"{name} is in training mode"
+        else:
+            continue
+        break
+    else:
+        for parts, kept in st.settings:
+            if kept.changed(submodule(parent, parts)):
+                why = f"{'.'.join(parts)}.{kept.what_changed(submodule(parent, parts))}"
+                break
+    original_because(type(parent), f"{why} since the hand-off was proven")
+    return orig(parent, *args, **kwargs)
 
 
 def _attrs(obj: Any, getter: Any) -> Sequence:
@@ -424,7 +433,8 @@ def _role_forward(orig: Any, role: str):
 def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict, dict]]:
     """``{module path: (methods, instance attributes)}`` to install for ``chain`` (see install.assemble)."""
     parent = model.get_submodule(chain.module_path)
-    state = _State(chain)
+    on_the_way = chain.modules + [p for p in chain.checked if p not in chain.modules]
+    state = _State(chain, [Settings.of(parent.get_submodule(p)) for p in on_the_way])
     attr = "_fxfuse_inline_state"
     parts: dict[str, tuple[dict, dict]] = {}
     orig = getattr(type(parent), chain.method)

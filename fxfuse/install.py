@@ -49,9 +49,10 @@ from torch import nn
 
 from .autocast import any_autocast as _any_autocast
 from .capture import ArgSpec, Scope
-from .inline import GLOBAL_HOOKS, InlineChain, install_parts, runs_own_code, submodule
+from .inline import InlineChain, install_parts
 from .lift import lift_params
 from .meta import param_getter
+from .module_state import GLOBAL_HOOKS, Settings, original_because, runs_own_code, self_reads, submodule
 from .shortcut import Shortcut, region_call
 
 if TYPE_CHECKING:
@@ -125,40 +126,52 @@ def _bypassed(scope: Scope) -> list[str]:
 
 def _changed(self: nn.Module, attr: str) -> Optional[str]:
     """Why the fused graph would not compute what the method computes now, or None. ``self.<attr>``:
-    ``(number of children, hook dicts, ((first path part, other parts, module, training mode or None), ...))``
-    of the submodules in :func:`_bypassed`, as installed (their mode where the graph depends on it); the hook
-    dicts are torch's global ones (:data:`fxfuse.inline.GLOBAL_HOOKS`) and those submodules' own.
+    ``(number of children, hook dicts, own settings, ((first path part, other parts, module, training mode or
+    None, settings), ...))`` of the submodules in :func:`_bypassed`, as installed (their mode where the graph
+    depends on it); the hook dicts are torch's global ones (:data:`fxfuse.module_state.GLOBAL_HOOKS`) and those
+    submodules' own; the settings (:class:`fxfuse.module_state.Settings`) are the host's that its method reads
+    and those submodules'.
 
     The graph skips those modules' ``__call__`` and baked in what they were: one replaced or removed, one with
     hooks or an instance ``forward`` (accelerate's), one in another mode (a dropout switched on alone, as Monte
-    Carlo dropout does), a global module hook, or children added (a ``Sequential`` runs them all) makes the
-    original method run. This runs on every call of a fused method (the hook dicts are bound once: torch mutates
-    them and never rebinds them), so it only tests; :func:`_what_changed` says what."""
+    Carlo dropout does), a setting changed in place (``act.approximate``), a global module hook, or children
+    added (a ``Sequential`` runs them all) makes the original method run. This runs on every call of a fused
+    method (the hook dicts are bound once: torch mutates them and never rebinds them), so it only tests;
+    :func:`_what_changed` says what."""
     kept = self.__dict__.get(attr)
     if kept is None:  # (not installed by assemble)
         return None
-    n_children, hooks, inner = kept
+    n_children, hooks, own, inner = kept
     children = self._modules
     if len(children) != n_children or any(hooks):
-        return _what_changed(self, n_children, inner)
-    for first, rest, want, training in inner:
-        m = children.get(first)
-        for part in rest:
-            m = m._modules.get(part) if m is not None else None
-        if m is not want:
-            return _what_changed(self, n_children, inner)
-        state = m.__dict__  # (read here: a deep copy or unpickling gives the module a new one)
-        if "forward" in state or (training is not None and state.get("training", training) is not training):
-            return _what_changed(self, n_children, inner)
+        return _what_changed(self, kept)
+    try:
+        if own is not None and own.read(self.__dict__) != own.values:
+            return _what_changed(self, kept)
+        for first, rest, want, training, settings in inner:
+            m = children.get(first)
+            for part in rest:
+                m = m._modules.get(part) if m is not None else None
+            if m is not want:
+                return _what_changed(self, kept)
+            state = m.__dict__  # (read here: a deep copy or unpickling gives the module a new one)
+            if "forward" in state or (training is not None and state.get("training", training) is not training) \
+                    or (settings is not None and settings.read(state) != settings.values):
+                return _what_changed(self, kept)
+    except KeyError:  # a setting deleted
+        return _what_changed(self, kept)
     return None
 
 
-def _what_changed(self: nn.Module, n_children: int, inner: tuple) -> str:
+def _what_changed(self: nn.Module, kept: tuple) -> str:
+    n_children, _, own, inner = kept
     if len(self._modules) != n_children:
         return "its submodules were added or removed"
     if any(GLOBAL_HOOKS):
         return "a global module hook is registered"
-    for first, rest, want, training in inner:
+    if own is not None and own.changed(self):
+        return f"its {own.what_changed(self)}"
+    for first, rest, want, training, settings in inner:
         name, m = ".".join((first, *rest)), submodule(self, (first, *rest))
         if m is not want:
             return f"{name} was replaced or removed"
@@ -166,27 +179,21 @@ def _what_changed(self: nn.Module, n_children: int, inner: tuple) -> str:
             return f"{name} has hooks or its own forward"
         if training is not None and m.training is not training:
             return f"{name} is in {'training' if m.training else 'eval'} mode"
+        if settings is not None and settings.changed(m):
+            return f"{name}.{settings.what_changed(m)}"
     return "a submodule changed"
 
 
-def _installed_modules(host: nn.Module, paths: list[str], modal: bool) -> tuple:
-    """What :func:`_changed` reads, for the submodules at ``paths`` of ``host`` as installed."""
+def _installed_modules(host: nn.Module, paths: list[str], modal: bool, method: Any) -> tuple:
+    """What :func:`_changed` reads, for the submodules at ``paths`` of ``host`` as installed, whose method
+    ``method`` was fused."""
     inner, hooks = [], list(GLOBAL_HOOKS)
     for path in paths:
         m = host.get_submodule(path)
         first, *rest = path.split(".")
-        inner.append((first, tuple(rest), m, m.training if modal else None))
+        inner.append((first, tuple(rest), m, m.training if modal else None, Settings.of(m)))
         hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
-    return len(host._modules), tuple(hooks), tuple(inner)
-
-
-_logged_changes: set[tuple[type, str]] = set()
-
-
-def _original_because(cls: type, why: str) -> None:
-    if (cls, why) not in _logged_changes:
-        _logged_changes.add((cls, why))
-        log.info("fxfuse: %s runs its original method: %s", cls.__qualname__, why)
+    return len(host._modules), tuple(hooks), Settings.of(host, self_reads(method)), tuple(inner)
 
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
@@ -225,7 +232,7 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             if modules_attr is not None:
                 why = _changed(self, modules_attr)
                 if why is not None:
-                    _original_because(type(self), f"{why} since it was fused")
+                    original_because(type(self), f"{why} since it was fused")
                     return orig(self, *args, **kwargs)
             extra = get_lifted(self) if get_lifted is not None else ()
             if extra is None:  # a tensor the graph reads is None or gone now
@@ -258,7 +265,7 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             if values is not None:
                 return fused(self, *values, *extra)
             # (said once: a model that passes such an argument on every call never runs the fused graph)
-            _original_because(type(self), f"a call's arguments are not those it was traced for ({guards})")
+            original_because(type(self), f"a call's arguments are not those it was traced for ({guards})")
         return orig(self, *args, **kwargs)
 
     functools.update_wrapper(method, orig)
@@ -337,9 +344,9 @@ class Install:
     methods: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     graphs: dict[str, fx.GraphModule] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
-    # attribute -> (submodule paths, whether the graph depends on their modes): set to what _changed reads, as the
-    # result holds them, once it is assembled
-    modules: dict[str, tuple[list[str], bool]] = field(default_factory=dict)
+    # attribute -> (submodule paths, whether the graph depends on their modes, the fused method): set to what
+    # _changed reads, as the result holds them, once it is assembled
+    modules: dict[str, tuple[list[str], bool, Any]] = field(default_factory=dict)
 
 
 def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] = (),
@@ -369,8 +376,8 @@ def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] 
     for path, installs in by_path.items():
         new = copies[path]
         for inst in installs:
-            for attr, (paths, modal) in inst.modules.items():
-                new.__dict__[attr] = _installed_modules(new, paths, modal)
+            for attr, (paths, modal, method) in inst.modules.items():
+                new.__dict__[attr] = _installed_modules(new, paths, modal, method)
     return copies[""]
 
 
@@ -393,7 +400,7 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
                       shortcut_attr, modules_attr)
     return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs,
-                   {modules_attr: (_bypassed(h.scope), training is not None)})
+                   {modules_attr: (_bypassed(h.scope), training is not None, orig)})
 
 
 def _copy_module(module: nn.Module, installs: list[Install]) -> nn.Module:

@@ -308,6 +308,69 @@ def test_a_parameter_set_to_none_after_optimize():
         assert n == 0
 
 
+class ScaledGelu(nn.Module):
+    """A host whose method reads settings of its own (``scale``, ``act``: a function), beside one it never
+    reads (``gradient_checkpointing``, a flag other code uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.scale, self.act, self.gradient_checkpointing = 2.0, torch.nn.functional.gelu, False
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)) * self.scale)
+
+
+def test_settings_changed_in_place_after_optimize(caplog):
+    # The trace bakes a module's settings into the kernel (GELU's approximate, LeakyReLU's slope, a host's own
+    # scale or activation function): one changed in place after optimize must make the original code run (and
+    # say why), while a flag the fused method never reads keeps it fused.
+    x = torch.randn(3, 32)
+
+    def check(fast, reference, fused):
+        n, out = fused_calls(fast, x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
+        assert n == fused
+
+    def inline_leaky():
+        model = InlineStyle()
+        model.act = nn.LeakyReLU(0.1)
+        return model
+
+    cases = [  # (model, the module holding the setting, setting, new value)
+        (lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32)),
+         lambda m: m[1], "approximate", "none"),
+        (lambda: nn.Sequential(nn.Linear(32, 64), nn.LeakyReLU(0.1), nn.Linear(64, 32)),
+         lambda m: m[1], "negative_slope", 0.3),
+        (ScaledGelu, lambda m: m, "scale", 3.0),
+        (ScaledGelu, lambda m: m, "act", torch.nn.functional.silu),
+        (inline_leaky, lambda m: m.act, "negative_slope", 0.3),
+    ]
+    for make, holder, name, value in cases:
+        model = make().eval()
+        fast = fxfuse.optimize(model)
+        check(fast, model, 1)
+        was = getattr(holder(fast), name)
+        with caplog.at_level("INFO", logger="fxfuse"):
+            setattr(holder(fast), name, value)
+            setattr(holder(model), name, value)
+            check(fast, model, 0)
+        assert any(f"{name} was {was!r}, is {value!r}" in r.getMessage() for r in caplog.records), name
+        setattr(holder(fast), name, was)
+        setattr(holder(model), name, was)
+        check(fast, model, 1)  # fused again once it is back
+        delattr(holder(fast), name)  # (gone from the dict: the original code raises what eager raises)
+        with pytest.raises(AttributeError):
+            fast(x)
+        caplog.clear()
+
+    model = ScaledGelu().eval()
+    fast = fxfuse.optimize(model)
+    fast.gradient_checkpointing = True  # not read by forward
+    check(fast, model, 1)
+
+
 def test_inference_tensor_into_a_partly_frozen_model(untrained_specs):
     # Eager saves no inference tensor when the first Linear is frozen; the fused op must not try to either.
     with torch.inference_mode():

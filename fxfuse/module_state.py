@@ -1,0 +1,146 @@
+"""What code that skips a module's ``__call__`` assumed about it: no hooks, no instance ``forward``, same settings.
+
+A fused graph (:mod:`fxfuse.install`) and the inline hand-off (:mod:`fxfuse.inline`) stand in for calls of
+submodules they never call: ``fc1``, ``act``, ``dropout``. They are right only while calling such a module would
+run its class's ``forward`` on the settings it had when fused, so they check, on every call:
+
+* :func:`runs_own_code`: hooks of its own (forward, pre, backward), an instance ``forward`` (accelerate's), or
+  one of torch's :data:`GLOBAL_HOOKS`;
+* :class:`Settings`: the plain values in its ``__dict__`` that its ``forward`` may read and the trace baked
+  into the kernel (``GELU.approximate``, ``LeakyReLU.negative_slope``, a Hugging Face activation's function):
+  one changed in place since (``act.approximate = "none"``) makes the original code run.
+
+Example:
+    >>> act = torch.nn.GELU(approximate="tanh")
+    >>> kept = Settings.of(act)
+    >>> kept.keys, kept.changed(act)
+    (('approximate',), False)
+    >>> act.approximate = "none"
+    >>> kept.changed(act), kept.what_changed(act)
+    (True, "approximate was 'tanh', is 'none'")
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import logging
+import operator
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["GLOBAL_HOOKS", "Settings", "original_because", "runs_own_code", "self_reads", "submodule"]
+
+log = logging.getLogger(__name__)
+
+# torch's global module hooks (dicts it mutates, never rebinds): any of them runs in every module's __call__
+GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks,
+                torch.nn.modules.module._global_backward_hooks, torch.nn.modules.module._global_backward_pre_hooks)
+
+
+def runs_own_code(m: nn.Module) -> bool:
+    """Whether calling ``m`` runs more than its class's ``forward``: hooks of its own, or an instance ``forward``
+    (accelerate's). Code that skips ``m.__call__`` (a fused graph, the hand-off) is only right without them."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
+        or "forward" in m.__dict__
+
+
+def submodule(module: nn.Module, parts: tuple) -> Optional[nn.Module]:
+    """``module``'s submodule at the path ``parts`` through the modules' dicts, or None."""
+    for part in parts:
+        module = module._modules.get(part)
+        if module is None:
+            return None
+    return module
+
+
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+# Modules whose forward reads no setting (their attributes follow from their weights): nothing to compare.
+_NO_SETTINGS = (nn.Linear, nn.Identity)
+
+
+def _is_setting(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(type(v) in _PLAIN for v in value)
+    return type(value) in _PLAIN or isinstance(value, _FUNCTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """A module's settings as fused: its public ``__dict__`` entries that are plain values (numbers, strings,
+    ``None``, dtypes, tuples of them) or functions, except ``training`` (checked on its own, where the graph
+    depends on the mode). ``read`` is an ``operator.itemgetter`` of ``keys``: one C call per check."""
+
+    keys: tuple[str, ...]
+    read: Callable[[dict], Any]
+    values: Any
+
+    @staticmethod
+    def of(m: nn.Module, only: Optional[frozenset[str]] = None) -> Optional[Settings]:
+        """``m``'s settings now (those named in ``only``, when given), or None when it has none worth checking."""
+        if type(m) in _NO_SETTINGS:
+            return None
+        keys = tuple(sorted(k for k, v in m.__dict__.items()
+                            if not k.startswith("_") and k != "training" and _is_setting(v)
+                            and (only is None or k in only)))
+        if not keys:
+            return None
+        read = operator.itemgetter(*keys)
+        return Settings(keys, read, read(m.__dict__))
+
+    def changed(self, m: nn.Module) -> bool:
+        """Whether a setting of ``m`` differs from (or is no longer) what it was: the check on every call."""
+        try:
+            return self.read(m.__dict__) != self.values
+        except KeyError:  # (deleted, or moved out of the dict to a property)
+            return True
+
+    def what_changed(self, m: nn.Module) -> str:
+        """Which setting changed, as text (for the log)."""
+        now = m.__dict__
+        old = self.values if len(self.keys) > 1 else (self.values,)
+        for key, was in zip(self.keys, old):
+            if key not in now:
+                return f"{key} was removed"
+            if now[key] != was:
+                return f"{key} was {was!r}, is {now[key]!r}"
+        return "a setting changed"
+
+
+@functools.cache
+def self_reads(fn: Callable) -> Optional[frozenset[str]]:
+    """The names ``fn``'s source reads off its first argument (``self.scale``, ``getattr(self, "scale")``), or
+    None when its source is not at hand. A host's own settings that its fused method never reads (a flag another
+    method uses, such as ``gradient_checkpointing``) need no check."""
+    try:
+        fdef = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fdef.args.args:
+        return None
+    me = fdef.args.args[0].arg
+    names = set()
+    for node in ast.walk(fdef):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # (getattr(self, "name") and the like: any string may be a name)
+    return frozenset(names)
+
+
+_said: set[tuple[type, str]] = set()
+
+
+def original_because(cls: type, why: str) -> None:
+    """Log (INFO, once per class and reason) that a fused method of ``cls`` runs its original code, and why."""
+    if (cls, why) not in _said:
+        _said.add((cls, why))
+        log.info("fxfuse: %s runs its original method: %s", cls.__qualname__, why)
