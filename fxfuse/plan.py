@@ -5,7 +5,7 @@ back from the model graph, then checked: the values inside the chain are used no
 of a gated stage read the same input, weights are 2-D, biases ``[N]``, operands broadcast along the last
 dim, dtypes agree and are fp16/bf16/fp32, devices agree, operands do not depend on the chain. Matches that
 share a linear (``Linear→act→Linear`` and ``Linear→act→Linear`` after it) are merged into longer chains.
-Linears linked through a short path with an unsupported op in it are reported as near misses.
+Linears linked by ops that cannot be fused are reported as near misses (:mod:`fxfuse.rejections`).
 
 Example:
     >>> normalize(gm)                                   # doctest: +SKIP
@@ -27,10 +27,11 @@ import torch.fx as fx
 from .cluster import ClusterEpilogue
 from .match import GraphView, build_view, match
 from .meta import TensorInfo, tensor_info
-from .normalize import is_linear, module_path_of
+from .normalize import is_linear
 from .pattern import Pattern, all_patterns
 from .pointwise import describe
 from .records import FusionRegion, Rejection
+from .rejections import common_path, near_misses, reject, sorted_nodes
 from .spec import MLPSpec, Stage
 
 __all__ = ["find_regions"]
@@ -38,7 +39,6 @@ __all__ = ["find_regions"]
 log = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-NEAR_MISS_MAX_NODES = 4
 
 
 @dataclass
@@ -112,8 +112,8 @@ def find_regions(gm: fx.GraphModule, patterns: Optional[Sequence[Pattern]] = Non
         linears = [n for n in key if isinstance(n, fx.Node)]
         if key in accepted_keys or all(lin in fused for lin in linears):
             continue
-        _reject(view, rejections, pat.name, reason, _sorted(view, _region_nodes(key)), logged=True)
-    _near_misses(view, fused, rejections)
+        reject(view, rejections, pat.name, reason, sorted_nodes(view, _region_nodes(key)), logged=True)
+    near_misses(view, fused, rejections)
     return regions, list(rejections.values())
 
 
@@ -208,6 +208,23 @@ def _bind_arguments(view: GraphView, pat: Pattern, mapping: dict) -> dict | str:
     return {name: bound.get(name) for name in pat.params}
 
 
+# Why a chain of a compiled graph under autocast is not fused (Dynamo records autocast's casts as the linears' dtypes).
+_AUTOCAST_HINT = (" (a linear's result is not in its weight's dtype: autocast casts inside this graph; "
+                  "fxfuse.optimize(model) runs such chains fused under CUDA autocast, the compile backend does not)")
+
+
+def _autocast_casts(gm: fx.GraphModule, stages: list[_Stage]) -> bool:
+    """Whether a linear of the chain gives another dtype than its weight's, which eager's linear does only under
+    autocast (a compiled graph's fake values carry autocast's dtypes)."""
+    for s in stages:
+        for lin in s.linears:
+            out, w = tensor_info(gm, lin), lin.args[1]
+            w_info = tensor_info(gm, w) if isinstance(w, fx.Node) else None
+            if out is not None and w_info is not None and out.dtype != w_info.dtype:
+                return True
+    return False
+
+
 def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
     gm = view.gm
     inside: set[fx.Node] = set()
@@ -284,7 +301,8 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
         if dtype not in SUPPORTED_DTYPES:
             return f"dtype {str(dtype).replace('torch.', '')} not supported"
     if len(dtypes) > 1:
-        return "dtypes disagree: " + ", ".join(f"{name}={str(i.dtype).replace('torch.', '')}" for name, i in infos)
+        reason = "dtypes disagree: " + ", ".join(f"{name}={str(i.dtype).replace('torch.', '')}" for name, i in infos)
+        return reason + (_AUTOCAST_HINT if _autocast_casts(gm, stages) else "")
     devices = {i.device for _, i in infos if i.device is not None}
     if len(devices) > 1:
         return "devices disagree: " + ", ".join(sorted(str(d) for d in devices))
@@ -372,8 +390,8 @@ def _region(view: GraphView, chain: list[_Candidate]) -> FusionRegion:
         biases=[lin.args[2] for lin in linears],
         operands=[v for s in stages if s.epilogue for v in s.epilogue.operands],
         output=stages[-1].linears[0],
-        nodes=_sorted(view, nodes),
-        module_path=_common_path(linears),
+        nodes=sorted_nodes(view, nodes),
+        module_path=common_path(linears),
         strategy="gated_gemm_epilogue" if spec.is_gated else "gemm_epilogue",
     )
     if len(chain) == 1 and chain[0].pattern.replacement is not None:
@@ -383,40 +401,6 @@ def _region(view: GraphView, chain: list[_Candidate]) -> FusionRegion:
     return region
 
 
-# -------------------------------------------------------------------------------------------- rejections
-
-def _near_misses(view: GraphView, fused: set[fx.Node], out: dict[tuple[str, ...], Rejection]) -> None:
-    """Linears whose (single-use) output reaches another linear's input within a few nodes, through an
-    op that cannot be fused."""
-    for first in view.linears:
-        path: list[fx.Node] = []
-        node = first
-        while len(node.users) == 1 and len(path) <= NEAR_MISS_MAX_NODES:
-            (user,) = node.users
-            if is_linear(user):
-                if user.args[0] is node and path:
-                    blocker = next((n for n in path if "fxfuse_pointwise" not in n.meta), None)
-                    if blocker is not None and not (first in fused and user in fused):
-                        reason = blocker.meta.get("fxfuse_unsupported") or \
-                            f"unsupported op in the middle: {describe(blocker, view.gm)}"
-                        _reject(view, out, "mlp (near miss)", reason, [first, *path, user])
-                break
-            if user.op not in ("call_function", "call_method", "call_module"):
-                break
-            path.append(user)
-            node = user
-
-
-def _reject(view: GraphView, out: dict, pattern: str, reason: str, nodes: list[fx.Node], logged=False) -> None:
-    key = tuple(n.name for n in nodes)
-    if key in out:
-        return
-    path = _common_path([n for n in nodes if is_linear(n)])
-    if not logged:
-        log.debug("dropped %s match at %r %s: %s", pattern, path, list(key), reason)
-    out[key] = Rejection(pattern=pattern, module_path=path, reason=reason, nodes=list(key))
-
-
 def _region_nodes(key: frozenset) -> set[fx.Node]:
     nodes: set[fx.Node] = set()
     for item in key:
@@ -424,23 +408,5 @@ def _region_nodes(key: frozenset) -> set[fx.Node]:
     return nodes
 
 
-def _sorted(view: GraphView, nodes) -> list[fx.Node]:
-    return sorted(nodes, key=view.order.__getitem__)
-
-
 def _names(nodes) -> list[str]:
     return sorted(n.name for n in nodes)
-
-
-def _common_path(linears: list[fx.Node]) -> str:
-    paths = [module_path_of(lin).split(".") for lin in linears]
-    paths = [p for p in paths if p != [""]]
-    if not paths:
-        return ""
-    common = paths[0]
-    for p in paths[1:]:
-        i = 0
-        while i < min(len(common), len(p)) and common[i] == p[i]:
-            i += 1
-        common = common[:i]
-    return ".".join(common)

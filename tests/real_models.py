@@ -164,6 +164,10 @@ _DECODERS = {
     "mixtral": ("MixtralModel", 0, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     # gpt-oss: experts of another layout ([E, in, out], biases, gate/up interleaved, a clamped SwiGLU)
     "gpt_oss": ("GptOssModel", 0, dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+    # MLPs left as they are (the report says why): up → XIELU (learnable alpha_p/alpha_n, torch.where) → down;
+    # act(gate) * up → an RMSNorm → down.
+    "apertus": ("ApertusModel", 0, dict(num_key_value_heads=2)),
+    "bitnet": ("BitNetModel", 0, dict(num_key_value_heads=2, bos_token_id=1, eos_token_id=2)),
 }
 
 

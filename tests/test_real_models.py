@@ -8,6 +8,7 @@ import copy
 import io
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -103,6 +104,34 @@ def test_report_says_what_was_left_out_and_why():
     model, _, _ = tiny("bart")
     report = fxfuse.report(fxfuse.optimize(model))
     assert all(any("hand-off" in n for n in r.notes) for r in report.regions)
+
+
+@pytest.mark.parametrize("family, module, ops", [
+    ("apertus", "act_fn (XIELUActivation, parameters alpha_p, alpha_n) between up_proj and down_proj", "torch.where"),
+    ("bitnet", "ffn_sub_norm (BitNetRMSNorm, parameters weight) between gate_proj, up_proj and down_proj",
+     "Tensor.mean")])
+def test_report_names_the_submodule_between_the_linears(family, module, ops):
+    # Apertus' MLP is up → XIELU (a traced activation with parameters and ops no epilogue has) → down; BitNet's puts
+    # an RMSNorm between act(gate) * up and down_proj. Neither is fused, and the report says where and why.
+    if not hasattr(transformers, {"apertus": "ApertusConfig", "bitnet": "BitNetConfig"}[family]):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    if sys.version_info < (3, 11):  # no co_qualname: the class is not named
+        module = module.replace(module[module.index("(") + 1:module.index(",") + 2], "")
+    model, inputs, _ = tiny(family)
+    fast = fxfuse.optimize(model)
+    report = fxfuse.report(fast)
+    assert report.regions == []
+    assert [r.module_path for r in report.rejections] == ["layers.0.mlp", "layers.1.mlp"], str(report)
+    for r in report.rejections:
+        assert r.reason.startswith(f"{module} is not a supported epilogue: it calls "), r.reason
+        assert ops in r.reason and r.pattern.endswith("(near miss)")
+    assert module in str(report).split("not fused:")[1]
+    for batch, seq in ((2, 7), (3, 5)):
+        _, other, _ = tiny(family, batch=batch, seq=seq)
+        n, out = fused_calls(fast, **other)
+        assert n == 0
+        with torch.no_grad():
+            close(out, model(**other), tol=0)
 
 
 @pytest.mark.parametrize("family, experts", [("mixtral", ["layers.0.mlp.experts", "layers.1.mlp.experts"]),
