@@ -117,7 +117,8 @@ def _summarize(failures: list[CaptureFailure]) -> list[CaptureFailure]:
 
 
 def report(model: Optional[nn.Module] = None) -> FusionReport:
-    """What fxfuse did to ``model`` (the result of :func:`optimize` or a ``torch.compile``'d module).
+    """What fxfuse did to ``model`` (the result of :func:`optimize`, or what ``torch.compile`` made: the compiled
+    module, a module after ``model.compile(...)``, a compiled ``model.forward`` or function).
 
     For ``torch.compile(model, backend="fxfuse")`` the report covers every graph the backend has
     compiled in this process (Dynamo does not tell a backend which module a graph came from).
@@ -128,12 +129,19 @@ def report(model: Optional[nn.Module] = None) -> FusionReport:
     found = getattr(model, _REPORT_ATTR, None) if model is not None else None
     if isinstance(found, FusionReport):
         return found
-    if model is None or hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+    if model is None or _compiled(model):
         merged = FusionReport()
         for r in _backend_reports:
             merged.extend(r)
         return merged
     raise ValueError("this module was not produced by fxfuse.optimize or the fxfuse backend")
+
+
+def _compiled(model: object) -> bool:
+    """Whether ``model`` is what ``torch.compile`` made: an ``OptimizedModule`` (``_orig_mod``), a module compiled
+    in place by ``model.compile()`` (``_compiled_call_impl``), or a compiled function or bound method."""
+    return (hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+            or hasattr(model, "_torchdynamo_orig_callable"))
 
 
 def record_backend_report(r: FusionReport) -> None:

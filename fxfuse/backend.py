@@ -10,8 +10,8 @@ replays the region as ``fxfuse.optimize`` does, instead of Inductor compiling th
 ``options={"inductor": False}`` the rewritten graph runs as it is: no compile wait. So does a graph that is
 nothing but its fused regions (an MLP module compiled on its own; not under CUDA graphs): Inductor would only wrap
 the calls, which cost ~30-40 µs of host per call on the H200 machine (``benchmarks/probes/probe_backend_host.py``),
-a decode MLP's whole GPU time. A graph compiled for training (grad mode on, weights that require grad) keeps its
-chains for Inductor.
+a decode MLP's whole GPU time. In a graph compiled for training, chains whose weights get gradients stay Inductor's
+(one called under ``torch.no_grad()`` inside the compiled code, or in a forward decorated with it, is fused).
 
 Example:
     >>> fast = torch.compile(model, backend="fxfuse")                                # doctest: +SKIP
@@ -100,10 +100,13 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     if unknown:
         raise ValueError(f"fxfuse backend: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     inductor = options.get("inductor", True)
-    # A graph compiled with grad mode on is differentiated by AOTAutograd: there the chains that train stay
-    # Inductor's, whose backward keeps the intermediates (the op's would recompute the forward). Without
-    # Inductor the graph runs eagerly and the op itself switches to the original ops once trained.
-    report = fuse_graph(gm, fuse_differentiable=not (inductor and torch.is_grad_enabled()))
+    # A graph that records gradients is differentiated by AOTAutograd: there the chains that train stay
+    # Inductor's, whose backward keeps the intermediates (the op's would recompute the forward). Which chains
+    # train, Dynamo's fake values say node by node, not the grad mode at compile time: a chain under
+    # torch.no_grad() inside the compiled code (a forward decorated with it, a frozen teacher) is fused, and one
+    # under torch.enable_grad() in a graph compiled without grad mode stays Inductor's. Without Inductor the
+    # graph runs eagerly and the op itself switches to the original ops once trained.
+    report = fuse_graph(gm, fuse_differentiable=not inductor)
     record_backend_report(report)  # Dynamo's nodes carry their example values: no shape propagation needed
     if not inductor:
         return run_as_is(gm)

@@ -13,12 +13,13 @@ The compile backend therefore hands Inductor a graph whose fused regions call on
 (:func:`externalize`), which Inductor keeps as opaque calls (fallback kernels) and compiles everything around. At
 run time the call is fxfuse's own: the region is planned on real tensors at its first call, then replayed.
 
-* ``fxfuse::mlp_infer`` for a graph compiled without grad mode (inference; Dynamo guards on grad mode, so the graph
-  never runs with it): defined with ``torch.library.Library`` and no autograd kernel, so a call is the dispatcher
-  and one Python kernel. A ``torch.library.custom_op`` layers Python wrappers around its kernel (autograd, then
-  checks of the result): ~36 µs of host per call on the H200 machine around fxfuse's ~17.
-* ``fxfuse::mlp_extern`` for a graph compiled with grad mode on: a ``custom_op`` with the triton_op's autograd
-  (the vjp of the original ops), for regions whose weights are frozen but whose input may want gradients.
+* ``fxfuse::mlp_infer`` for a region whose result records no gradients (a graph compiled without grad mode, or a
+  ``torch.no_grad()`` block inside one compiled with it; Dynamo's fake values say which, and Dynamo guards on the
+  grad mode and on the inputs' ``requires_grad``): defined with ``torch.library.Library`` and no autograd kernel,
+  so a call is the dispatcher and one Python kernel. A ``torch.library.custom_op`` layers Python wrappers around
+  its kernel (autograd, then checks of the result): ~36 µs of host per call on the H200 machine around fxfuse's ~17.
+* ``fxfuse::mlp_extern`` for a region whose result records gradients: a ``custom_op`` with the triton_op's
+  autograd (the vjp of the original ops), for regions whose weights are frozen but whose input wants gradients.
 * ``fxfuse::mlp_graphed`` for an inference graph that Inductor CUDA-graphs (``mode="reduce-overhead"``, or
   ``triton.cudagraphs`` on): the region's kernels are captured with the rest of the graph, so a decode step is one
   graph replay. Its calls during the trees' warm-up run off the graphs' memory pool (:mod:`fxfuse.graph_pool`): a
@@ -43,6 +44,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from . import graph_pool, ops
+from .meta import records_grad
 
 __all__ = ["externalize", "mlp_extern"]
 
@@ -61,10 +63,26 @@ def _run(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[
     if not ops.on_its_device(x):  # (another GPU's input: under that GPU, as the op does)
         with torch.cuda.device(x.device):
             return _run(x, weights, biases, operands, spec)
-    if ops._autocast_on(x) or (x.is_cpu and not ops._interpreting()):
-        return ops.reference_mlp(x, weights, biases, operands, spec)
+    if ops._autocast_on(x):
+        return _reference(_AUTOCAST_REASON, x, weights, biases, operands, spec)
+    if x.is_cpu and not ops._interpreting():
+        return _reference(_CPU_REASON, x, weights, biases, operands, spec)
     # (every path returns a fresh tensor, as an op must: kernels, replays and the original ops' last linear)
     return ops._not_a_view(ops._dispatch(x, weights, biases, operands, spec))
+
+
+# Why a region's call runs its original ops here (logged once each, as fxfuse.ops logs its own fallbacks).
+_AUTOCAST_REASON = "autocast is on: the original ops run, as autocast casts them"
+_CPU_REASON = "cpu tensors run the reference ops (the kernels need CUDA)"  # (the text fxfuse.ops gives the op's)
+
+
+def _reference(reason: str, x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor],
+               spec: str) -> Tensor:
+    """The region's original ops, saying why once (the report calls the region fused: the log says what runs)."""
+    if reason not in ops._logged_fallbacks:
+        ops._logged_fallbacks.add(reason)
+        log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
+    return ops.reference_mlp(x, weights, biases, operands, spec)
 
 
 def _run_graphed(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: list[Tensor], spec: str) -> Tensor:
@@ -96,17 +114,23 @@ mlp_extern.register_autograd(ops._backward, setup_context=ops._setup_context)
 
 
 def externalize(gm: fx.GraphModule, inference: bool, graphed: bool = False) -> int:
-    """Point ``gm``'s fused region calls at ``fxfuse::mlp_infer`` (``inference``: compiled without grad mode;
-    ``fxfuse::mlp_graphed`` if Inductor will CUDA-graph it too) or ``fxfuse::mlp_extern``, lint and recompile; the
-    number of calls changed."""
-    if inference:
-        target = torch.ops.fxfuse.mlp_graphed.default if graphed else torch.ops.fxfuse.mlp_infer.default
-    else:
-        target = torch.ops.fxfuse.mlp_extern.default
+    """Point ``gm``'s fused region calls at ``fxfuse::mlp_infer`` or ``fxfuse::mlp_extern``, lint and recompile;
+    the number of calls changed.
+
+    A call whose result records gradients where the graph computes it (Dynamo's fake value says so:
+    :func:`fxfuse.meta.records_grad`) gets ``mlp_extern``, the one with an autograd formula, and any other
+    ``mlp_infer``: a region under ``torch.no_grad()`` inside a graph compiled with grad mode records nothing, and
+    one under ``torch.enable_grad()`` inside a graph compiled without it does. Without a fake value, ``inference``
+    (the graph was compiled without grad mode) decides. In an ``inference`` graph that Inductor will CUDA-graph
+    (``graphed``), ``mlp_infer`` becomes ``fxfuse::mlp_graphed``.
+    """
+    infer = torch.ops.fxfuse.mlp_graphed.default if inference and graphed else torch.ops.fxfuse.mlp_infer.default
     changed = 0
     for node in gm.graph.nodes:
         if ops.is_fused_call(node):
-            node.target = target
+            recorded = records_grad(node)
+            node.target = torch.ops.fxfuse.mlp_extern.default if (not inference if recorded is None else recorded) \
+                else infer
             changed += 1
     if changed:
         gm.graph.lint()

@@ -31,7 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["TensorInfo", "constant_value", "get_attr_value", "info_of_value", "param_getter", "tensor_info"]
+__all__ = ["TensorInfo", "constant_value", "get_attr_value", "info_of_value", "param_getter", "records_grad",
+           "tensor_info"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,30 @@ def tensor_info(gm: torch.nn.Module, node: fx.Node) -> Optional[TensorInfo]:
         return TensorInfo(tuple(_dim(d) for d in tm.shape), tm.dtype, None, bool(getattr(tm, "requires_grad", False)))
     if node.op == "get_attr":
         return info_of_value(get_attr_value(gm, node.target))
+    return None
+
+
+def records_grad(node: fx.Node) -> Optional[bool]:
+    """Whether the value ``node`` produces records gradients where the graph computes it, as the fake tensor that
+    Dynamo (or AOT, export) recorded for it says; ``None`` when the node has none (a traced module's graph: its
+    shapes come from ``ShapeProp``, which runs without grad mode).
+
+    Dynamo computes each node's fake value under the grad mode that part of the graph runs in: an MLP called inside
+    ``torch.no_grad()`` (or a forward decorated with it) records nothing although its weights require grad, and one
+    inside ``torch.enable_grad()`` of a graph compiled without grad mode records gradients.
+
+    Example:
+        >>> node = fx.Graph().placeholder("x")
+        >>> records_grad(node) is None  # no fake value
+        True
+        >>> node.meta["example_value"] = torch.zeros(2, requires_grad=True)
+        >>> records_grad(node)
+        True
+    """
+    for key in ("val", "example_value"):
+        value = node.meta.get(key)
+        if isinstance(value, torch.Tensor):
+            return bool(value.requires_grad)
     return None
 
 

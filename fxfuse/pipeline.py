@@ -17,7 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from .backward import fused_backward_reason
 from .gated_training import gated_form
 from .kernels.chain_backward_template import walks
-from .meta import tensor_info
+from .meta import records_grad, tensor_info
 from .normalize import normalize
 from .plan import find_regions
 from .records import Rejection
@@ -39,7 +39,8 @@ _GATED_NOTE = ("; FXFUSE_GATED_TRAINING=1 runs its act(g) * u as one kernel each
                "whole gated MLP as one autograd node): less GPU work and memory (fxfuse/gated_mlp_training.py, "
                "fxfuse/gated_training.py)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
-                   "intermediates (fxfuse's op would recompute the forward)")
+                   "intermediates (fxfuse's op would recompute the forward); for inference, call the compiled model "
+                   "under torch.no_grad() or torch.inference_mode(), or freeze its weights, and the chain is fused")
 
 
 def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *, prefix: str = "",
@@ -49,9 +50,11 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
     ``example_inputs`` (real tensors) give every node its shape and dtype, so the planner can check
     more before fusing; without them it decides from the parameters, and the op checks the rest when
     it runs. ``prefix`` is where ``gm`` stands in the user's model (for the report).
-    ``fuse_differentiable=False`` leaves chains whose weights require grad as they are (a training
-    graph that a compiler differentiates: its own backward keeps the intermediates; the op's would
-    recompute the forward).
+    ``fuse_differentiable=False`` leaves chains whose weights require grad as they are where the graph records
+    their gradients (a training graph that a compiler differentiates: its own backward keeps the intermediates;
+    the op's would recompute the forward). Where the graph's nodes carry Dynamo's fake values, those say whether
+    a chain records gradients (:func:`fxfuse.meta.records_grad`): a chain called under ``torch.no_grad()`` inside
+    the compiled code records none and is fused.
     """
     start = time.perf_counter()
     if example_inputs is not None and not _has_value_meta(gm):
@@ -59,16 +62,16 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
     normalize(gm)
     regions, rejections = find_regions(gm)
     if not fuse_differentiable:
-        trained = [r for r in regions if any(_requires_grad(gm, w) for w in r.weights)]
+        # (a graph without fake values: the grad mode it is compiled under decides, for all of its chains)
+        trained = [r for r in regions if _trains(gm, r, unknown=torch.is_grad_enabled())]
         regions = [r for r in regions if r not in trained]
         rejections += [Rejection(r.pattern, r.module_path, _TRAINED_REASON, [n.name for n in r.nodes])
                        for r in trained]
     for region in regions:
         _refine_strategy(gm, region)
-    if gm.training:
-        for region in regions:
-            if any(_requires_grad(gm, w) for w in region.weights):
-                region.notes.append(_training_note(gm, region))
+    for region in regions:
+        if _trains(gm, region, unknown=gm.training):
+            region.notes.append(_training_note(gm, region))
     reports = [RegionReport.from_region(r, fused_call_args(r)[-1], prefix, _kernel_files(r)) for r in regions]
     replace_regions(gm, regions)
     for rej in rejections:
@@ -144,6 +147,17 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> None:
     except Exception as err:  # shapes are a help, not a requirement
         log.info("fxfuse: shape propagation failed (%s: %s); planning from parameters only",
                  type(err).__name__, err)
+
+
+def _trains(gm: fx.GraphModule, region, unknown: bool) -> bool:
+    """Whether ``region``'s weights get gradients from this graph: some of them require grad, and the region's
+    output records gradients where the graph computes it (Dynamo's fake values say so: not inside a
+    ``torch.no_grad()`` block or a forward decorated with it). ``unknown``: the answer where the graph carries no
+    such values (a traced module's graph: its training mode)."""
+    if not any(_requires_grad(gm, w) for w in region.weights):
+        return False
+    recorded = records_grad(region.output)
+    return unknown if recorded is None else recorded
 
 
 def _requires_grad(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -178,6 +178,136 @@ def test_backend_leaves_training_graphs_to_inductor():
     assert fxfuse.report(compiled).num_fused == before + 1
 
 
+class _NoGradForward(torch.nn.Module):
+    """An inference forward decorated with ``torch.no_grad()`` (compiled while grad mode is on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(32)
+        self.mlp = GatedMLP()
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.mlp(self.ln(x)) + x
+
+
+class _Teacher(torch.nn.Module):
+    """A training step's forward: a student trains, a teacher MLP runs under ``torch.no_grad()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(32, 32)
+        self.teacher = GPT2MLP().eval()
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.student(x) + target
+
+
+def test_backend_fuses_chains_under_no_grad_inside_a_graph_compiled_with_grad(inductor_graphs):
+    # Grad mode is on when Dynamo hands the graph over, but these chains record no gradients (Dynamo's fake values
+    # say so): they are fused, as fxfuse.mlp_infer, not left to Inductor as if they trained.
+    model = _NoGradForward().eval()
+    before = fxfuse.report().num_fused
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert fxfuse.report().num_fused == before + 1
+    assert inductor_graphs[-1].count(torch.ops.fxfuse.mlp_infer.default) == 1
+    torch._dynamo.reset()
+    model = _Teacher()
+    compiled = torch.compile(model, backend="fxfuse")
+    compiled(x).square().sum().backward()
+    grads = [p.grad.clone() for p in model.student.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for g, p in zip(grads, model.student.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    assert model.teacher.c_fc.weight.grad is None
+    assert fxfuse.report().num_fused == before + 2
+    assert inductor_graphs[-1].count(torch.ops.fxfuse.mlp_infer.default) == 1
+    report = fxfuse.report(compiled)
+    assert not [n for r in report.regions[-2:] for n in r.notes if n.startswith("training")]  # (nothing trains)
+
+
+class _GradInside(torch.nn.Module):
+    """Compiled without grad mode, it turns grad mode on around its MLP (a gradient asked for inside inference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(32)
+        self.mlp = GPT2MLP().eval()
+
+    def forward(self, x):
+        with torch.enable_grad():
+            return self.mlp(self.ln(x)) * 2
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_backend_differentiates_chains_under_enable_grad_inside_a_no_grad_graph(frozen, inductor_graphs):
+    # The chain records gradients although the graph was compiled under no_grad: a trained chain stays Inductor's
+    # (fxfuse.mlp_infer has no autograd: its weights' gradients were lost), a frozen one is fxfuse.mlp_extern,
+    # whose autograd gives x's gradient.
+    model = _GradInside().requires_grad_(not frozen)
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.no_grad():
+        out, ref = compiled(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    wrt = [x] if frozen else [x, model.mlp.c_fc.weight, model.mlp.c_proj.bias]
+    for g, r in zip(torch.autograd.grad(out.sum(), wrt), torch.autograd.grad(ref.sum(), wrt)):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    targets = inductor_graphs[-1]
+    assert torch.ops.fxfuse.mlp_infer.default not in targets
+    assert targets.count(torch.ops.fxfuse.mlp_extern.default) == (1 if frozen else 0)
+
+
+def test_report_finds_model_compile_and_compiled_forward():
+    model = GatedMLP().eval()
+    model.compile(backend="fxfuse")
+    with torch.no_grad():
+        model(torch.randn(2, 32))
+    assert fxfuse.report(model).num_fused >= 1
+    assert fxfuse.report(torch.compile(GPT2MLP().forward, backend="fxfuse")).num_fused >= 1
+    with pytest.raises(ValueError, match="not produced"):
+        fxfuse.report(GPT2MLP())
+
+
+def test_backend_says_why_autocast_chains_are_not_fused():
+    # Under autocast Dynamo records the casts as the linears' dtypes: the chain runs as Inductor compiles it, and
+    # the reason says autocast, not only which dtypes disagree.
+    model = GatedMLP().eval()
+    compiled = torch.compile(model, backend="fxfuse")
+    x = torch.randn(4, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = compiled(x), model(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    reason = fxfuse.report(compiled).rejections[-1].reason
+    assert reason.startswith("dtypes disagree") and "autocast" in reason
+
+
+def test_backend_says_once_that_cpu_regions_run_their_original_ops(monkeypatch, caplog):
+    # Without the interpreter a CPU region's opaque call runs the original ops: the report calls it fused, so the
+    # log says what runs (once), as the op's own fallbacks do.
+    import logging
+
+    from fxfuse import ops
+
+    monkeypatch.setattr(ops, "_interpreting", lambda: False)
+    monkeypatch.setattr(ops, "_logged_fallbacks", set())
+    model = Block().eval()
+    compiled = torch.compile(model, backend="fxfuse")
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fxfuse.extern"):
+        for rows in (4, 4, 6):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    said = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert said == ["fxfuse.mlp falls back to the reference ops: cpu tensors run the reference ops (the kernels need "
+                    "CUDA)"]
+
+
 def test_unknown_backend_option_is_a_clear_error():
     compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductr": False})
     with pytest.raises(Exception, match="inductr"):
