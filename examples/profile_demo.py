@@ -6,7 +6,8 @@
 
 On a GPU each model is run as it is and optimized, under torch.profiler; traces go to ``--traces``.
 Without a GPU the structural report (FLOPs, bytes, kernel counts, regime predicted for an H200) is made
-on ``meta`` tensors, at full size, and written to ``--out`` (default ``profile-demo/``, not docs/).
+on ``meta`` tensors, at full size (the Llama on the CPU, at 256 tokens: its code cannot run on ``meta``), and
+written to ``--out`` (default ``profile-demo/``, not docs/).
 
 The factories work with the command line too::
 
