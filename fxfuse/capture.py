@@ -201,9 +201,10 @@ class _Tracer(fx.Tracer):
             code = f.f_code
             if code is _TRACE_CODE:
                 break
-            if code.co_argcount and code.co_varnames[0] == "self" and not code.co_filename.startswith(_FX_DIR):
-                owner = f.f_locals.get("self")
-                if isinstance(owner, nn.Module):
+            if code.co_argcount and not code.co_filename.startswith(_FX_DIR):
+                first = code.co_varnames[0]  # (usually "self"; a method may name it otherwise)
+                owner = f.f_locals.get(first)
+                if isinstance(owner, nn.Module) and (first == "self" or _is_method(owner, code)):
                     path = paths.get(owner)
                     if path is not None:
                         out.append((path, code))
@@ -213,6 +214,16 @@ class _Tracer(fx.Tracer):
 
 
 _TRACE_CODE = fx.Tracer.trace.__code__
+
+
+def _is_method(owner: nn.Module, code: Any) -> bool:
+    """Whether ``code`` is the code of a method of ``owner``'s class (and not a function given a module)."""
+    fn = inspect.getattr_static(type(owner), code.co_name, None)
+    while fn is not None and not isinstance(fn, type):
+        if getattr(fn, "__code__", None) is code:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 try:  # code generated only when used: most discovery graphs are only read
     from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule

@@ -144,6 +144,19 @@ def test_negative_cases_stay_unfused_and_correct(caplog):
     torch.testing.assert_close(fast64(x), model64(x))
 
 
+@pytest.mark.parametrize("first", ["torch", "fxfuse"])
+def test_torch_logs_prints_each_line_once(first):
+    # TORCH_LOGS=+fxfuse: torch's parser imports fxfuse itself when torch comes first; either order, one handler.
+    import subprocess
+    import sys
+
+    code = (f"import {first}, logging, torch, fxfuse; "
+            "print(len(logging.getLogger('fxfuse').handlers), logging.getLogger('fxfuse').getEffectiveLevel())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TORCH_LOGS": "+fxfuse"}).stdout.split()
+    assert out == ["1", str(logging.DEBUG)]
+
+
 def test_weights_computed_in_the_forward_stay_unfused_and_say_why():
     class Scaled(nn.Module):  # equalized learning rate: the weight is an op's output
         def __init__(self):

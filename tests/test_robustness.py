@@ -371,6 +371,34 @@ def test_settings_changed_in_place_after_optimize(caplog):
     check(fast, model, 1)
 
 
+def test_methods_whose_first_argument_is_not_named_self():
+    # Capture finds a chain's host among the methods on the stack by their first argument, whatever its name.
+    class MLP(nn.Module):
+        def __init__(me):
+            super().__init__()
+            me.fc1, me.act, me.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+
+        def forward(me, x):
+            return me.fc2(me.act(me.fc1(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.norm = MLP(), nn.LayerNorm(32)
+
+        def forward(self, x):
+            return self.norm(self.mlp(x))
+
+    model = Net().eval()
+    fast = fxfuse.optimize(model)
+    assert [r.module_path for r in fxfuse.report(fast).regions] == ["mlp"]
+    x = torch.randn(3, 32)
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+    assert n == 1
+
+
 def test_inference_tensor_into_a_partly_frozen_model(untrained_specs):
     # Eager saves no inference tensor when the first Linear is frozen; the fused op must not try to either.
     with torch.inference_mode():
