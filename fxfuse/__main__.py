@@ -48,8 +48,14 @@ def _load(target: str):
 def _build(args):
     factory = _load(args.target)
     shape = tuple(int(s) for s in args.shape.split(",")) if args.shape else None
-    takes_shape = "shape" in inspect.signature(factory).parameters
-    model, inputs = factory(shape=shape) if shape and takes_shape else factory()
+    params = inspect.signature(factory).parameters
+    takes_shape = "shape" in params
+    kwargs = {"shape": shape} if shape and takes_shape else {}
+    if args.device and "device" in params:  # (a factory that builds where it is told: no move of its weights)
+        kwargs["device"] = args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here: use --device cpu or meta for the structural report")
+    model, inputs = factory(**kwargs)
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if shape and not takes_shape:  # a fresh first input of that shape
         x = inputs[0]
@@ -62,8 +68,9 @@ def _build(args):
                                 device=x.device)
         inputs = (new, *inputs[1:])
     dtype = DTYPES[args.dtype] if args.dtype else None
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("CUDA is not available here: use --device cpu or meta for the structural report")
+    if args.device and args.device != "meta" and any(p.is_meta for p in model.parameters()):
+        raise SystemExit(f"{args.target} built its model on meta (no weights to move to {args.device}): give the "
+                         "factory a device argument, build on a real device, or use --device meta")
     model = model.to(device=args.device) if args.device else model
     model = model.to(dtype=dtype) if dtype else model
     inputs = tuple(_move(t, args.device, dtype) for t in inputs)

@@ -51,6 +51,15 @@ class BigGated(nn.Module):
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 
+def meta_factory(shape=(2, 5, 32), device="meta"):
+    """Builds on meta unless told a device, as the benchmark factories do."""
+    return BigGated(32, 64, device=device, dtype=torch.float32).eval(), (torch.randn(shape, device=device),)
+
+
+def meta_only_factory():
+    return BigGated(32, 64, dtype=torch.float32).eval(), (torch.empty(2, 32, device="meta"),)
+
+
 def _launches(region) -> int:
     return 1 if region.strategy.startswith("fused_chain") else 2
 
@@ -198,6 +207,15 @@ def test_cli_shape_dtype_and_named_gpu(capsys):
                  "--gpu", "H100", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "float16" in out and "H100" in out and "  6  " in out
+
+
+def test_cli_device_is_passed_to_a_factory_that_takes_it(capsys):
+    # Weights built on meta have nothing to move: the factory is asked to build on the device instead.
+    assert main(["profile", "test_profile:meta_factory", "--device", "cpu", "--no-save"]) == 0
+    assert "gated_mlp" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="built its model on meta"):
+        main(["profile", "test_profile:meta_only_factory", "--device", "cpu", "--no-save"])
+    assert main(["profile", "test_profile:meta_only_factory", "--device", "meta", "--no-save"]) == 0
 
 
 def test_cli_subprocess(tmp_path):
