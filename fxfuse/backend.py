@@ -17,6 +17,7 @@ Example:
     >>> fast = torch.compile(model, backend="fxfuse")                                # doctest: +SKIP
     >>> quick = torch.compile(model, backend="fxfuse", options={"inductor": False})  # doctest: +SKIP
     >>> decode = torch.compile(model, backend="fxfuse", mode="reduce-overhead")   # doctest: +SKIP
+    >>> tuned = torch.compile(model, backend="fxfuse", options={"max_autotune": True})  # Inductor's  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -39,10 +40,22 @@ __all__ = ["fxfuse_backend", "only_regions", "run_as_is"]
 
 log = logging.getLogger(__name__)
 
-_OPTIONS = {"inductor"}
 # What a graph may do beside its fused regions and still leave Inductor nothing to compile: pick or reshape values.
 _VIEW_FUNCTIONS = frozenset({operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze})
 _VIEW_METHODS = frozenset({"view", "reshape", "flatten", "squeeze", "unsqueeze", "size", "dim"})
+
+
+def _inductor_patches(options: dict) -> dict:
+    """``options`` less fxfuse's own, checked against Inductor's settings (a typo is an error, not ignored)."""
+    if not options:
+        return {}
+    from torch._inductor import list_options
+
+    unknown = sorted(set(options) - set(list_options()))
+    if unknown:
+        raise ValueError(f"fxfuse backend: unknown option(s) {unknown}; known: 'inductor' (fxfuse's) and "
+                         "Inductor's settings (torch._inductor.list_options())")
+    return options
 
 
 def only_regions(gm: fx.GraphModule) -> bool:
@@ -93,13 +106,17 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
                    mode: Optional[str] = None):
     """Dynamo backend: fuse the MLP chains of ``gm``, then hand it to Inductor (or run it as is).
 
-    ``mode`` (``torch.compile(..., mode=...)``) is Inductor's, e.g. ``"max-autotune-no-cudagraphs"``.
+    ``mode`` (``torch.compile(..., mode=...)``) is Inductor's, e.g. ``"max-autotune-no-cudagraphs"``. ``options``:
+    ``"inductor"`` (fxfuse's: False runs the rewritten graph as it is) and any of Inductor's own settings
+    (``torch._inductor.list_options()``, e.g. ``{"max_autotune": True, "triton.cudagraphs": True}``), which
+    Inductor gets for the rest of the graph, as ``backend="inductor"`` would.
     """
     options = dict(options or {})
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ValueError(f"fxfuse backend: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
-    inductor = options.get("inductor", True)
+    inductor = options.pop("inductor", True)
+    inductor_patches = _inductor_patches(options)
+    if inductor_patches and not inductor:
+        raise ValueError(f"fxfuse backend: Inductor options {sorted(inductor_patches)} given with "
+                         "options={'inductor': False}, which runs the graph without Inductor")
     # A graph that records gradients is differentiated by AOTAutograd: there the chains that train stay
     # Inductor's, whose backward keeps the intermediates (the op's would recompute the forward). Which chains
     # train, Dynamo's fake values say node by node, not the grad mode at compile time: a chain under
@@ -114,7 +131,7 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = list_mode_options(mode) if mode else {}
+    patches = {**(list_mode_options(mode) if mode else {}), **inductor_patches}
     # (mode="reduce-overhead": Inductor CUDA-graphs the graph, and the regions' kernels can be captured in it)
     graphed = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
     if not graphed and only_regions(gm):

@@ -308,6 +308,35 @@ def test_backend_says_once_that_cpu_regions_run_their_original_ops(monkeypatch, 
                     "CUDA)"]
 
 
+def test_inductor_options_reach_inductor(monkeypatch):
+    # torch.compile(..., options=...) hands a custom backend the dict: Inductor's settings in it go on to Inductor,
+    # as backend="inductor" would apply them, beside the fused regions.
+    import torch._inductor.compile_fx as inductor
+
+    patches = []
+    compile_fx = inductor.compile_fx
+
+    def spy_compile(gm, example_inputs, **kwargs):
+        patches.append(kwargs.get("config_patches"))
+        return compile_fx(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", spy_compile)
+    model = Block().eval()
+    before = fxfuse.report().num_fused
+    compiled = torch.compile(model, backend="fxfuse", options={"epilogue_fusion": False})
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert patches[0] == {"epilogue_fusion": False}  # (compile_fx then calls itself with them applied)
+    assert fxfuse.report(compiled).num_fused == before + 1
+
+
+def test_inductor_options_without_inductor_are_a_clear_error():
+    compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductor": False, "max_autotune": True})
+    with pytest.raises(Exception, match="max_autotune.*without Inductor"):
+        compiled(torch.randn(2, 32))
+
+
 def test_unknown_backend_option_is_a_clear_error():
     compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductr": False})
     with pytest.raises(Exception, match="inductr"):
