@@ -1180,18 +1180,20 @@ class PoisonedTorch:
     """``torch`` for the backward's launcher, with every ``empty`` buffer filled with NaN (ints: -7): a row the
     kernels leave unwritten and a sum then reads shows up."""
 
+    fill = float("nan")
+
     def __getattr__(self, name):
         return getattr(torch, name)
 
-    @staticmethod
-    def empty(*args, **kwargs):
+    @classmethod
+    def empty(cls, *args, **kwargs):
         out = torch.empty(*args, **kwargs)
-        return out.fill_(float("nan") if out.is_floating_point() else -7)
+        return out.fill_(cls.fill if out.is_floating_point() else -7)
 
-    @staticmethod
-    def empty_like(*args, **kwargs):
+    @classmethod
+    def empty_like(cls, *args, **kwargs):
         out = torch.empty_like(*args, **kwargs)
-        return out.fill_(float("nan") if out.is_floating_point() else -7)
+        return out.fill_(cls.fill if out.is_floating_point() else -7)
 
     _grouped_mm = staticmethod(lambda a, b, offs: reference_grouped_mm(a, b, offs))
 
@@ -1218,6 +1220,42 @@ def test_the_grouped_weight_gradients_get_zero_padding_and_the_right_operands(mo
     index, weights = local_routing(9, 2, 4, "cpu", torch.float32)  # expert 4 gets no rows
     check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
     assert len(calls) == 2 and all(len(offs) == 5 and offs[3] == offs[4] for offs in calls)
+
+
+class InfTorch(PoisonedTorch):
+    """:class:`PoisonedTorch` with inf: an unwritten row that the interpreter multiplies sets numpy's invalid flag
+    (inf * 0), where NaN passes quietly."""
+
+    fill = float("inf")
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter test (TRITON_INTERPRET=1)")
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("gate_up", ["pointer", "TMA"])
+def test_the_interpreter_multiplies_no_unwritten_rows(gate_up, family, monkeypatch):
+    # The TMA down kernel multiplies whole blocks of h, padding rows too (their results masked at the store), and the
+    # pointer gate/up kernel leaves those rows unwritten: in the interpreter numpy warned "invalid value encountered
+    # in matmul" on leftover memory, which would hide a real NaN. Every fresh buffer of the forward and the backward
+    # full of inf here, and a RuntimeWarning fails the test; the results still match float64.
+    from fxfuse.kernels import moe_backward_launch, moe_weight_grads
+
+    for module in (moe_launch, moe_backward_launch, moe_weight_grads):
+        monkeypatch.setattr(module, "torch", InfTorch())
+    picks = force_tma(True, monkeypatch)
+    monkeypatch.setitem(moe_launch.GATE_UP_FORM, "force", gate_up)
+    torch.manual_seed(12)
+    module = experts("silu", torch.float32, "cpu") if family == "mixtral" else biased_experts("gpt_oss", torch.float32,
+                                                                                             "cpu")
+    form = moe.experts_form(module)
+    x = torch.randn(11, 32)
+    index, weights = local_routing(11, 2, 4, "cpu", torch.float32)  # (16-row blocks: most rows are padding)
+    out = run_moe(x, index, weights, module.gate_up_proj, module.down_proj, form,
+                  gate_up_bias=module._parameters.get("gate_up_proj_bias"),
+                  down_bias=module._parameters.get("down_proj_bias"))
+    assert rel_err(out, float64_forward(module, x, index, weights)) < TOL[torch.float32]
+    check_gradients(module, x, index, weights, lambda m, *a: type(m).forward(m, *a), GRAD_TOL[torch.float32])
+    assert picks and all(picks)  # (the down projections, G and dx by TMA)
 
 
 def test_the_weight_gradients_run_on_the_faster_of_grouped_mm_and_the_triton_kernel(monkeypatch, caplog):

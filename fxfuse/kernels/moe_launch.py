@@ -249,7 +249,11 @@ def moe_forward_pass(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     layout = route_pairs(top_k_index, E, bm)
     blocks = layout.block_expert.numel()
     precision = _input_precision(hidden.dtype)
-    h = torch.empty(layout.rows.numel(), inter, dtype=hidden.dtype, device=hidden.device)
+    # h's padding rows: the pointer gate/up kernel leaves them unwritten and the TMA down kernel multiplies them (each
+    # output row its own input row's, masked at the store). Zeros in the interpreter only: numpy warns on leftover
+    # inf/NaN ("invalid value encountered in matmul"); a GPU's MMA does not, and a memset per call would cost there.
+    h = (torch.zeros if interpreting() else torch.empty)(layout.rows.numel(), inter, dtype=hidden.dtype,
+                                                         device=hidden.device)
     gu = torch.empty(layout.rows.numel(), 2 * inter, dtype=hidden.dtype, device=hidden.device) if save else h
     # (interleaved: BLOCK_N adjacent columns of gate_up per program, half of them gate)
     columns = 2 * inter if form.interleaved else inter

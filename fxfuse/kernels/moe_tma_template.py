@@ -109,6 +109,8 @@ def moe_down_tma_kernel(
 
     h_desc:           descriptor of the A rows ``[padded rows, K]`` (last dim contiguous), block
                       ``[BLOCK_M, BLOCK_K]``: the layout's block ``b`` is rows ``[b * BLOCK_M, (b + 1) * BLOCK_M)``.
+                      Padding rows are multiplied too (their results masked at the store): they may hold anything
+                      on a GPU; the interpreter's numpy warns on inf/NaN there, so its launcher zeroes h.
     w_desc:           descriptor of the weights: ``[E, N, K]`` (block ``[1, BLOCK_N, BLOCK_K]``), or with W_KN
                       ``[E, K, N]`` (block ``[1, BLOCK_K, BLOCK_N]``); last dim contiguous either way. TMA zero-fills
                       past N and K, so partial tiles need no masks in the K loop.
