@@ -16,7 +16,7 @@ from .cudagraphs import cuda_graphed
 from .hosts import place
 from .install import assemble, fused_graphs
 from .moe import MOE_PATTERN, experts_installs
-from .report import FusionReport, RegionReport
+from .report import FusionReport, OriginalRuns, RegionReport
 
 __all__ = ["fused_graphs", "optimize", "report"]
 
@@ -82,11 +82,14 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
             if weights in reported:
                 continue
             reported.add(weights)
+            region.host_path = host.module_path
             if host.method != "forward":
                 cls = type(model.get_submodule(host.module_path)).__name__
                 region.notes.append(f"runs from {cls}.{host.method}")
             full_report.regions.append(region)
         full_report.graphs += all(host.scope is not s for s in found.scopes)  # (a discovery graph reused)
+    for chain, region in zip(placement.inline, placement.inline_reports):
+        region.host_path = chain.module_path
     full_report.regions += placement.inline_reports
     for path, act in experts_acts.items():
         experts_module = model.get_submodule(path)
@@ -123,11 +126,16 @@ def report(model: Optional[nn.Module] = None) -> FusionReport:
     For ``torch.compile(model, backend="fxfuse")`` the report covers every graph the backend has
     compiled in this process (Dynamo does not tell a backend which module a graph came from).
 
+    For a result of :func:`optimize`, each call sets the report's ``original_runs`` to the calls, as of now, that
+    its fused methods' guards turned away to the original code (hooks, settings changed in place, arguments
+    other than traced).
+
     Example:
         >>> print(fxfuse.report(fast))                        # doctest: +SKIP
     """
     found = getattr(model, _REPORT_ATTR, None) if model is not None else None
-    if isinstance(found, FusionReport):
+    if isinstance(found, FusionReport):  # (the one optimize kept: callers may hold it; its counts are read now)
+        found.original_runs = OriginalRuns.of(getattr(model, "_orig_mod", model))
         return found
     if model is None or _compiled(model):
         merged = FusionReport()

@@ -344,7 +344,11 @@ def _parent_method(orig: Any, state_attr: str):
     def method(self, *args, **kwargs):
         st: _State = self.__dict__[state_attr]
         if self.training or st.active or _tracing() or any(GLOBAL_HOOKS) or _any_autocast():
-            return orig(self, *args, **kwargs)  # (another call in progress: recursion or another thread)
+            if not (st.active or _tracing()):  # (another call in progress, recursion or another thread, is no news)
+                why = "it runs in training mode (the hand-off is for eval)" if self.training else \
+                    "a global module hook is registered" if any(GLOBAL_HOOKS) else "it runs under autocast"
+                original_because(self, why)
+            return orig(self, *args, **kwargs)
         for parts in st.roles:  # still the modules the roles were installed on (not replaced since)
             m = submodule(self, parts)
             if m is None or m.__dict__.get("_fxfuse_inline_role", (None,))[0] is not st or _altered(m):
@@ -388,7 +392,7 @@ def _original(orig: Any, parent: nn.Module, st: _State, args: tuple, kwargs: dic
             if kept.changed(submodule(parent, parts)):
                 why = f"{'.'.join(parts)}.{kept.what_changed(submodule(parent, parts))}"
                 break
-    original_because(type(parent), f"{why} since the hand-off was proven")
+    original_because(parent, f"{why} since the hand-off was proven")
     return orig(parent, *args, **kwargs)
 
 
@@ -411,6 +415,8 @@ def _role_forward(orig: Any, role: str):
             # (None: a weight or bias set to None or removed since, which only the original code takes)
             if not isinstance(x, torch.Tensor) or ws is None or any(w.dtype != ws[0].dtype for w in ws) \
                     or _attrs(st.parent, st.biases) is None:
+                original_because(st.parent, "a chain weight or bias is None or gone, their dtypes differ, or the "
+                                            "chain's input is not a tensor")
                 return orig(self, x)
             st.x, st.stage = x, index
             return _TOKEN

@@ -232,10 +232,11 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             if modules_attr is not None:
                 why = _changed(self, modules_attr)
                 if why is not None:
-                    original_because(type(self), f"{why} since it was fused")
+                    original_because(self, f"{why} since it was fused")
                     return orig(self, *args, **kwargs)
             extra = get_lifted(self) if get_lifted is not None else ()
             if extra is None:  # a tensor the graph reads is None or gone now
+                original_because(self, "a parameter or buffer the fused graph reads is None or gone")
                 return orig(self, *args, **kwargs)
             shortcut = None
             if shortcut_attr is not None and not kwargs and len(args) == 1:
@@ -247,14 +248,17 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             if get_weights is not None:
                 ws = extra if in_lifted is not None else get_weights(self)
                 if ws is None:
+                    original_because(self, "a fused weight is None or gone")
                     return orig(self, *args, **kwargs)
                 dtype = ws[weight_at[0]].dtype
                 for i in weight_at:
                     if ws[i].dtype is not dtype:
+                        original_because(self, "its fused weights' dtypes differ")
                         return orig(self, *args, **kwargs)
             if not kwargs and len(args) == n_fast:
                 for a in args:
                     if a is None:
+                        original_because(self, "a call passed None for an argument the graph takes as a tensor")
                         return orig(self, *args, **kwargs)
                 if shortcut is not None:
                     out = fused(self, *args, *extra)
@@ -265,7 +269,12 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
             if values is not None:
                 return fused(self, *values, *extra)
             # (said once: a model that passes such an argument on every call never runs the fused graph)
-            original_because(type(self), f"a call's arguments are not those it was traced for ({guards})")
+            original_because(self, f"a call's arguments are not those it was traced for ({guards})")
+        elif training is not None and self.training is not training:
+            original_because(self, f"it was fused in {'training' if training else 'eval'} mode and runs in "
+                                   f"{'training' if self.training else 'eval'} mode")
+        else:
+            original_because(self, "it runs under autocast and its traced code touches autocast state")
         return orig(self, *args, **kwargs)
 
     functools.update_wrapper(method, orig)

@@ -10,6 +10,9 @@ run its class's ``forward`` on the settings it had when fused, so they check, on
   into the kernel (``GELU.approximate``, ``LeakyReLU.negative_slope``, a Hugging Face activation's function):
   one changed in place since (``act.approximate = "none"``) makes the original code run.
 
+Each call that runs the original code instead goes through :func:`original_because`, which logs why once and
+counts it per module instance; :func:`original_runs` reads those counts (``fxfuse.report`` lists them).
+
 Example:
     >>> act = torch.nn.GELU(approximate="tanh")
     >>> kept = Settings.of(act)
@@ -29,6 +32,7 @@ import logging
 import operator
 import textwrap
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,7 +40,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-__all__ = ["GLOBAL_HOOKS", "Settings", "original_because", "runs_own_code", "self_reads", "submodule"]
+__all__ = ["GLOBAL_HOOKS", "Settings", "original_because", "original_runs", "runs_own_code", "self_reads",
+           "submodule"]
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +142,24 @@ def self_reads(fn: Callable) -> Optional[frozenset[str]]:
 
 
 _said: set[tuple[type, str]] = set()
+# Per host instance, weakly (a dropped model takes its counts along): reason -> calls that ran the original code.
+# Per instance, not per class: the host classes are cached, so two optimized models of one class share theirs.
+_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def original_because(cls: type, why: str) -> None:
-    """Log (INFO, once per class and reason) that a fused method of ``cls`` runs its original code, and why."""
+def original_because(module: nn.Module, why: str) -> None:
+    """Count a call of a fused method of ``module`` that runs its original code instead, and log why (INFO, once
+    per class and reason). Only the fallback path calls it: the fused path pays nothing."""
+    runs = _runs.get(module)
+    if runs is None:
+        runs = _runs[module] = {}
+    runs[why] = runs.get(why, 0) + 1
+    cls = type(module)
     if (cls, why) not in _said:
         _said.add((cls, why))
         log.info("fxfuse: %s runs its original method: %s", cls.__qualname__, why)
+
+
+def original_runs(module: nn.Module) -> dict[str, int]:
+    """The calls of ``module``'s fused methods that ran its original code since it was made, by reason (a copy)."""
+    return dict(_runs.get(module, {}))

@@ -5,6 +5,10 @@ original ops at the M seen when optimizing, and, once the region has run on a GP
 times (:func:`fxfuse.strategy.measurements`, read when the report is printed). Its strategy column says
 what runs: the plan until the first GPU call, then the strategy that call measured fastest (at one row a
 one-launch decode kernel can overrule a per-stage plan; slower than the original ops: "original ops").
+
+A call that a fused method's guards turn away (a hook, a setting changed in place, arguments other than traced)
+runs the original code: ``fxfuse.report(model)`` counts those calls when asked (:class:`OriginalRuns`), lists
+them, and marks the strategy of each region whose host ran them.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.fx as fx
+from torch import nn
 
 from .capture import CaptureFailure
 from .kernels.template import choice_bucket
 from .meta import tensor_info
+from .module_state import original_runs
 from .records import FusionRegion, Rejection
 from .strategy import ONE_LAUNCH, ORIGINAL_OPS, Measurement, choose_strategy, launches, measurements
 
-__all__ = ["FusedVsOriginal", "FusionReport", "RegionReport"]
+__all__ = ["FusedVsOriginal", "FusionReport", "OriginalRuns", "RegionReport"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,7 @@ class RegionReport:
     predicted_on: str = ""  # the GPU whose ceilings the prediction used
     stages: int = 0  # GEMM stages of the region (what a per-stage strategy launches)
     experts: tuple = ()  # a MoE experts region: (its class, gate_up_proj's shape), whose timed choices it shows
+    host_path: Optional[str] = None  # the module whose fused method runs this region ("": the root); None: unknown
 
     @classmethod
     def from_region(cls, region: FusionRegion, spec: str, prefix: str = "",
@@ -189,6 +196,29 @@ def _at_ends(r: Measurement) -> str:
             f"{FusedVsOriginal(fused_top, top.get(ORIGINAL_OPS, math.inf))} at M={r.m_bucket}")
 
 
+@dataclass(frozen=True)
+class OriginalRuns:
+    """Calls of fused methods that ran the original code instead, for one host class and reason, summed over the
+    model's modules of that class (``modules``: their paths) since :func:`fxfuse.optimize` made them."""
+
+    host: str  # the class's name
+    calls: int
+    reason: str
+    modules: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(model: nn.Module) -> list[OriginalRuns]:
+        """Those of ``model``'s modules, counted now (in this process), in module order."""
+        found: dict[tuple[str, str], tuple[list[int], list[str]]] = {}  # (class, reason) -> ([calls], paths)
+        for path, m in model.named_modules():
+            if hasattr(type(m), "_fxfuse_original_class"):  # (an fxfuse host: fxfuse.install._host_class)
+                for why, n in original_runs(m).items():
+                    calls, paths = found.setdefault((type(m).__name__, why), ([0], []))
+                    calls[0] += n
+                    paths.append(path)
+        return [OriginalRuns(host, calls[0], why, tuple(paths)) for (host, why), (calls, paths) in found.items()]
+
+
 @dataclass
 class FusionReport:
     """The result of :func:`fxfuse.optimize` (or of the ``fxfuse`` torch.compile backend).
@@ -202,6 +232,8 @@ class FusionReport:
     graphs: int = 0
     seconds: float = 0.0
     cuda_graphs: str = ""  # how optimize(cuda_graphs=...) set CUDA graphs up; "" when off
+    # calls of fused methods that ran the original code instead, as the latest fxfuse.report(model) counted them
+    original_runs: list[OriginalRuns] = field(default_factory=list)
 
     @property
     def num_fused(self) -> int:
@@ -221,8 +253,8 @@ class FusionReport:
             lines.append(f"CUDA graphs: {self.cuda_graphs}")
         if self.regions:
             lines.append("fused:")
-            rows = [(r.module_path, r.pattern, r.running, r.predicted_cell(), r.measured_cell(), r.spec)
-                    for r in self.regions]
+            rows = [(r.module_path, r.pattern, r.running + self._original_note(r), r.predicted_cell(),
+                     r.measured_cell(), r.spec) for r in self.regions]
             lines += _table(("module", "pattern", "strategy", "predicted µs (fused / original)",
                              "measured µs (fused / original)", "spec"), rows)
             # The GPUs whose ceilings the predictions used: at optimize time (example inputs) and at each first call.
@@ -247,7 +279,15 @@ class FusionReport:
             lines.append("not captured (left as they are):")
             lines += _table(("module", "why"), [(f.module_path or "<whole model>", f.error)
                                                 for f in self.capture_failures])
+        if self.original_runs:
+            lines.append("ran the original code instead (calls since optimize, in this process):")
+            lines += _table(("class", "calls", "why"), [(o.host, o.calls, o.reason) for o in self.original_runs])
         return "\n".join(lines)
+
+    def _original_note(self, region: RegionReport) -> str:
+        """``"; 3 calls ran the original code (see below)"`` for a region whose host turned calls away, else ""."""
+        n = sum(o.calls for o in self.original_runs if region.host_path in o.modules)
+        return f"; {n} call{'s' if n > 1 else ''} ran the original code (see below)" if n else ""
 
     def _repr_pretty_(self, p, cycle):  # IPython
         p.text(str(self))

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from models import GPT2MLP, Block, GatedMLP, Stack, nerf_mlp
+from models import GPT2MLP, Block, ControlFlowModel, GatedMLP, Stack, nerf_mlp
 from real_models import fused_calls
 from torch import nn
 
@@ -118,6 +118,8 @@ def test_train_eval_switch_keeps_dropout_semantics():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     fast.eval()
     assert fused_calls(fast, x)[0] == 1
+    assert [(o.calls, o.reason) for o in fxfuse.report(fast).original_runs] == [
+        (1, "it was fused in eval mode and runs in training mode")]
 
     class DropInside(nn.Module):
         def __init__(self):
@@ -306,6 +308,8 @@ def test_a_parameter_set_to_none_after_optimize():
         with torch.no_grad():
             torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
         assert n == 0
+        [runs] = fxfuse.report(fast).original_runs  # (counted, whichever guard turned it away)
+        assert runs.calls == 1 and "None" in runs.reason, runs
 
 
 class ScaledGelu(nn.Module):
@@ -417,19 +421,22 @@ def test_inference_tensor_into_a_partly_frozen_model(untrained_specs):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
 
 
+class Scaled(nn.Module):
+    """An MLP with a defaulted argument that changes its input when passed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+
+    def forward(self, x, scale=None):
+        if scale is not None:
+            x = x * scale
+        return self.fc2(self.act(self.fc1(x)))
+
+
 def test_calls_outside_the_traced_arguments_run_the_original_method_and_say_so_once(caplog):
     # A host traced with a defaulted argument stands only for calls that leave it alone; a model that passes it
     # on every call would never run the fused graph, so the first such call says why (once).
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
-
-        def forward(self, x, scale=None):
-            if scale is not None:
-                x = x * scale
-            return self.fc2(self.act(self.fc1(x)))
-
     model = Scaled().eval()
     fast = fxfuse.optimize(model)
     x = torch.randn(3, 32)
@@ -441,6 +448,78 @@ def test_calls_outside_the_traced_arguments_run_the_original_method_and_say_so_o
             assert n == 0
     said = [r.getMessage() for r in caplog.records if "are not those it was traced for" in r.getMessage()]
     assert len(said) == 1 and "scale=None" in said[0] and "Scaled" in said[0]
+
+
+def test_the_report_counts_calls_outside_the_traced_arguments():
+    # A model that passes a defaulted argument on every call never runs the fused graph: the report must say so
+    # (the log says it once), with the calls counted when the report is asked for.
+    model = Scaled().eval()
+    fast = fxfuse.optimize(model)
+    before = str(fxfuse.report(fast))
+    x = torch.randn(3, 32)
+    for _ in range(3):
+        assert fused_calls(fast, x, scale=2.0)[0] == 0
+    after = fxfuse.report(fast)
+    assert "ran the original code" not in before  # (counted when asked for)
+    [runs] = after.original_runs
+    assert (runs.host, runs.calls, runs.modules) == ("Scaled", 3, ("",))
+    assert "are not those it was traced for" in runs.reason and "scale=None" in runs.reason
+    text = str(after)
+    assert "ran the original code instead (calls since optimize, in this process):" in text
+    assert any(line.split()[:2] == ["Scaled", "3"] and runs.reason in line for line in text.splitlines())
+    assert "fused_chain (1 launch); 3 calls ran the original code (see below)" in text
+    assert fused_calls(fast, x)[0] == 1 and fxfuse.report(fast).original_runs[0].calls == 3  # (fused: not counted)
+    # Counted per optimized model, though both share the host class.
+    assert fxfuse.report(fxfuse.optimize(model)).original_runs == []
+
+
+def test_the_report_of_a_model_whose_calls_all_run_fused_lists_no_original_runs():
+    for make in (GPT2MLP, InlineStyle, ControlFlowModel):
+        fast = fxfuse.optimize(make().eval())
+        x = torch.randn(3, 32)
+        for _ in range(2):
+            assert fused_calls(fast, x)[0] == 1
+        found = fxfuse.report(fast)
+        assert found.num_fused == 1 and found.original_runs == [], make
+        assert "ran the original code" not in str(found)
+
+
+def test_the_report_counts_calls_a_hook_added_after_optimize_sent_to_the_original_code():
+    # A hook on a submodule the fused code skips: a host method (GPT2MLP.forward, here inside a model that does not
+    # trace) and the inline hand-off (counted for its parent) run the original code, and the report says so.
+    x = torch.randn(3, 32)
+    for make, holder, host, path, why in (
+            (ControlFlowModel, lambda m: m.mlp.act, "GPT2MLP", "mlp",
+             "act has hooks or its own forward since it was fused"),
+            (InlineStyle, lambda m: m.fc1, "InlineStyle", "",
+             "fc1 has hooks or its own forward since the hand-off was proven")):
+        model = make().eval()
+        fast = fxfuse.optimize(model)
+        assert fused_calls(fast, x)[0] == 1
+        handle = holder(fast).register_forward_hook(lambda m, a, out: out + 1)
+        for _ in range(2):
+            assert fused_calls(fast, x)[0] == 0
+        handle.remove()
+        assert fused_calls(fast, x)[0] == 1
+        found = fxfuse.report(fast)
+        assert [(o.host, o.calls, o.reason, o.modules) for o in found.original_runs] == [(host, 2, why, (path,))]
+        assert [r.host_path for r in found.regions] == [path]
+        text = str(found)
+        assert "ran the original code instead" in text and why in text
+        assert "; 2 calls ran the original code (see below)" in text
+
+
+def test_the_report_counts_an_inline_chain_run_in_training_mode():
+    # The inline hand-off is for eval: a model optimized in eval and then trained runs its original code, and the
+    # report says so instead of reading as fused.
+    fast = fxfuse.optimize(InlineStyle().eval())
+    x = torch.randn(3, 32)
+    assert fused_calls(fast, x)[0] == 1
+    fast.train()
+    for _ in range(2):
+        assert fused_calls(fast, x)[0] == 0
+    assert [(o.host, o.calls, o.reason) for o in fxfuse.report(fast).original_runs] == [
+        ("InlineStyle", 2, "it runs in training mode (the hand-off is for eval)")]
 
 
 def test_a_sparse_input_runs_the_original_ops_without_a_warning(caplog):
