@@ -193,7 +193,7 @@ def _installed_modules(host: nn.Module, paths: list[str], modal: bool, method: A
         first, *rest = path.split(".")
         inner.append((first, tuple(rest), m, m.training if modal else None, Settings.of(m)))
         hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
-    return len(host._modules), tuple(hooks), Settings.of(host, self_reads(method)), tuple(inner)
+    return len(host._modules), tuple(hooks), Settings.of(host, self_reads(method, type(host))), tuple(inner)
 
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],

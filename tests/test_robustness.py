@@ -375,6 +375,42 @@ def test_settings_changed_in_place_after_optimize(caplog):
     check(fast, model, 1)
 
 
+class HelperScaled(nn.Module):
+    """A host whose method reads its settings through a helper method and a property."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+        self.scale, self.shift_value = 2.0, 0.5
+
+    @property
+    def shift(self):
+        return self.shift_value
+
+    def scaled(self, h):
+        return h * self.scale + self.shift
+
+    def forward(self, x):
+        return self.fc2(self.scaled(self.act(self.fc1(x))))
+
+
+def test_settings_read_through_a_helper_method_or_a_property_are_guarded():
+    # The trace inlines self.scaled() and the property: both values are baked into the fused graph, so a change
+    # in place must make the original code run, as for a setting the method reads itself.
+    x = torch.randn(3, 32)
+    for name, value in (("scale", 3.0), ("shift_value", -1.0)):
+        model = HelperScaled().eval()
+        fast = fxfuse.optimize(model)
+        assert fused_calls(fast, x)[0] == 1
+        setattr(fast, name, value)
+        setattr(model, name, value)
+        n, out = fused_calls(fast, x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+        assert n == 0, name
+        assert any(name in o.reason for o in fxfuse.report(fast).original_runs), name
+
+
 def test_methods_whose_first_argument_is_not_named_self():
     # Capture finds a chain's host among the methods on the stack by their first argument, whatever its name.
     class MLP(nn.Module):
