@@ -340,8 +340,13 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
-def _parent_method(orig: Any, state_attr: str):
+def _parent_method(orig: Any, state_attr: str, owner: Optional[tuple[type, str]] = None):
+    owner_cls, name = owner if owner is not None else (None, None)
+
     def method(self, *args, **kwargs):
+        if owner_cls is not None and getattr(owner_cls, name) is not orig:  # (the class's method patched since)
+            original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since the hand-off was proven")
+            return getattr(owner_cls, name)(self, *args, **kwargs)
         st: _State = self.__dict__[state_attr]
         if self.training or st.active or _tracing() or any(GLOBAL_HOOKS) or _any_autocast():
             if not (st.active or _tracing()):  # (another call in progress, recursion or another thread, is no news)
@@ -444,8 +449,8 @@ def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict,
     attr = "_fxfuse_inline_state"
     parts: dict[str, tuple[dict, dict]] = {}
     orig = getattr(type(parent), chain.method)
-    parts[chain.module_path] = ({chain.method: (("inline-parent", chain.method, attr), _parent_method(orig, attr))},
-                                {attr: state})
+    method = _parent_method(orig, attr, (type(parent), chain.method))
+    parts[chain.module_path] = ({chain.method: (("inline-parent", chain.method, attr), method)}, {attr: state})
     for index, name in enumerate(chain.modules):
         child = parent.get_submodule(name)
         role = "head" if index == 0 else "tail" if index == len(chain.modules) - 1 else "pass"

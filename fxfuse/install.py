@@ -10,6 +10,9 @@ copied; each host copy gets a subclass of its own class that overrides the host 
 * the submodules whose calls the graph absorbed or traced into are the same objects, in the modes they were
   traced in, without hooks or an instance ``forward`` (the graph skips their ``__call__``), and no global module
   hook is registered;
+* what the trace baked in is unchanged: the host's settings its method reads (``self.scale``, and through a
+  plain object, ``self.config.scale``), those submodules' settings, the module-level plain values and functions
+  the method and their forwards read (``SCALE = 2.0``), and the class's method itself (not patched since);
 * the fused weights share one dtype (code like T5's ``if hidden.dtype != self.wo.weight.dtype: cast`` is
   traced for the uniform case); under autocast, only a graph whose trace touched no autocast state runs (a
   method that reads or sets it is not a host at all, :class:`fxfuse.capture.AutocastStateError`; one traced
@@ -52,7 +55,7 @@ from .capture import ArgSpec, Scope
 from .inline import InlineChain, install_parts
 from .lift import lift_params
 from .meta import param_getter
-from .module_state import GLOBAL_HOOKS, Settings, original_because, runs_own_code, self_reads, submodule
+from .module_state import GLOBAL_HOOKS, GlobalReads, Settings, original_because, runs_own_code, self_reads, submodule
 from .shortcut import Shortcut, region_call
 
 if TYPE_CHECKING:
@@ -127,9 +130,11 @@ def _bypassed(scope: Scope) -> list[str]:
 def _changed(self: nn.Module, attr: str) -> Optional[str]:
     """Why the fused graph would not compute what the method computes now, or None. ``self.<attr>``:
     ``(number of children, hook dicts, own settings, ((first path part, other parts, module, training mode or
-    None, settings), ...))`` of the submodules in :func:`_bypassed`, as installed (their mode where the graph
-    depends on it); the hook dicts are torch's global ones (:data:`fxfuse.module_state.GLOBAL_HOOKS`) and those
-    submodules' own; the settings (:class:`fxfuse.module_state.Settings`) are the host's that its method reads
+    None, settings), ...), module-level names)`` of the submodules in :func:`_bypassed`, as installed (their mode
+    where the graph depends on it); the hook dicts are those submodules' own (torch's global ones,
+    :data:`fxfuse.module_state.GLOBAL_HOOKS`, are checked as well); the module-level names
+    (:class:`fxfuse.module_state.GlobalReads`) are the plain globals the method and those submodules' forwards
+    read; the settings (:class:`fxfuse.module_state.Settings`) are the host's that its method reads
     and those submodules'.
 
     The graph skips those modules' ``__call__`` and baked in what they were: one replaced or removed, one with
@@ -141,12 +146,16 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
     kept = self.__dict__.get(attr)
     if kept is None:  # (not installed by assemble)
         return None
-    n_children, hooks, own, inner = kept
+    n_children, hooks, own, inner, glob = kept
     children = self._modules
-    if len(children) != n_children or any(hooks):
+    # (torch's global hook dicts are read here, not kept: a deep copy of the model would copy kept ones)
+    if len(children) != n_children or any(hooks) or any(GLOBAL_HOOKS):
+        return _what_changed(self, kept)
+    if glob is not None and glob.changed():
         return _what_changed(self, kept)
     try:
-        if own is not None and own.read(self.__dict__) != own.values:
+        if own is not None and (own.read(self.__dict__) != own.values
+                                or (own.nested and own.nested_changed(self.__dict__))):  # (self.config.x)
             return _what_changed(self, kept)
         for first, rest, want, training, settings in inner:
             m = children.get(first)
@@ -164,11 +173,13 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
 
 
 def _what_changed(self: nn.Module, kept: tuple) -> str:
-    n_children, _, own, inner = kept
+    n_children, _, own, inner, glob = kept
     if len(self._modules) != n_children:
         return "its submodules were added or removed"
     if any(GLOBAL_HOOKS):
         return "a global module hook is registered"
+    if glob is not None and glob.changed():
+        return glob.what_changed()
     if own is not None and own.changed(self):
         return f"its {own.what_changed(self)}"
     for first, rest, want, training, settings in inner:
@@ -187,18 +198,21 @@ def _what_changed(self: nn.Module, kept: tuple) -> str:
 def _installed_modules(host: nn.Module, paths: list[str], modal: bool, method: Any) -> tuple:
     """What :func:`_changed` reads, for the submodules at ``paths`` of ``host`` as installed, whose method
     ``method`` was fused."""
-    inner, hooks = [], list(GLOBAL_HOOKS)
+    inner, hooks = [], []
+    functions = [(method, type(host))]  # (whose module-level names the trace may have baked in)
     for path in paths:
         m = host.get_submodule(path)
         first, *rest = path.split(".")
         inner.append((first, tuple(rest), m, m.training if modal else None, Settings.of(m)))
         hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
-    return len(host._modules), tuple(hooks), Settings.of(host, self_reads(method, type(host))), tuple(inner)
+        functions.append((type(m).forward, type(m)))
+    return len(host._modules), tuple(hooks), Settings.of(host, self_reads(method, type(host))), tuple(inner), \
+        GlobalReads.of(functions)
 
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
                  lifted_paths: Sequence[str] = (), autocast_free: bool = False, shortcut_attr: Optional[str] = None,
-                 modules_attr: Optional[str] = None):
+                 modules_attr: Optional[str] = None, owner: Optional[tuple[type, str]] = None):
     """The host method: the fused graph when the guards hold, else the original method.
 
     ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
@@ -208,7 +222,9 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
     here through the modules' dicts on every call.
     ``shortcut_attr``: the instance attribute holding the module's :class:`fxfuse.shortcut.Shortcut` (a graph
     that is one region on one input): a call of that input alone tries it first, and teaches it afterwards.
-    ``modules_attr``: the instance attribute :func:`_changed` reads (the submodules as installed)."""
+    ``modules_attr``: the instance attribute :func:`_changed` reads (the submodules as installed).
+    ``owner``: ``(class, method name)`` that ``orig`` was read from: a class whose method was replaced since (a
+    library's patch of ``LlamaMLP.forward``) runs its new method, which the graph does not stand for."""
     sig = _signature_of(specs)
     guards = guard_text(specs) or "required arguments not None"
     # A positional call of exactly the leading required parameters needs no binding.
@@ -227,7 +243,12 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
         all(p in lifted_paths for p in weight_paths) else None
     weight_at = in_lifted if in_lifted is not None else range(len(weight_paths))  # the weights' places in ws
 
+    owner_cls, name = owner if owner is not None else (None, None)
+
     def method(self, *args, **kwargs):
+        if owner_cls is not None and getattr(owner_cls, name) is not orig:  # (patched on the class since)
+            original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since it was fused")
+            return getattr(owner_cls, name)(self, *args, **kwargs)
         if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
             if modules_attr is not None:
                 why = _changed(self, modules_attr)
@@ -407,7 +428,7 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted),
            shortcut_attr, modules_attr)
     fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
-                      shortcut_attr, modules_attr)
+                      shortcut_attr, modules_attr, (type(module), h.method))
     return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs,
                    {modules_attr: (_bypassed(h.scope), training is not None, orig)})
 

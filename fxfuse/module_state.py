@@ -31,15 +31,15 @@ import logging
 import operator
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["GLOBAL_HOOKS", "Settings", "original_because", "original_runs", "runs_own_code", "self_reads",
-           "submodule"]
+__all__ = ["GLOBAL_HOOKS", "GlobalReads", "Settings", "original_because", "original_runs", "runs_own_code",
+           "self_reads", "submodule"]
 
 log = logging.getLogger(__name__)
 
@@ -76,37 +76,68 @@ def _is_setting(value: Any) -> bool:
     return type(value) in _PLAIN or isinstance(value, _FUNCTIONS)
 
 
+def _no_keys(d: dict) -> tuple:
+    return ()
+
+
+def _is_holder(value: Any) -> bool:
+    """A plain object whose attributes a method may read through it (``self.config.scale``): not a module, tensor,
+    class, function or Python module."""
+    return hasattr(value, "__dict__") and not isinstance(
+        value, (nn.Module, torch.Tensor, type, types.ModuleType, *_FUNCTIONS))
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """A module's settings as fused: its public ``__dict__`` entries that are plain values (numbers, strings,
     ``None``, dtypes, tuples of them) or functions, except ``training`` (checked on its own, where the graph
-    depends on the mode). ``read`` is an ``operator.itemgetter`` of ``keys``: one C call per check."""
+    depends on the mode). ``read`` is an ``operator.itemgetter`` of ``keys``: one C call per check.
+
+    ``nested``: with ``only`` (a host's, :func:`self_reads`), the same for plain objects the method reads through
+    (``self.config.scale``: ``(("config", Settings of the config's attributes named in only),)``): a trace bakes
+    those in as well."""
 
     keys: tuple[str, ...]
     read: Callable[[dict], Any]
     values: Any
+    nested: tuple = ()
 
     @staticmethod
-    def of(m: nn.Module, only: Optional[frozenset[str]] = None) -> Optional[Settings]:
+    def of(m: Any, only: Optional[frozenset[str]] = None, holders: bool = True) -> Optional[Settings]:
         """``m``'s settings now (those named in ``only``, when given), or None when it has none worth checking."""
         if type(m) in _NO_SETTINGS:
             return None
-        keys = tuple(sorted(k for k, v in m.__dict__.items()
+        state = m.__dict__
+        keys = tuple(sorted(k for k, v in state.items()
                             if not k.startswith("_") and k != "training" and _is_setting(v)
                             and (only is None or k in only)))
-        if not keys:
+        nested = ()
+        if only is not None and holders:  # (one level: self.config.x, not self.config.sub.x)
+            found = ((k, Settings.of(v, only, holders=False)) for k, v in sorted(state.items())
+                     if k in only and not k.startswith("_") and _is_holder(v))
+            nested = tuple((k, s) for k, s in found if s is not None)
+        if not keys and not nested:
             return None
-        read = operator.itemgetter(*keys)
-        return Settings(keys, read, read(m.__dict__))
+        read = operator.itemgetter(*keys) if keys else _no_keys
+        return Settings(keys, read, read(state), nested)
 
-    def changed(self, m: nn.Module) -> bool:
+    def nested_changed(self, state: dict) -> bool:
+        """Whether a setting of an object read through ``state``'s owner (``config.scale``) changed (may raise
+        KeyError: an attribute deleted)."""
+        for key, kept in self.nested:
+            inner = getattr(state[key], "__dict__", None)
+            if inner is None or kept.read(inner) != kept.values or (kept.nested and kept.nested_changed(inner)):
+                return True
+        return False
+
+    def changed(self, m: Any) -> bool:
         """Whether a setting of ``m`` differs from (or is no longer) what it was: the check on every call."""
         try:
-            return self.read(m.__dict__) != self.values
+            return self.read(m.__dict__) != self.values or (bool(self.nested) and self.nested_changed(m.__dict__))
         except KeyError:  # (deleted, or moved out of the dict to a property)
             return True
 
-    def what_changed(self, m: nn.Module) -> str:
+    def what_changed(self, m: Any) -> str:
         """Which setting changed, as text (for the log)."""
         now = m.__dict__
         old = self.values if len(self.keys) > 1 else (self.values,)
@@ -115,6 +146,13 @@ class Settings:
                 return f"{key} was removed"
             if now[key] != was:
                 return f"{key} was {was!r}, is {now[key]!r}"
+        for key, kept in self.nested:
+            if key not in now:
+                return f"{key} was removed"
+            if not hasattr(now[key], "__dict__"):
+                return f"{key} was replaced"
+            if kept.changed(now[key]):
+                return f"{key}.{kept.what_changed(now[key])}"
         return "a setting changed"
 
 
@@ -138,29 +176,90 @@ def self_reads(fn: Callable, cls: Optional[type] = None) -> Optional[frozenset[s
         >>> sorted({"scale", "bias_value", "flag"} & self_reads(Host.forward, Host))
         ['bias_value', 'scale']
     """
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    if code is None:
+    codes = _reached_code(fn, cls)
+    if codes is None:
         return None
     names: set[str] = set()
-    seen, todo = set(), [code]
+    for c, _ in codes:
+        names.update(c.co_names)
+        names.update(k for k in c.co_consts if isinstance(k, str))
+    return frozenset(names)
+
+
+@functools.cache
+def _reached_code(fn: Callable, cls: Optional[type] = None) -> Optional[tuple[tuple[types.CodeType, dict], ...]]:
+    """``(code, its function's globals)`` of ``fn``, its nested functions and, with ``cls``, the methods and
+    properties of ``cls`` (outside torch) it reaches by name (see :func:`self_reads`); None without Python code."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    out, seen, todo = [], set(), [(code, getattr(fn, "__globals__", None))]
     while todo:
-        c = todo.pop()
+        c, glob = todo.pop()
         if c in seen:
             continue
         seen.add(c)
-        names.update(c.co_names)
-        for k in c.co_consts:
-            if isinstance(k, str):
-                names.add(k)
-            elif isinstance(k, types.CodeType):
-                todo.append(k)
+        out.append((c, glob))
+        todo += [(k, glob) for k in c.co_consts if isinstance(k, types.CodeType)]
         for name in c.co_names if cls is not None else ():
             member = inspect.getattr_static(cls, name, None)
             member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
-            called = getattr(inspect.unwrap(member), "__code__", None) if callable(member) else None
-            if called is not None and not getattr(member, "__module__", "").startswith("torch"):
-                todo.append(called)
-    return frozenset(names)
+            called = inspect.unwrap(member) if callable(member) else None
+            if getattr(called, "__code__", None) is not None \
+                    and not getattr(member, "__module__", "").startswith("torch"):
+                todo.append((called.__code__, getattr(called, "__globals__", None)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GlobalReads:
+    """The module-level names (``SCALE = 2.0``, a flag, a function) that fused code read while it was traced, as
+    they were: a trace bakes their values into the graph, so one rebound since makes the original code run.
+    ``spaces``: ``(globals dict, names, itemgetter of them, values)`` per module; plain values and functions only
+    (:func:`_is_setting`)."""
+
+    spaces: tuple
+
+    @staticmethod
+    def of(functions: Sequence[tuple[Callable, Optional[type]]]) -> Optional[GlobalReads]:
+        """For ``(function, its class)`` pairs (a host method, the forwards its graph traced into), or None when they
+        read no such name. torch's own code is left out (its globals are not settings)."""
+        by_space: dict[int, tuple[dict, set]] = {}
+        for fn, cls in functions:
+            if getattr(fn, "__module__", "").startswith("torch"):
+                continue
+            for code, glob in _reached_code(fn, cls) or ():
+                if glob is not None:
+                    names = by_space.setdefault(id(glob), (glob, set()))[1]
+                    names.update(n for n in code.co_names if n in glob and _is_setting(glob[n]))
+        spaces = []
+        for glob, names in by_space.values():
+            if names:
+                keys = tuple(sorted(names))
+                read = operator.itemgetter(*keys)
+                spaces.append((glob, keys, read, read(glob)))
+        return GlobalReads(tuple(spaces)) if spaces else None
+
+    def __deepcopy__(self, memo: dict) -> GlobalReads:
+        return self  # (the globals are the process's: a copied model reads the same ones)
+
+    def changed(self) -> bool:
+        """Whether one of the names was rebound or deleted since: the check on every call."""
+        try:
+            return any(read(glob) != values for glob, _, read, values in self.spaces)
+        except KeyError:
+            return True
+
+    def what_changed(self) -> str:
+        """Which name changed, as text (for the log)."""
+        for glob, keys, _, values in self.spaces:
+            for key, was in zip(keys, values if len(keys) > 1 else (values,)):
+                if key not in glob:
+                    return f"module-level {key} was removed"
+                if glob[key] != was:
+                    return f"module-level {key} was {was!r}, is {glob[key]!r}"
+        return "a module-level name changed"
 
 
 _said: set[tuple[type, str]] = set()

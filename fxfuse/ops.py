@@ -120,8 +120,7 @@ def reference_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]
         if stage.gated is not None:
             gate, up, act = stage.gated
             fused = gated_product(accs[gate], accs[up], act)
-        h = fused if fused is not None else ep.evaluate(stage.expr, accs,
-                                                        [t.reshape(-1) for t in operands[stage.operands]])
+        h = fused if fused is not None else ep.evaluate(stage.expr, accs, operands[stage.operands])
     return h
 
 
@@ -175,7 +174,9 @@ def _stage_reference(stage: _StagePlan) -> Callable[..., Tensor]:
 
     def general(h: Tensor, w: Sequence[Tensor], b: Sequence[Tensor], o: Sequence[Tensor]) -> Tensor:
         accs = [linear(h, w[wi], None if bi is None else b[bi]) for wi, bi in linears]
-        return fn(accs, [t.reshape(-1) for t in o[operands]])
+        # (operands as they are, not flattened: eager's broadcasting and type promotion, or its error, for one
+        # whose shape or dtype changed since the plan took it, a 0-d scalar included)
+        return fn(accs, o[operands])
 
     return general
 
@@ -235,7 +236,8 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
         if t.dtype != dtype or t.device != device:
             return f"a weight is {t.dtype} on {t.device}, the input {dtype} on {device}"
     for t in operands:
-        if t.device != device or t.dtype not in (dtype, torch.float32):
+        # (an fp32 operand beside another dtype only as a 0-d tensor: eager promotes h to fp32 with any other)
+        if t.device != device or not (t.dtype is dtype or (t.dtype is torch.float32 and t.dim() == 0)):
             return f"an operand is {t.dtype} on {t.device}, the input {dtype} on {device}"
     # Shapes: anything eager would reject goes to the reference, which raises eager's own error.
     k = x.shape[-1]
@@ -250,7 +252,10 @@ def kernel_fallback_reason(x: Tensor, weights: Sequence[Tensor], biases: Sequenc
                     return "shapes do not chain"
                 b += 1
         for t in operands[o:o + stage.num_operands]:
-            if t.numel() not in (1, n):
+            # (as the plan took it, fxfuse.plan: a buffer replaced since may have another shape, which eager
+            # broadcasts over rows, rejects, or lets add dims to the output)
+            if t.dim() > max(1, x.dim()) or (t.dim() and t.shape[-1] not in (1, n)) \
+                    or any(d != 1 for d in t.shape[:-1]):
                 return "an operand does not broadcast along the last dim"
         k = n
         w += stage.num_linears

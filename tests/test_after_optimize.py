@@ -1,0 +1,280 @@
+"""What a user does to a model after ``fxfuse.optimize``: rebinding what its code reads (a module-level name, a
+config attribute, the class's method), deep copies, replaced buffers and parameters, dtype moves, frozen weights
+and grad modes. The optimized model must compute what eager does on the same parameters (or raise what it
+raises); running the original code instead is fine, and is counted. (tests/test_robustness.py has hooks,
+replaced submodules, settings changed in place, bad inputs and ranks.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import GPT2MLP, GatedMLP, nerf_mlp
+from real_models import fused_calls
+from test_robustness import InlineStyle
+from torch import nn
+
+import fxfuse
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def check(fast, reference, x, fused, **tol):
+    """``fast(x)`` equals ``reference(x)``, with ``fused`` fused calls."""
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        ref = reference(x)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, **(tol or TOL))
+    assert n == fused
+
+
+def reasons(fast) -> list[str]:
+    return [o.reason for o in fxfuse.report(fast).original_runs]
+
+
+SCALE = 2.0
+
+
+class GlobalScaled(nn.Module):
+    """Reads a module-level number in its forward: the trace bakes it into the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)) * SCALE)
+
+
+def test_a_module_level_name_rebound_after_optimize_runs_the_original_code():
+    global SCALE
+    model = GlobalScaled().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32)
+    check(fast, model, x, 1)
+    try:
+        SCALE = 3.0
+        check(fast, model, x, 0)
+        assert reasons(fast) == ["module-level SCALE was 2.0, is 3.0 since it was fused"]
+    finally:
+        SCALE = 2.0
+    check(fast, model, x, 1)  # fused again once it is back
+
+
+class Config:
+    def __init__(self):
+        self.scale, self.act, self.unused = 2.0, "gelu", 1
+
+
+class ConfigScaled(nn.Module):
+    """Reads settings through a config object (``self.config.x``), as Hugging Face code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = Config()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = F.gelu(h) if self.config.act == "gelu" else F.relu(h)
+        return self.fc2(h * self.config.scale)
+
+
+@pytest.mark.parametrize("name, value", [("scale", 3.0), ("act", "relu")])
+def test_a_config_attribute_changed_after_optimize_runs_the_original_code(name, value):
+    model = ConfigScaled().eval()
+    fast = fxfuse.optimize(model)
+    assert fast.config is model.config  # (shared: the copy is shallow)
+    x = torch.randn(3, 32)
+    check(fast, model, x, 1)
+    model.config.unused = 5  # not read by forward: stays fused
+    check(fast, model, x, 1)
+    was = getattr(model.config, name)
+    setattr(model.config, name, value)
+    check(fast, model, x, 0)
+    assert reasons(fast) == [f"its config.{name} was {was!r}, is {value!r} since it was fused"]
+    setattr(model.config, name, was)
+    check(fast, model, x, 1)
+
+
+def test_a_deep_copy_still_sees_a_global_module_hook():
+    # The copy's guards must read torch's global hook dicts, not copies of them made by deepcopy.
+    x = torch.randn(3, 32)
+    for make in (GPT2MLP, InlineStyle):
+        model = make().eval()
+        twin = copy.deepcopy(fxfuse.optimize(model))
+        check(twin, model, x, 1)
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: out * 2 if isinstance(m, nn.Linear) else None)
+        try:
+            check(twin, model, x, 0)
+        finally:
+            handle.remove()
+        check(twin, model, x, 1)
+
+
+class Patched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("cls", [Patched, InlineStyle])
+def test_a_class_method_patched_after_optimize_runs_the_new_method(cls, monkeypatch):
+    # A library that patches the class's forward after optimize (a fused graph host, an inline hand-off parent).
+    model = cls().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32)
+    check(fast, model, x, 1)
+    monkeypatch.setattr(cls, "forward", lambda self, x: self.fc2(torch.relu(self.fc1(x))) * 2)
+    check(fast, model, x, 0)
+    assert reasons(fast) == [f"{cls.__qualname__}.forward was replaced since "
+                             f"{'the hand-off was proven' if cls is InlineStyle else 'it was fused'}"]
+    monkeypatch.undo()
+    check(fast, model, x, 1)
+
+
+class BufScaled(nn.Module):
+    """A buffer operand in the chain's epilogue (``h * mul``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.register_buffer("mul", torch.full((64,), 2.0))
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)) * self.mul)
+
+
+def test_a_buffer_operand_replaced_by_another_shape_follows_eager():
+    x = torch.randn(3, 32)
+    for new in (torch.tensor(3.0), torch.full((1,), 3.0), torch.randn(128)[::2]):  # still along the last dim
+        model = BufScaled().eval()
+        fast = fxfuse.optimize(model)
+        model.mul = new  # (the buffer dict is shared)
+        check(fast, model, x, 1)
+    for new in (torch.randn(3, 64), torch.randn(2, 3, 64)):  # eager broadcasts it over rows (and dims)
+        model = BufScaled().eval()
+        fast = fxfuse.optimize(model)
+        model.mul = new
+        check(fast, model, x, 1)  # (the op's reference ops, with eager's broadcasting)
+    model = BufScaled().eval()
+    fast = fxfuse.optimize(model)
+    model.mul = torch.randn(64, 1)  # eager raises (3 rows against 64): so must the optimized model
+    with pytest.raises(RuntimeError) as eager:
+        model(x)
+    with pytest.raises(RuntimeError) as fused:
+        fast(x)
+    assert str(fused.value) == str(eager.value)
+
+
+class TensorScaled(nn.Module):
+    """A plain tensor attribute (not a buffer: ``.half()`` leaves it as it is) as an epilogue operand."""
+
+    def __init__(self, shape=(64,)):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.mul = torch.full(shape, 2.0)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)) * self.mul)
+
+
+def test_an_fp32_operand_beside_other_weights_follows_eager():
+    x = torch.randn(3, 32)
+    # A [64] fp32 operand promotes h to fp32 in eager, and fc2's fp16 weight then raises: so must the fused model.
+    model = TensorScaled().eval()
+    fast = fxfuse.optimize(model)
+    check(fast, model, x, 1)
+    fast.half()
+    with pytest.raises(RuntimeError) as eager:
+        model(x.half())
+    with pytest.raises(RuntimeError) as fused:
+        fast(x.half())
+    assert str(fused.value) == str(eager.value)
+    # A 0-d fp32 operand does not promote: eager runs in the weights' dtype, in the kernels (fp16) and in the
+    # reference ops (bf16 on the CPU) alike.
+    for dtype in (torch.float16, torch.bfloat16):
+        model = TensorScaled(()).eval()
+        fast = fxfuse.optimize(model)
+        fast.to(dtype)
+        check(fast, model, x.to(dtype), 1, rtol=2e-2, atol=2e-2)
+
+
+def test_a_plain_tensor_attribute_changed_after_optimize_is_read_on_every_call():
+    model = TensorScaled().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32)
+    check(fast, model, x, 1)
+    model.mul.mul_(1.5)  # in place: shared
+    check(fast, model, x, 1)
+    fast.mul = torch.randn(64)  # rebound on the optimized model (the host copy's own attribute)
+    check(fast, lambda x: TensorScaled.forward(fast, x), x, 1)
+
+
+@pytest.mark.parametrize("make", [GPT2MLP, lambda: GatedMLP(act="gelu"), InlineStyle, nerf_mlp])
+def test_weights_changed_after_optimize_are_read_on_every_call(make):
+    model = make().eval()
+    fast = fxfuse.optimize(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    x = torch.randn(3, linears[0].in_features)
+    check(fast, model, x, 1)
+    fast.load_state_dict({k: torch.randn_like(v) * 0.1 for k, v in model.state_dict().items()})
+    check(fast, model, x, 1)
+    for p in model.parameters():
+        p.data = torch.randn_like(p) * 0.1  # (what .to() does without overwriting the parameters)
+    check(fast, model, x, 1)
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    check(fast, model, x, 1)
+    # New Parameters of other hidden widths (a gated MLP's gate and up read the same input: both widened).
+    width = {m: 2 * m.out_features for m in linears[:-1]} | {linears[-1]: linears[-1].out_features}
+    for lin in linears:
+        inner = lin is not linears[0] and not (isinstance(model, GatedMLP) and lin is model.up_proj)
+        lin.weight = nn.Parameter(torch.randn(width[lin], 2 * lin.in_features if inner else lin.in_features) * 0.1)
+        if lin.bias is not None:
+            lin.bias = nn.Parameter(torch.randn(width[lin]) * 0.1)
+    check(fast, model, x, 1)
+
+
+@pytest.mark.parametrize("make", [GPT2MLP, InlineStyle])
+def test_moving_the_original_model_moves_the_optimized_one(make):
+    model = make().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float16, 2e-2), (torch.float32, 1e-5)):
+        model.to(dtype)  # the parameters are shared
+        assert next(fast.parameters()).dtype is dtype
+        check(fast, model, x.to(dtype), 1, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("make", [GPT2MLP, nerf_mlp])
+def test_frozen_weights_and_grad_modes_after_optimize(make):
+    model = make().eval()
+    fast = fxfuse.optimize(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears[0].requires_grad_(False)
+    x = torch.randn(3, linears[0].in_features, requires_grad=True)
+    out = fast(x)
+    out.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    x.grad = None
+    ref = model(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, **TOL)
+    assert linears[0].weight.grad is None
+    for g, want in zip(grads, [x.grad] + [p.grad for p in model.parameters() if p.requires_grad]):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out, ref = fast(x), model(x)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, ref, **TOL)
