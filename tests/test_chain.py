@@ -163,3 +163,20 @@ def test_every_chain_config_on_gpu(dims, dtype):
         assert rel_err(out, ref) < 1e-2, config
         ran += 1
     assert ran >= len(chain_configs()) // 2
+
+
+def test_at_many_rows_only_persistent_chain_configs_compete_where_their_weights_fit():
+    from fxfuse.kernels.chain_template import PERSISTENT_ONLY_ROWS, _config, _prune
+
+    configs = [_config(128, 8, 1, 1, 3, 2), _config(64, 4, 1, 1, 3, 4), _config(128, 4, 1), _config(64, 4, 0)]
+    w0 = torch.empty(0, dtype=torch.float16)
+
+    def kept(pads, rows):
+        args = {f"P{i}": p for i, p in enumerate(pads)} | {"w0_ptr": w0, "M_BUCKET": rows}
+        return [(c.kwargs["BLOCK_M"], c.kwargs["PERSISTENT"]) for c in _prune(configs, args)]
+
+    nerf64 = [32, 64, 64, 64, 16]
+    assert kept(nerf64, PERSISTENT_ONLY_ROWS) == [(128, 1), (64, 1)]  # (the tuner once picked a tile: 72 vs 54 µs)
+    assert kept(nerf64, PERSISTENT_ONLY_ROWS // 2) == [(128, 1), (64, 1), (128, 0), (64, 0)]
+    # Weights too big for shared memory: the one-tile configs that load weights inline, at any number of rows.
+    assert kept([256, 256, 256, 256], PERSISTENT_ONLY_ROWS) == [(64, 0)]

@@ -226,6 +226,8 @@ def chain_configs() -> list[triton.Config]:
 
 # Weights held on chip for the whole program (PRELOAD / PERSISTENT): they must fit in shared memory.
 _WEIGHT_BUDGET = 160 * 1024
+# Rows from which only the persistent configs compete (where their weights fit): thousands of tiles per launch.
+PERSISTENT_ONLY_ROWS = 1 << 18
 
 
 def _prune(configs, named_args, **kwargs):
@@ -242,6 +244,11 @@ def _prune(configs, named_args, **kwargs):
         if (c.kwargs["PRELOAD"] or c.kwargs["PERSISTENT"]) and weight_bytes > _WEIGHT_BUDGET:
             continue
         kept.append(c)
+    # At many rows the persistent loop wins wherever its weights fit (H200: nerf64 54 µs against 72-74 for the
+    # best one-tile config, nerf128 187 against 229), yet the tuner's brief timing picked a one-tile config in about
+    # one fresh process in five (session 46, benchmarks/NOTES.md): there, keep the one-tile configs out of the race.
+    if args.get("M_BUCKET", 0) >= PERSISTENT_ONLY_ROWS and any(c.kwargs["PERSISTENT"] for c in kept):
+        kept = [c for c in kept if c.kwargs["PERSISTENT"]]
     kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
     if not autotune_enabled():
         kept = kept[:1]
