@@ -340,11 +340,11 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
-def _parent_method(orig: Any, state_attr: str, owner: Optional[tuple[type, str]] = None):
-    owner_cls, name = owner if owner is not None else (None, None)
+def _parent_method(orig: Any, state_attr: str, owner: tuple[type, str]):
+    owner_cls, name = owner
 
     def method(self, *args, **kwargs):
-        if owner_cls is not None and getattr(owner_cls, name) is not orig:  # (the class's method patched since)
+        if getattr(owner_cls, name) is not orig:  # (the class's method patched since)
             original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since the hand-off was proven")
             return getattr(owner_cls, name)(self, *args, **kwargs)
         st: _State = self.__dict__[state_attr]

@@ -149,9 +149,7 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
     n_children, hooks, own, inner, glob = kept
     children = self._modules
     # (torch's global hook dicts are read here, not kept: a deep copy of the model would copy kept ones)
-    if len(children) != n_children or any(hooks) or any(GLOBAL_HOOKS):
-        return _what_changed(self, kept)
-    if glob is not None and glob.changed():
+    if len(children) != n_children or any(hooks) or any(GLOBAL_HOOKS) or (glob is not None and glob.changed()):
         return _what_changed(self, kept)
     try:
         if own is not None and (own.read(self.__dict__) != own.values
@@ -212,7 +210,7 @@ def _installed_modules(host: nn.Module, paths: list[str], modal: bool, method: A
 
 def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional[bool], weight_paths: list[str],
                  lifted_paths: Sequence[str] = (), autocast_free: bool = False, shortcut_attr: Optional[str] = None,
-                 modules_attr: Optional[str] = None, owner: Optional[tuple[type, str]] = None):
+                 modules_attr: Optional[str] = None, *, owner: tuple[type, str]):
     """The host method: the fused graph when the guards hold, else the original method.
 
     ``training``: the mode the graph was traced in, ``None`` when the graph is the same in both.
@@ -243,10 +241,10 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
         all(p in lifted_paths for p in weight_paths) else None
     weight_at = in_lifted if in_lifted is not None else range(len(weight_paths))  # the weights' places in ws
 
-    owner_cls, name = owner if owner is not None else (None, None)
+    owner_cls, name = owner
 
     def method(self, *args, **kwargs):
-        if owner_cls is not None and getattr(owner_cls, name) is not orig:  # (patched on the class since)
+        if getattr(owner_cls, name) is not orig:  # (patched on the class since)
             original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since it was fused")
             return getattr(owner_cls, name)(self, *args, **kwargs)
         if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
@@ -428,7 +426,7 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted),
            shortcut_attr, modules_attr)
     fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
-                      shortcut_attr, modules_attr, (type(module), h.method))
+                      shortcut_attr, modules_attr, owner=(type(module), h.method))
     return Install({h.method: (key, fn)}, {h.method: h.scope.gm}, attrs,
                    {modules_attr: (_bypassed(h.scope), training is not None, orig)})
 

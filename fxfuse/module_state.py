@@ -126,7 +126,7 @@ class Settings:
         KeyError: an attribute deleted)."""
         for key, kept in self.nested:
             inner = getattr(state[key], "__dict__", None)
-            if inner is None or kept.read(inner) != kept.values or (kept.nested and kept.nested_changed(inner)):
+            if inner is None or kept.read(inner) != kept.values:  # (one level: kept has no nested of its own)
                 return True
         return False
 
