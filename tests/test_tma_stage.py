@@ -157,6 +157,15 @@ def test_rendered_source():
     assert not codegen.generated_tma_kernel(1, "relu(a0)").HAS_FAST_FORMS
 
 
+@pytest.mark.parametrize("op", sorted(ep.FAST_FORMS))
+def test_each_hardware_form_is_its_op_given_an_exact_tanh(op):
+    """The hardware forms are rearranged for fewer instructions; with ``tanh`` exact in place of ``tanh.approx``
+    each must be its op in float64 (a wrong constant or a dropped term would show at once)."""
+    x = torch.linspace(-12, 12, 4097, dtype=torch.float64)
+    fast = eval(ep.FAST_FORMS[op].format("x"), {"x": x, "_tanh_approx": torch.tanh})  # noqa: S307 (our own text)
+    torch.testing.assert_close(fast, ep.OPS[op].torch(x), rtol=1e-12, atol=1e-12)
+
+
 def test_fast_math_only_for_bf16_on_the_gpu_and_never_with_warp_specialization(monkeypatch):
     monkeypatch.setenv("FXFUSE_AUTOTUNE", "1")
     ws = [c for c in tt.gpu_configs() if c.kwargs["WARP_SPECIALIZE"]]
