@@ -3,8 +3,13 @@
 A strategy runs a region as a sequence of kernels, one after another (each needs the previous one's
 output), so their times add; inside one kernel compute and memory overlap. Hence, per strategy::
 
-    kernel time   = max(FLOPs / (matmul rate · GEMM efficiency), bytes / (copy bandwidth · BANDWIDTH_EFFICIENCY))
+    kernel time   = max(FLOPs / (matmul rate · its GEMM efficiency), bytes / (copy bandwidth · BANDWIDTH_EFFICIENCY))
     predicted µs  = Σ kernel times + launches × per-launch overhead
+
+The GEMM efficiency is the library's (``CUBLAS_EFFICIENCY``) for the original ops' linears and for a stage with no
+pointwise op to fuse (the planner times cuBLAS for every stage, and it wins those), the generated GEMM kernel's
+(``FUSED_GEMM_EFFICIENCY``: Hopper's TMA kernel, else ``TRITON_GEMM_EFFICIENCY``) for a stage with its epilogue,
+and ``TRITON_GEMM_EFFICIENCY`` for the one-kernel strategies.
 
 The kernels (and the bytes each moves) of every strategy:
 
@@ -41,17 +46,23 @@ from .roofline import DEVICES, Ceilings, named_ceilings
 from .spec import MLPSpec
 from .strategy import DECODE, DECODE_GRID_SYNC, FUSED_CHAIN, GATED_GEMM_EPILOGUE, GEMM_EPILOGUE, ORIGINAL_OPS
 
-__all__ = ["BANDWIDTH_EFFICIENCY", "CUBLAS_EFFICIENCY", "DECODE_MAX_ROWS", "STRATEGIES", "TRITON_GEMM_EFFICIENCY",
-           "Kernel", "Prediction", "ceilings_for", "predict", "rank"]
+__all__ = ["BANDWIDTH_EFFICIENCY", "CUBLAS_EFFICIENCY", "DECODE_MAX_ROWS", "FUSED_GEMM_EFFICIENCY", "STRATEGIES",
+           "TRITON_GEMM_EFFICIENCY", "Kernel", "Prediction", "ceilings_for", "predict", "rank"]
 
 log = logging.getLogger(__name__)
 
 # The efficiency factors: the share of a ceiling a real kernel reaches. The ceilings are best cases (an
 # 8192³ cuBLAS matmul, a 1 GiB copy). On the H200 (README table), eager's cuBLAS GEMMs of MLP shapes run at
-# about 0.95 of the first, fxfuse's Triton GEMMs at 0.7-0.9; streaming kernels (weights at decode,
+# about 0.95 of the first, fxfuse's chain kernel at 0.7-0.8; streaming kernels (weights at decode,
 # pointwise ops) at about 0.9 of the second.
-CUBLAS_EFFICIENCY = 0.95  # the original ops' GEMMs
-TRITON_GEMM_EFFICIENCY = 0.8  # every generated kernel's GEMMs
+CUBLAS_EFFICIENCY = 0.95  # the original ops' GEMMs, and a stage cuBLAS runs whole (no pointwise op to fuse)
+TRITON_GEMM_EFFICIENCY = 0.8  # the generated kernels' GEMMs where no better figure is known
+# A stage's GEMM with its epilogue fused, per GPU (a name in the ceilings' name). Hopper runs the persistent TMA
+# kernel (fxfuse.kernels.tma_template): on the H200 at 0.94 of the measured bf16 rate for seed's gated gate+up
+# (116.8 µs), 1.0 for Llama's at 4096 rows (1374 µs), 0.82 for gpt2's fc1 with its GELU (67.2 µs; session 47,
+# benchmarks/probes/probe_fast_forms.py). With 0.8 for it, Llama's region at 4096 rows read as slower fused than
+# as the original ops (2583 against 2346 µs predicted; 2031 against 2258 measured).
+FUSED_GEMM_EFFICIENCY = {"H200": 0.9, "H100": 0.9}
 BANDWIDTH_EFFICIENCY = 0.9
 # Rows one decode launch takes (fxfuse.kernels.decode_template.DECODE_BLOCK_M): above, the decode kernel
 # is no candidate.
@@ -67,6 +78,7 @@ class Kernel:
     name: str  # "linear", "gelu_tanh", "stage 0", "chain", ...
     flops: int
     bytes: int
+    library: bool = False  # its GEMMs run in cuBLAS (CUBLAS_EFFICIENCY), not in a generated kernel
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class Prediction:
     dtype: str
     device: str  # the ceilings used (a GPU name)
     kernels: tuple[Kernel, ...]
-    compute_us: float  # all FLOPs at the GEMM efficiency (cuBLAS or Triton) of the matmul rate
+    compute_us: float  # all FLOPs at each kernel's GEMM efficiency (cuBLAS or generated) of the matmul rate
     memory_us: float  # all bytes at BANDWIDTH_EFFICIENCY of the copy bandwidth
     launch_us: float  # launches × per-launch overhead
     predicted_us: float  # Σ per kernel max(compute, memory) + launch_us
@@ -143,9 +155,13 @@ def predict(spec: Union[MLPSpec, str], widths: Sequence[int], m: int, dtype: Uni
     dtype_name = str(dtype).replace("torch.", "")
     ceil = ceilings or ceilings_for(device_name)
     kernels = tuple(_kernels(spec, widths, m, getattr(torch, dtype_name).itemsize, strategy))
-    rate = ceil.matmul(dtype_name) * (CUBLAS_EFFICIENCY if strategy == ORIGINAL_OPS else TRITON_GEMM_EFFICIENCY)
+    generated = TRITON_GEMM_EFFICIENCY
+    if strategy in (GEMM_EPILOGUE, GATED_GEMM_EPILOGUE):
+        generated = next((e for gpu, e in FUSED_GEMM_EFFICIENCY.items() if gpu.lower() in ceil.name.lower()),
+                         TRITON_GEMM_EFFICIENCY)
+    rate = ceil.matmul(dtype_name)
     bandwidth = ceil.copy_bytes_per_s * BANDWIDTH_EFFICIENCY
-    compute = [k.flops / rate * 1e6 for k in kernels]
+    compute = [k.flops / (rate * (CUBLAS_EFFICIENCY if k.library else generated)) * 1e6 for k in kernels]
     memory = [k.bytes / bandwidth * 1e6 for k in kernels]
     launch_us = len(kernels) * ceil.launch_us
     terms = {"compute": sum(compute), "memory": sum(memory), "launch": launch_us}
@@ -204,15 +220,18 @@ def _kernels(spec: MLPSpec, widths: tuple[int, ...], m: int, es: int, strategy: 
         params = flops = 0
         for has_bias in stage.has_bias:
             p = n * k * es + (n * es if has_bias else 0)
-            eager.append(Kernel("linear", 2 * m * k * n, m * k * es + p + m * n * es))
+            eager.append(Kernel("linear", 2 * m * k * n, m * k * es + p + m * n * es, library=True))
             params += p
             flops += 2 * m * k * n
         params += stage.num_operands * n * es  # operands broadcast along N: at most N elements each
-        for call in _calls(stage.expr):
+        calls = _calls(stage.expr)
+        for call in calls:
             reads = sum(m * n * es if isinstance(a, (ep.Acc, ep.Call)) else n * es if isinstance(a, ep.Operand)
                         else 0 for a in call.args)
             eager.append(Kernel(call.op, 0, reads + m * n * es))
-        stages.append(Kernel(f"stage {i}", flops, m * k * es + params + m * n * es))
+        # A stage with nothing to fuse but a bias (``a0``) is one cuBLAS GEMM, as the planner finds it.
+        stages.append(Kernel(f"stage {i}", flops, m * k * es + params + m * n * es,
+                             library=not calls))
         all_params += params
         k = n
         w += stage.num_linears

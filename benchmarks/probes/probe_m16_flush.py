@@ -86,7 +86,9 @@ PREFETCH_TILES = [(64, 128, 4), (64, 128, 8), (32, 256, 4), (64, 256, 4), (64, 2
                   (128, 128, 8), (32, 512, 4), (16, 512, 4)]
 
 # (block_n, block_k, warps, stages); pointer tiles, weights as tl.dot's wide operand (probe_m16's "ptr").
-TILES = [(64, 128, 4, 3), (64, 256, 4, 1), (32, 512, 4, 1), (32, 512, 4, 2)]
+TILES = [(64, 128, 4, 3), (64, 256, 4, 1), (32, 512, 4, 1), (32, 512, 4, 2),
+         # one stage (plain loads keep their evict_first policy) with more warps in flight (session 47)
+         (64, 256, 8, 1), (128, 128, 8, 1), (64, 512, 8, 1), (32, 1024, 8, 1), (128, 256, 8, 1)]
 
 
 def _line(name, run, flushes, wbytes) -> None:
