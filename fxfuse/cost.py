@@ -230,8 +230,7 @@ def _kernels(spec: MLPSpec, widths: tuple[int, ...], m: int, es: int, strategy: 
                         else 0 for a in call.args)
             eager.append(Kernel(call.op, 0, reads + m * n * es))
         # A stage with nothing to fuse but a bias (``a0``) is one cuBLAS GEMM, as the planner finds it.
-        stages.append(Kernel(f"stage {i}", flops, m * k * es + params + m * n * es,
-                             library=not calls))
+        stages.append(Kernel(f"stage {i}", flops, m * k * es + params + m * n * es, library=not calls))
         all_params += params
         k = n
         w += stage.num_linears
