@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from . import pattern
 from .api import record_backend_report
 from .extern import externalize
 from .ops import is_fused_call
@@ -111,6 +112,7 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     (``torch._inductor.list_options()``, e.g. ``{"max_autotune": True, "triton.cudagraphs": True}``), which
     Inductor gets for the rest of the graph, as ``backend="inductor"`` would.
     """
+    pattern.compiled_with_backend = True  # (a pattern registered from now on resets Dynamo's caches)
     options = dict(options or {})
     inductor = options.pop("inductor", True)
     inductor_patches = _inductor_patches(options)

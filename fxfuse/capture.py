@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 import os
 import sys
 from dataclasses import dataclass, field
@@ -43,8 +44,8 @@ from torch import nn
 
 from .pointwise import is_known_activation
 
-__all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "Scope", "discover", "record_inputs",
-           "trace_scope", "weight_count"]
+__all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "GradModeError", "Scope", "SideEffectError",
+           "discover", "record_inputs", "trace_scope", "weight_count"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class Scope:
     # then autocast as the method's would). False when that could not be watched (another profiler).
     autocast_free: bool = False
     autocast_used: str = ""  # what of the autocast state the code used ("" for nothing): not a host then
+    grad_mode_used: str = ""  # the grad-mode switch the code made (torch.no_grad(), ...): not a host then
+    side_effects: list[str] = field(default_factory=list)  # what the code changed besides tensors: not a host then
     # The path of the submodule of every module call the trace made (leaf or traced into), in order: those the graph
     # does not call as modules skip their hooks, so the installed method checks them (fxfuse.install).
     calls: list[str] = field(default_factory=list)
@@ -115,16 +118,40 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:cut + 1] if cut > 0 else first}"[:200]
 
 
+class _Proxy(fx.Proxy):
+    """A proxy whose in-place operators are recorded as such (``x += y`` is ``operator.iadd(x, y)``): FX's own
+    proxy has none, so Python runs ``x = x + y``, which leaves alone a tensor the caller or a buffer still holds."""
+
+
+def _inplace_operator(op: Any) -> Any:
+    def method(self: _Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    method.__name__ = f"__{op.__name__}__"
+    return method
+
+
+for _op in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+            operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+            operator.irshift):
+    setattr(_Proxy, f"__{_op.__name__}__", _inplace_operator(_op))
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, forced_leaves: set[int], permissive: bool):
         # No autowrapping of ``math`` functions: it rescans each module's globals on every call.
         super().__init__(autowrap_modules=())
+        # Buffers are read through the graph like parameters: FX's default runs code on a buffer while tracing
+        # (``self.buf.mul_(2)`` would change the user's buffer; ``self.buf[:3]`` would be frozen into a constant).
+        self.proxy_buffer_attributes = True
         self.forced_leaves = forced_leaves
         self.permissive = permissive
         self.permissive_used = False
         self.permissive_reason = ""
         self.arg_specs: list[ArgSpec] = []
         self.calls: list[str] = []
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     # --- what stays opaque
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -190,6 +217,7 @@ class _Tracer(fx.Tracer):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind in ("call_function", "call_method", "call_module"):
             node.meta["fxfuse_frames"] = self._frames()
+            node.meta["fxfuse_grad"] = torch.is_grad_enabled()
         return node
 
     def _frames(self) -> tuple:
@@ -253,9 +281,11 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
         tracer.traced_func_name = method
         codes: set = set()
         autocast: list[str] = []
+        grad_modes: list[str] = []
+        stores: list[str] = []
         state = _snapshot(module)
         try:
-            graph = _trace_watching(tracer, module, codes, autocast)
+            graph = _trace_watching(tracer, module, codes, autocast, grad_modes, stores)
             gm = _GraphModule(module, graph, type(module).__name__)
         except Exception as err:
             culprit = getattr(err, "_fxfuse_module", None)
@@ -269,16 +299,24 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
             continue
         finally:
             constants = _take_new_attributes(module, before)
+            effects = _changes(state)
             _restore(state)
         used = _autocast_used(autocast)
         if used and not permissive:
             raise AutocastStateError(f"its code uses the autocast state ({used}), which a traced graph would not "
                                      "follow")
+        effects += [e for e in dict.fromkeys(stores) if e not in effects]
+        if effects and not permissive:
+            raise SideEffectError(f"its code changes state a traced graph would not change ({', '.join(effects[:3])})")
+        grad_mode = ", ".join(dict.fromkeys(grad_modes))
+        if grad_mode and not permissive:
+            raise GradModeError(f"its code switches grad mode ({grad_mode}), which FX does not record: the graph "
+                                "would run those ops with the caller's grad mode")
         leaf_paths = {n.target for n in graph.nodes if n.op == "call_module"}
         opaque = {p for p in leaf_paths if id(module.get_submodule(p)) in forced}
         return Scope(module_path, method, gm, tracer.arg_specs, sorted(opaque), tracer.permissive_used,
                      tracer.permissive_reason, constants, _mode_dependent(gm, codes), autocast_free=not autocast,
-                     autocast_used=used, calls=tracer.calls)
+                     autocast_used=used, grad_mode_used=grad_mode, side_effects=effects, calls=tracer.calls)
     raise RuntimeError(f"too many submodules fail to trace (> {_MAX_LEAF_RETRIES})")
 
 
@@ -294,14 +332,38 @@ class AutocastStateError(RuntimeError):
     """A method's code reads or sets the autocast state: a graph traced from it would not follow it."""
 
 
-def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: list) -> fx.Graph:
-    """``tracer.trace(module)``, collecting the code objects that ran and read a ``training`` attribute, and the
+class GradModeError(RuntimeError):
+    """A method's code switches grad mode (``with torch.no_grad():``): FX records no node for that, so a graph
+    traced from it would compute those ops with gradients (or a chain across it would be fused)."""
+
+
+class SideEffectError(RuntimeError):
+    """A method's code changes Python state as it runs (``self.cache = h``, ``self.calls += 1``,
+    ``log.append(h)`` on a list that outlives the call): the traced graph computes tensors only, so a host
+    running it would skip those changes."""
+
+
+_CONTAINER_WRITES = {"append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem", "remove",
+                     "discard", "clear", "appendleft", "extendleft"}
+# Code whose container writes are its own business (torch, fxfuse, the standard library), not the model's.
+_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.__file__))
+
+
+def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: list, grad_modes: list,
+                    stores: list) -> fx.Graph:
+    """``tracer.trace(module)``, collecting the code objects that ran and read a ``training`` attribute, the
     names of the autocast functions and contexts the code used (``None`` in ``codes`` and ``autocast`` when
-    that cannot be watched: another profiler is installed)."""
+    that cannot be watched: another profiler is installed), the grad-mode switches it made (seen by the
+    profiler, or, without one, as ops recorded in another grad mode than the trace began in) and the writes of
+    the model's code to Python containers that are not its own locals (``log.append(h)``)."""
+    grad_at_start = torch.is_grad_enabled()
     if sys.getprofile() is not None:
         codes.add(None)
         autocast.append(None)
-        return tracer.trace(module)
+        graph = tracer.trace(module)
+        if any(n.meta.get("fxfuse_grad") is not grad_at_start for n in graph.nodes if "fxfuse_grad" in n.meta):
+            grad_modes.append("a grad-mode switch")
+        return graph
 
     def profile(frame, event, arg):
         if event == "call":
@@ -310,8 +372,19 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                 codes.add(code)
             if code.co_filename.endswith("autocast_mode.py"):  # torch.autocast's __enter__, amp's helpers
                 autocast.append(f"torch.amp.{code.co_name}")
-        elif event == "c_call" and "autocast" in getattr(arg, "__name__", ""):  # torch.is_autocast_enabled, ...
-            autocast.append(f"torch.{arg.__name__}")
+            elif code.co_name == "__enter__" and code.co_filename.endswith("grad_mode.py"):  # inference_mode, ...
+                grad_modes.append(f"torch.{code.co_qualname.split('.')[0]}")
+        elif event == "c_call":
+            name = getattr(arg, "__name__", "")
+            if "autocast" in name:  # torch.is_autocast_enabled, ...
+                autocast.append(f"torch.{name}")
+            elif name == "_set_grad_enabled" and not grad_modes:  # (no_grad() etc. were named at __enter__)
+                grad_modes.append("torch.set_grad_enabled")
+            elif name in _CONTAINER_WRITES and type(getattr(arg, "__self__", None)) in (list, dict, set) \
+                    and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+                owner = arg.__self__
+                if not any(v is owner for v in frame.f_locals.values()):
+                    stores.append(f"{type(owner).__name__}.{name} on a {type(owner).__name__} kept outside the call")
 
     sys.setprofile(profile)
     try:
@@ -335,15 +408,37 @@ def _mode_dependent(gm: fx.GraphModule, codes: set) -> bool:
     return False
 
 
-def _snapshot(module: nn.Module) -> list[tuple[nn.Module, dict, dict, dict]]:
+_State = list[tuple[nn.Module, dict, dict, dict, dict]]
+_MISSING = object()
+
+
+def _snapshot(module: nn.Module) -> _State:
     """The attributes of every module below ``module`` (model code may cache values on modules while it
-    runs: with a tracer those would be proxies)."""
-    return [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    runs: with a tracer those would be proxies), and the sizes of the public lists, dicts and sets among them."""
+    return [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers),
+             {k: len(v) for k, v in vars(m).items() if type(v) in (list, dict, set) and not k.startswith("_")})
+            for m in module.modules()]
 
 
-def _restore(state: list[tuple[nn.Module, dict, dict, dict]]) -> None:
+def _changes(state: _State) -> list[str]:
+    """What tracing set on the modules of ``state`` (``self.cache = h``, ``self.calls += 1``, a list attribute
+    appended to): a graph would not do that on each call."""
+    out = []
+    for m, attrs, params, buffers, sizes in state:
+        current = vars(m)
+        for k in sorted(current.keys() | attrs.keys()):
+            new = current.get(k, _MISSING)
+            if new is not attrs.get(k, _MISSING) or (k in sizes and len(new) != sizes[k]):
+                out.append(f"{type(m).__name__}.{k}")
+        for live, saved in ((m._parameters, params), (m._buffers, buffers)):
+            out += [f"{type(m).__name__}.{k}" for k in sorted(live.keys() | saved.keys())
+                    if live.get(k, _MISSING) is not saved.get(k, _MISSING)]
+    return out
+
+
+def _restore(state: _State) -> None:
     """Undo whatever tracing changed on the user's modules."""
-    for m, attrs, params, buffers in state:
+    for m, attrs, params, buffers, _ in state:
         current = vars(m)
         if current.keys() != attrs.keys() or any(current[k] is not v for k, v in attrs.items()):
             current.clear()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import logging
 import sys
 import threading
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -82,20 +83,27 @@ def _trace(fn: Callable) -> fx.GraphModule:
 
 def compile_pattern(fn: Callable, *, name: Optional[str] = None, replacement: Optional[Callable] = None,
                     builtin: bool = False) -> Pattern:
-    """Trace, normalize and check ``fn``; raise ``ValueError`` if it is not a Linear→…→Linear chain."""
-    name = name or getattr(fn, "__name__", "pattern")
+    """Trace, normalize and check ``fn``; raise ``ValueError`` if it is not a Linear→…→Linear chain, ``TypeError``
+    if ``fn``, ``name`` or ``replacement`` is not what a pattern takes."""
+    if not inspect.isfunction(fn):
+        raise TypeError(f"a pattern is a plain function over tensors (def mlp(x, w1, b1, w2, b2): ...), got "
+                        f"{type(fn).__name__}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"a pattern's name is a non-empty string, got {name!r}")
+    name = name or fn.__name__
     gm = _trace(fn)
     normalize(gm)
     view = build_view(gm, wildcard_target=pointwise)
     params = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
     out = gm.graph.output_node().args[0]
     if not (isinstance(out, fx.Node) and is_linear(out)):
-        raise ValueError(f"pattern {name!r} must return the result of a linear (F.linear / x @ w)")
+        raise ValueError(f"pattern {name!r} must return the result of a linear (spelled F.linear(x, w, b) in a "
+                         "pattern: it matches x @ w.t() + b, nn.Linear and addmm in models alike)")
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or is_linear(node) or node in view.cluster_of:
             continue
-        raise ValueError(f"pattern {name!r}: unsupported op {node.format_node()} (only linears and supported "
-                         "pointwise ops may appear)")
+        raise ValueError(f"pattern {name!r}: unsupported op {node.format_node()} (only linears, spelled "
+                         "F.linear(x, w, b), and supported pointwise ops may appear)")
     for c in view.clusters:
         if len(c.exits) != 1 or not c.linear_inputs:
             raise ValueError(f"pattern {name!r}: each pointwise middle must read a linear and feed one linear")
@@ -106,7 +114,26 @@ def compile_pattern(fn: Callable, *, name: Optional[str] = None, replacement: Op
     for lin in view.linears:
         if any(a is not None and a.op != "placeholder" for a in lin.args[1:]):
             raise ValueError(f"pattern {name!r}: weights and biases must be pattern arguments")
+    if replacement is not None:
+        _check_replacement(name, replacement, view, params)
     return Pattern(name, fn, replacement, gm, view, params, builtin)
+
+
+def _check_replacement(name: str, replacement: Any, view: GraphView, params: tuple[str, ...]) -> None:
+    """A replacement is called with the pattern's arguments by name: it must take them, and see all of the math."""
+    if not callable(replacement):
+        raise TypeError(f"pattern {name!r}: replacement must be callable, got {type(replacement).__name__}")
+    if any(c.wildcard for c in view.clusters):
+        raise ValueError(f"pattern {name!r}: a pattern with pointwise(...) cannot take a replacement (it would be "
+                         "called without the model's middle); spell the middle out, e.g. torch.relu(...) * scale")
+    try:
+        inspect.signature(replacement).bind(**dict.fromkeys(params))
+    except TypeError as err:
+        call = ", ".join(f"{p}=..." for p in params)
+        raise TypeError(f"pattern {name!r}: replacement is called as replacement({call}) and cannot take that "
+                        f"({err})") from None
+    except ValueError:  # no signature to read (a builtin): checked when called
+        pass
 
 
 _lock = threading.Lock()
@@ -118,7 +145,11 @@ def register_pattern(pattern_fn: Callable, *, name: Optional[str] = None,
                      replacement: Optional[Callable] = None) -> Pattern:
     """Register a user pattern (tried before the built-ins; the most recent first). Returns the :class:`Pattern`.
 
-    A pattern already registered under the same name is replaced.
+    A pattern already registered under the same name is replaced. ``replacement`` (optional) is called instead of
+    the generated kernel, with the pattern's arguments by name (``replacement(x=..., w1=..., ...)``); a pattern
+    with a replacement matches only models whose linears have a bias exactly where the pattern's have one.
+    Models already compiled with ``torch.compile(backend="fxfuse")`` are compiled again on their next call
+    (Dynamo's caches are reset), so they see the change.
 
     Example:
         >>> import torch.nn.functional as F
@@ -129,16 +160,44 @@ def register_pattern(pattern_fn: Callable, *, name: Optional[str] = None,
         >>> unregister_pattern("relu_scale")
     """
     pat = compile_pattern(pattern_fn, name=name, replacement=replacement)
+    if pat.name in {p.name for p in builtin_patterns()}:
+        raise ValueError(f"pattern name {pat.name!r} is a built-in pattern's; pass name=... to register it")
     with _lock:
         _user[:] = [p for p in _user if p.name != pat.name]
         _user.insert(0, pat)
+    _patterns_changed()
     return pat
 
 
-def unregister_pattern(name: str) -> None:
-    """Remove the user pattern called ``name`` (no error if absent)."""
+def unregister_pattern(pattern: Union[str, Callable, Pattern]) -> None:
+    """Remove a user pattern: by name, or the :class:`Pattern` or function that was registered (no error if absent)."""
+    if isinstance(pattern, Pattern):
+        name = pattern.name
+    elif isinstance(pattern, str):
+        name = pattern
+    else:
+        with _lock:
+            names = [p.name for p in _user if p.fn is pattern]
+        name = names[0] if names else getattr(pattern, "__name__", None)
     with _lock:
+        before = len(_user)
         _user[:] = [p for p in _user if p.name != name]
+        removed = len(_user) != before
+    if removed:
+        _patterns_changed()
+    else:
+        log.debug("fxfuse: unregister_pattern(%r): no user pattern of that name", name)
+
+
+# Set by the torch.compile backend on its first compile: only then can Dynamo hold graphs fused by old patterns.
+compiled_with_backend = False
+
+
+def _patterns_changed() -> None:
+    """Dynamo caches what the backend returned per code object: drop that, so the patterns in force now apply."""
+    if compiled_with_backend:
+        log.info("fxfuse: patterns changed: torch._dynamo.reset() so compiled models use them")
+        torch._dynamo.reset()
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 For every pattern (user patterns first) and every match of it in the graph, the chain of stages is read
 back from the model graph, then checked: the values inside the chain are used nowhere else, the linears
 of a gated stage read the same input, weights are 2-D, biases ``[N]``, operands broadcast along the last
-dim, dtypes agree and are fp16/bf16/fp32, devices agree, operands do not depend on the chain. Matches that
+dim, dtypes agree and are fp16/bf16/fp32, devices agree, operands do not depend on the chain, and nothing
+between the chain's first and last op writes in place or switches grad mode (:mod:`fxfuse.hazards`). Matches that
 share a linear (``Linear→act→Linear`` and ``Linear→act→Linear`` after it) are merged into longer chains.
 Linears linked by ops that cannot be fused are reported as near misses (:mod:`fxfuse.rejections`).
 
@@ -25,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from .cluster import ClusterEpilogue
+from .hazards import hazard
 from .match import GraphView, build_view, match
 from .meta import TensorInfo, tensor_info
 from .normalize import is_linear
@@ -186,6 +188,8 @@ def _bind_arguments(view: GraphView, pat: Pattern, mapping: dict) -> dict | str:
             return None if m_node is None else "pattern linear has no bias but the model's has one"
         if p_node.op != "placeholder":
             return None
+        if m_node is None:  # (the replacement would get None for an argument its pattern declares)
+            return f"the pattern's linear has a bias ({p_node.target}) but the model's has none"
         if p_node.target in bound and bound[p_node.target] is not m_node:
             return f"pattern argument {p_node.target!r} matches different model nodes"
         bound[p_node.target] = m_node
@@ -239,7 +243,15 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
             if _depends_on(view, v, inside, first):  # (say which op: the name alone reads like a bug)
                 return f"operand {v.name} depends on the chain itself ({describe(v, gm)} is not a supported " \
                     "pointwise op)"
-    # 2. Nothing inside the chain (but its output) may be used outside it.
+    # 2. Nothing between the chain's first op and its last may write in place or switch a mode: the fused call
+    #    runs at the last op, reading what the first op read (fxfuse.hazards).
+    last = view.order[stages[-1].linears[0]]
+    for n in gm.graph.nodes:
+        if n not in inside and first < view.order[n] < last:
+            what = hazard(n, gm)
+            if what:
+                return f"{what} runs between the chain's first and last linear: {n.name}"
+    # 3. Nothing inside the chain (but its output) may be used outside it.
     for i, s in enumerate(stages[:-1]):
         nxt = set(stages[i + 1].linears)
         epi_nodes = set(s.epilogue.nodes) if s.epilogue else set()
@@ -251,7 +263,7 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
                 return f"intermediate used elsewhere: {n.name} is also used by {', '.join(u.name for u in extra)}"
             if n is last and any(u.args[1:].count(n) for u in n.users if u in nxt):
                 return f"intermediate used elsewhere: {n.name} is used as a weight or bias"
-    # 3. Shapes: 2-D weights, [N] biases, contraction over the last dim, broadcastable operands.
+    # 4. Shapes: 2-D weights, [N] biases, contraction over the last dim, broadcastable operands.
     x_info = tensor_info(gm, stages[0].linears[0].args[0])
     infos: list[tuple[str, TensorInfo]] = [("input", x_info)] if x_info is not None else []
     k = x_info.shape[-1] if x_info is not None and x_info.ndim else None
@@ -295,7 +307,7 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
                 if n_info is not None:
                     infos.append((n.name, n_info))
         k = n_out
-    # 4. One supported dtype, one device.
+    # 5. One supported dtype, one device.
     dtypes = {i.dtype for _, i in infos}
     for dtype in dtypes:
         if dtype not in SUPPORTED_DTYPES:

@@ -144,7 +144,9 @@ for _name in ["relu", "sigmoid", "tanh", "neg", "negative", "exp", "log", "abs",
               "clamp", "clip", "clamp_min", "clamp_max", "square"]:
     _FUNCTIONS[getattr(torch, _name)] = _name
 _INPLACE_FUNCTIONS: dict[Any, str] = {torch.relu_: "relu", F.relu_: "relu", torch.sigmoid_: "sigmoid",
-                                      torch.tanh_: "tanh", F.leaky_relu_: "leaky_relu", F.hardtanh_: "hardtanh"}
+                                      torch.tanh_: "tanh", F.leaky_relu_: "leaky_relu", F.hardtanh_: "hardtanh",
+                                      operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
+                                      operator.itruediv: "div"}  # (x += y: how Dynamo and fxfuse's tracer record it)
 
 _MODULES: dict[type, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
     nn.ReLU: lambda m, x, b: b.call("relu", x),

@@ -335,13 +335,16 @@ def test_user_pattern_with_replacement(form):
         return F.linear(torch.relu(F.linear(x, w1, b1)) * scale, w2, b2)
 
     with registered(relu_scale, name="scaled", replacement=replacement):
-        gm, (r,), _ = plan(ReluScale(bias1=False), form, torch.randn(4, 8))
+        gm, (r,), _ = plan(ReluScale(), form, torch.randn(4, 8))
+        # A replacement gets every argument its pattern declares: fc1 without a bias is not its match.
+        _, (r_no_bias,), _ = plan(ReluScale(bias1=False), form, torch.randn(4, 8))
     fc1, fc2 = [n for n in gm.graph.nodes if is_linear(n)]
     assert r.pattern == "scaled" and r.replacement is replacement
     args = r.replacement_args
     assert list(args) == ["x", "w1", "b1", "scale", "w2", "b2"]
-    assert args["x"] is fc1.args[0] and args["w1"] is fc1.args[1] and args["b1"] is None
+    assert args["x"] is fc1.args[0] and args["w1"] is fc1.args[1] and args["b1"] is fc1.args[2]
     assert args["scale"] is r.operands[0] and args["w2"] is fc2.args[1] and args["b2"] is fc2.args[2]
+    assert r_no_bias.pattern == "mlp" and r_no_bias.replacement is None
 
 
 def test_concrete_pattern_does_not_match_other_math():
@@ -372,6 +375,60 @@ def test_bad_patterns_are_refused():
         compile_pattern(lambda x, w: torch.relu(F.linear(x, w)))
     with pytest.raises(ValueError, match="unsupported op"):
         compile_pattern(lambda x, w1, w2: F.linear(torch.erfinv(F.linear(x, w1)), w2))
+
+
+def _mlp(x, w1, b1, w2, b2):
+    return F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+def _wild(x, w1, b1, w2, b2):
+    return F.linear(pointwise(F.linear(x, w1, b1)), w2, b2)
+
+
+@pytest.mark.parametrize("fn, kwargs, error, message", [
+    (42, {}, TypeError, "a pattern is a plain function over tensors"),
+    (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), {}, TypeError, "got Sequential"),
+    (_mlp, {"name": 123}, TypeError, "non-empty string"),
+    (_mlp, {"name": "mlp"}, ValueError, "is a built-in pattern's"),
+    (_mlp, {"replacement": 5}, TypeError, "replacement must be callable"),
+    (_mlp, {"replacement": lambda inp, weight1, bias1, weight2, bias2: inp}, TypeError,
+     r"called as replacement\(x=..., w1=..., b1=..., w2=..., b2=...\)"),
+    (_wild, {"replacement": _mlp}, ValueError, "cannot take a replacement"),
+    (lambda x, w1, b1, w2, b2: F.linear(torch.relu(x @ w1.t() + b1), w2, b2), {}, ValueError,
+     r"spelled F.linear\(x, w, b\)"),
+])
+def test_register_pattern_refuses_what_it_cannot_honour_with_a_clear_error(fn, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        register_pattern(fn, **kwargs)
+    assert [p.name for p in all_patterns()] == ["gated_mlp", "mlp"]
+
+
+@pytest.mark.parametrize("handle", ["name", "function", "pattern"])
+def test_unregister_pattern_by_name_function_or_pattern(handle):
+    pat = register_pattern(_mlp, name="mine")
+    unregister_pattern({"name": "mine", "function": _mlp, "pattern": pat}[handle])
+    assert [p.name for p in all_patterns()] == ["gated_mlp", "mlp"]
+
+
+def test_compiled_models_follow_a_pattern_unregistered_after_they_compiled():
+    """Dynamo caches a compiled forward per code object: a change of patterns resets it, so no model keeps
+    calling the replacement of a pattern that is gone."""
+    def sevens(x, w1, b1, w2, b2):
+        return torch.full((*x.shape[:-1], w2.shape[0]), 7.0)
+
+    model = MLP(nn.ReLU()).eval()
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    register_pattern(_mlp, name="sevens", replacement=sevens)
+    try:
+        with torch.no_grad():
+            assert torch.all(torch.compile(model, backend="fxfuse", options={"inductor": False})(x) == 7.0)
+    finally:
+        unregister_pattern("sevens")
+    other = MLP(nn.ReLU()).eval()
+    with torch.no_grad():
+        got = torch.compile(other, backend="fxfuse", options={"inductor": False})(x)
+        torch.testing.assert_close(got, other(x), rtol=1e-5, atol=1e-5)
 
 
 def test_patterns_are_traced_once():

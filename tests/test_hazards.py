@@ -1,0 +1,295 @@
+"""A chain with an in-place write or a grad-mode switch between its first and last op is not fused (the fused call
+runs at the last op), through every entry point; tracing runs no code on the user's tensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxfuse
+from fxfuse.hazards import hazard
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class InputWritten(nn.Module):
+    """The residual stream is updated in place after fc1 read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        x += 1.0
+        return x + self.fc2(h)
+
+
+class BufferViewWritten(nn.Module):
+    """The chain reads a view of a buffer that is scaled in place before fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.register_buffer("buf", torch.randn(4, 16))
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(self.buf[:3]))
+        self.buf.mul_(2.0)
+        return self.fc2(h) + x
+
+
+class GatedInputWritten(nn.Module):
+    """Between a gated MLP's gate and up linears, their shared input is scaled in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        g = self.gate(x)
+        x.mul_(2.0)
+        return self.down(F.silu(g) * self.up(x))
+
+
+class WeightWritten(nn.Module):
+    """fc1's weight is halved after its use (a weight update in the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        with torch.no_grad():
+            self.fc1.weight.mul_(0.5)
+        return self.fc2(h)
+
+
+class FrozenProjection(nn.Module):
+    """Linear probing: a frozen projection under no_grad, a trained head after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            feats = F.gelu(self.proj(x))
+        return self.head(feats)
+
+
+class FrozenHead(nn.Module):
+    """fc1 trained, fc2 under no_grad, another trained branch beside."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.other = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        with torch.no_grad():
+            y = self.fc2(h)
+        return y + self.other(x)
+
+
+def _entry(kind: str, model: nn.Module):
+    if kind == "optimize":
+        return fxfuse.optimize(model)
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxfuse", options={"inductor": False})
+
+
+def _report(kind: str, runner, before: tuple[int, int]) -> fxfuse.FusionReport:
+    """The report of ``runner``: for the compile backend (whose report covers every graph it compiled in this
+    process), only what came after ``before`` (the counts of regions and rejections then)."""
+    if kind == "optimize":
+        return fxfuse.report(runner)
+    r = fxfuse.report()
+    return fxfuse.FusionReport(regions=r.regions[before[0]:], rejections=r.rejections[before[1]:])
+
+
+def _counts() -> tuple[int, int]:
+    r = fxfuse.report()
+    return len(r.regions), len(r.rejections)
+
+
+@pytest.mark.parametrize("kind", ["optimize", "compile"])
+@pytest.mark.parametrize("cls", [InputWritten, BufferViewWritten, GatedInputWritten, WeightWritten])
+def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why(kind, cls):
+    model = cls().to(DEVICE).eval()
+    ref = copy.deepcopy(model)
+    before = _counts()
+    runner = _entry(kind, model)
+    x = torch.randn(3, 16, device=DEVICE)
+    x_fused, x_eager = x.clone(), x.clone()
+    with torch.no_grad():
+        for _ in range(2):  # the second call sees the state the first one wrote
+            got, want = runner(x_fused), ref(x_eager)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_fused, x_eager)  # the caller's tensor is written as eager writes it
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    report = _report(kind, runner, before)
+    assert not report.regions
+    if kind == "compile" or cls is not WeightWritten:  # (optimize: that forward switches grad mode, said so)
+        assert any("in-place op" in r.reason and "between the chain's first and last linear" in r.reason
+                   for r in report.rejections), [r.reason for r in report.rejections]
+
+
+@pytest.mark.parametrize("kind", ["optimize", "compile"])
+@pytest.mark.parametrize("cls", [FrozenProjection, FrozenHead])
+def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls):
+    model = cls().to(DEVICE)
+    ref = copy.deepcopy(model)
+    before = _counts()
+    runner = _entry(kind, model)
+    x = torch.randn(4, 16, device=DEVICE)
+    got, want = runner(x), ref(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    report = _report(kind, runner, before)
+    assert not report.regions
+    reasons = " ".join(r.reason for r in report.rejections)
+    assert ("switches grad mode" in reasons) if kind == "optimize" else ("mode switch (_set_grad_enabled" in reasons)
+
+
+def test_a_chain_wholly_inside_no_grad_still_fuses_in_its_own_module():
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+            self.head = nn.Linear(16, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                z = self.enc(x)
+            return self.head(z)
+
+    model = Encoder().to(DEVICE)
+    ref = copy.deepcopy(model)
+    opt = fxfuse.optimize(model)
+    x = torch.randn(4, 16, device=DEVICE)
+    got, want = opt(x), ref(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    assert model.enc[0].weight.grad is None and model.head.weight.grad is not None
+    assert [r.module_path for r in fxfuse.report(opt).regions] == ["enc"]
+
+
+def test_tracing_runs_no_code_on_the_users_buffers():
+    model = BufferViewWritten()
+    before = model.buf.clone()
+    fxfuse.optimize(model)
+    torch.testing.assert_close(model.buf, before, rtol=0, atol=0)
+
+
+def test_an_inplace_add_on_a_fresh_intermediate_is_fused():
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            h += 1.0  # nobody else sees h: the same as h = h + 1
+            return self.fc2(F.gelu(h))
+
+    model = Shifted().to(DEVICE).eval()
+    opt = fxfuse.optimize(model)
+    x = torch.randn(5, 16, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    assert [r.spec for r in fxfuse.report(opt).regions] == ["1b:gelu(add(1.0,a0));1b:a0"]
+
+
+def test_what_counts_as_a_hazard():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    nodes = {
+        "add_": graph.call_method("add_", (x, 1)),
+        "iadd": graph.call_function(__import__("operator").iadd, (x, 1)),
+        "relu inplace": graph.call_function(F.relu, (x, True)),
+        "out=": graph.call_function(torch.add, (x, x), {"out": x}),
+        "aten copy_": graph.call_function(torch.ops.aten.copy_.default, (x, x)),
+        "no_grad": graph.call_function(torch._C._set_grad_enabled, (False,)),
+        "add": graph.call_function(torch.add, (x, 1)),
+        "relu": graph.call_function(F.relu, (x,)),
+        "view": graph.call_method("view", (x, -1)),
+    }
+    found = {name: hazard(node) for name, node in nodes.items()}
+    assert all(found[name] for name in ("add_", "iadd", "relu inplace", "out=", "aten copy_", "no_grad")), found
+    assert not any(found[name] for name in ("add", "relu", "view")), found
+
+
+_LOG: list = []
+
+
+class KeepsActivation(nn.Module):
+    """Python state changed in the forward: an attribute, a counter, a list outside the call."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.how, self.cache, self.calls = how, None, 0
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        if self.how == "attribute":
+            self.cache = h
+        elif self.how == "counter":
+            self.calls += 1
+        else:
+            _LOG.append(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("how", ["attribute", "counter", "list"])
+def test_a_method_that_changes_python_state_keeps_running_its_code(how):
+    model = KeepsActivation(how).eval()
+    opt = fxfuse.optimize(model)
+    _LOG.clear()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = model(x)
+        calls = opt.calls
+        torch.testing.assert_close(opt(x), want)
+    report = fxfuse.report(opt)
+    assert not report.regions
+    assert any("changes state a traced graph would not change" in r.reason for r in report.rejections)
+    if how == "attribute":
+        assert isinstance(opt.cache, torch.Tensor)
+    elif how == "counter":
+        assert opt.calls == calls + 1
+    else:
+        assert len(_LOG) == 2
+
+
+def test_local_lists_in_a_forward_do_not_stop_fusion():
+    class Gathers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            parts = []
+            parts.append(self.fc2(F.gelu(self.fc1(x))))
+            parts.append(x)
+            return torch.cat(parts, -1)
+
+    model = Gathers().eval()
+    opt = fxfuse.optimize(model)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(fxfuse.report(opt).regions) == 1
