@@ -13,7 +13,8 @@ from torch import nn
 import fxfuse
 from fxfuse.hazards import hazard
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# On the GPU machine (``-m gpu``) the same checks run with the CUDA kernels.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 class InputWritten(nn.Module):
@@ -118,14 +119,15 @@ def _counts() -> tuple[int, int]:
     return len(r.regions), len(r.rejections)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["optimize", "compile"])
 @pytest.mark.parametrize("cls", [InputWritten, BufferViewWritten, GatedInputWritten, WeightWritten])
-def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why(kind, cls):
-    model = cls().to(DEVICE).eval()
+def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why(kind, cls, device):
+    model = cls().to(device).eval()
     ref = copy.deepcopy(model)
     before = _counts()
     runner = _entry(kind, model)
-    x = torch.randn(3, 16, device=DEVICE)
+    x = torch.randn(3, 16, device=device)
     x_fused, x_eager = x.clone(), x.clone()
     with torch.no_grad():
         for _ in range(2):  # the second call sees the state the first one wrote
@@ -141,14 +143,15 @@ def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why
                    for r in report.rejections), [r.reason for r in report.rejections]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["optimize", "compile"])
 @pytest.mark.parametrize("cls", [FrozenProjection, FrozenHead])
-def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls):
-    model = cls().to(DEVICE)
+def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls, device):
+    model = cls().to(device)
     ref = copy.deepcopy(model)
     before = _counts()
     runner = _entry(kind, model)
-    x = torch.randn(4, 16, device=DEVICE)
+    x = torch.randn(4, 16, device=device)
     got, want = runner(x), ref(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     got.square().sum().backward()
@@ -163,7 +166,8 @@ def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls):
     assert ("switches grad mode" in reasons) if kind == "optimize" else ("mode switch (_set_grad_enabled" in reasons)
 
 
-def test_a_chain_wholly_inside_no_grad_still_fuses_in_its_own_module():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_chain_wholly_inside_no_grad_still_fuses_in_its_own_module(device):
     class Encoder(nn.Module):
         def __init__(self):
             super().__init__()
@@ -175,10 +179,10 @@ def test_a_chain_wholly_inside_no_grad_still_fuses_in_its_own_module():
                 z = self.enc(x)
             return self.head(z)
 
-    model = Encoder().to(DEVICE)
+    model = Encoder().to(device)
     ref = copy.deepcopy(model)
     opt = fxfuse.optimize(model)
-    x = torch.randn(4, 16, device=DEVICE)
+    x = torch.randn(4, 16, device=device)
     got, want = opt(x), ref(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     got.sum().backward()
@@ -194,7 +198,8 @@ def test_tracing_runs_no_code_on_the_users_buffers():
     torch.testing.assert_close(model.buf, before, rtol=0, atol=0)
 
 
-def test_an_inplace_add_on_a_fresh_intermediate_is_fused():
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_inplace_add_on_a_fresh_intermediate_is_fused(device):
     class Shifted(nn.Module):
         def __init__(self):
             super().__init__()
@@ -205,9 +210,9 @@ def test_an_inplace_add_on_a_fresh_intermediate_is_fused():
             h += 1.0  # nobody else sees h: the same as h = h + 1
             return self.fc2(F.gelu(h))
 
-    model = Shifted().to(DEVICE).eval()
+    model = Shifted().to(device).eval()
     opt = fxfuse.optimize(model)
-    x = torch.randn(5, 16, device=DEVICE)
+    x = torch.randn(5, 16, device=device)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
     assert [r.spec for r in fxfuse.report(opt).regions] == ["1b:gelu(add(1.0,a0));1b:a0"]
