@@ -29,6 +29,7 @@ Nothing is copied: graphs reference the user's modules and parameters.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import logging
 import operator
@@ -365,11 +366,16 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
             grad_modes.append("a grad-mode switch")
         return graph
 
+    watched: dict[tuple[int, str], tuple[dict, str, Any]] = {}  # (globals, name) -> the value before
+
     def profile(frame, event, arg):
         if event == "call":
             code = frame.f_code
             if "training" in code.co_names:
                 codes.add(code)
+            for name in _stored_globals(code):  # (model code with ``global N``: is N changed by the end?)
+                watched.setdefault((id(frame.f_globals), name), (frame.f_globals, name,
+                                                                 frame.f_globals.get(name, _MISSING)))
             if code.co_filename.endswith("autocast_mode.py"):  # torch.autocast's __enter__, amp's helpers
                 autocast.append(f"torch.amp.{code.co_name}")
             elif code.co_name == "__enter__" and code.co_filename.endswith("grad_mode.py"):  # inference_mode, ...
@@ -391,6 +397,26 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
         return tracer.trace(module)
     finally:
         sys.setprofile(None)
+        for g, name, old in watched.values():
+            if g.get(name, _MISSING) is not old:  # recorded, and undone: tracing leaves the model's module as it was
+                stores.append(f"global {name}")
+                if old is _MISSING:
+                    g.pop(name, None)
+                else:
+                    g[name] = old
+
+
+_GLOBAL_STORES: dict[Any, tuple[str, ...]] = {}
+
+
+def _stored_globals(code: Any) -> tuple[str, ...]:
+    """The module globals a code object of the model's assigns or deletes (``global N; N += 1``)."""
+    names = _GLOBAL_STORES.get(code)
+    if names is None:
+        names = () if code.co_filename.startswith(_LIBRARY_DIRS) else tuple(
+            ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"))
+        _GLOBAL_STORES[code] = names
+    return names
 
 
 _DROPOUT_TARGETS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d,

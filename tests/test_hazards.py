@@ -238,6 +238,7 @@ def test_what_counts_as_a_hazard():
 
 
 _LOG: list = []
+_CALLS = 0
 
 
 class KeepsActivation(nn.Module):
@@ -254,15 +255,20 @@ class KeepsActivation(nn.Module):
             self.cache = h
         elif self.how == "counter":
             self.calls += 1
+        elif self.how == "global":
+            global _CALLS
+            _CALLS += 1
         else:
             _LOG.append(h)
         return self.fc2(h)
 
 
-@pytest.mark.parametrize("how", ["attribute", "counter", "list"])
+@pytest.mark.parametrize("how", ["attribute", "counter", "global", "list"])
 def test_a_method_that_changes_python_state_keeps_running_its_code(how):
     model = KeepsActivation(how).eval()
+    calls_before = _CALLS
     opt = fxfuse.optimize(model)
+    assert _CALLS == calls_before  # tracing ran the code, and undid what it did to the module's globals
     _LOG.clear()
     x = torch.randn(3, 16)
     with torch.no_grad():
@@ -276,6 +282,8 @@ def test_a_method_that_changes_python_state_keeps_running_its_code(how):
         assert isinstance(opt.cache, torch.Tensor)
     elif how == "counter":
         assert opt.calls == calls + 1
+    elif how == "global":
+        assert _CALLS == calls_before + 2
     else:
         assert len(_LOG) == 2
 
