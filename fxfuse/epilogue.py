@@ -66,11 +66,12 @@ def _pow(x, c):
 
 
 # Activations are written on fp32 values, tutorial style; tanh goes through sigmoid
-# (0.5 * (1 + tanh(z)) == sigmoid(2z)) because Triton has no portable tanh.
+# (0.5 * (1 + tanh(z)) == sigmoid(2z)) because Triton has no portable tanh. Maxima and minima propagate NaN, as
+# torch.relu / clamp / maximum do (Triton's default returns the other operand: a NaN would vanish).
 OPS: dict[str, OpDef] = {
     op.name: op
     for op in [
-        OpDef("relu", 1, "tl.maximum({0}, 0.0)", torch.relu),
+        OpDef("relu", 1, "tl.maximum({0}, 0.0, propagate_nan=tl.PropagateNan.ALL)", torch.relu),
         OpDef("gelu", 1, "0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476))", F.gelu),
         OpDef(
             "gelu_tanh",
@@ -93,10 +94,10 @@ OPS: dict[str, OpDef] = {
         OpDef("sub", 2, "({0} - {1})", torch.sub),
         OpDef("mul", 2, "({0} * {1})", torch.mul, commutative=True),
         OpDef("div", 2, "({0} / {1})", torch.div),
-        OpDef("maximum", 2, "tl.maximum({0}, {1})", torch.maximum, commutative=True),
-        OpDef("minimum", 2, "tl.minimum({0}, {1})", torch.minimum, commutative=True),
-        OpDef("clamp_min", 2, "tl.maximum({0}, {1})", torch.clamp_min),
-        OpDef("clamp_max", 2, "tl.minimum({0}, {1})", torch.clamp_max),
+        OpDef("maximum", 2, "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.maximum, commutative=True),
+        OpDef("minimum", 2, "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.minimum, commutative=True),
+        OpDef("clamp_min", 2, "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.clamp_min),
+        OpDef("clamp_max", 2, "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.clamp_max),
         # Only small integer powers (and 0.5) are allowed: see ``_check_pow``.
         OpDef("pow", 2, "<pow>", _pow),
     ]

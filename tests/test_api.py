@@ -389,3 +389,27 @@ def test_torch_export_keeps_the_fused_op():
     targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert targets == [FUSED_OP]
     check_same_function(model, exported.module(), x)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU6(), nn.Hardtanh(), "relu_squared"])
+def test_a_nan_in_the_input_reaches_the_output_as_in_eager(device, act):
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.act = act if isinstance(act, nn.Module) else None
+
+        def forward(self, x):
+            h = self.fc1(x)
+            return self.fc2(torch.relu(h) ** 2 if self.act is None else self.act(h))
+
+    model = MLP().to(device).eval()
+    fast = fxfuse.optimize(model)
+    assert len(fxfuse.report(fast).regions) == 1
+    x = torch.randn(4, 8, device=device)
+    x[1, 3] = float("nan")
+    with torch.no_grad():
+        got, want = fast(x), model(x)
+    assert torch.isnan(want[1]).all() and torch.isnan(got[1]).all()
+    torch.testing.assert_close(got[[0, 2, 3]], want[[0, 2, 3]], rtol=1e-5, atol=1e-5)

@@ -534,3 +534,20 @@ def test_a_library_stage_must_beat_the_gemv_kernel_by_a_margin(monkeypatch, grap
     assert chosen(4096, 11.8, 10.9) == ("torch" if graphed else "gemv")  # (gpt2m_mlp_m8's down projection)
     assert chosen(4104, 11.8, 10.0) == "torch"
     assert chosen(4112, 11.8, 12.5) == "gemv"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m", [4, 96])
+def test_every_stage_implementation_keeps_a_nan_as_relu_does(device, m):
+    """``torch.relu(nan)`` is nan: a NaN from a bad batch or an fp16 overflow must reach the output of every stage
+    implementation (Triton's ``tl.maximum`` returns the other operand unless told to propagate it)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    d = dict(device=device, dtype=dtype)
+    x, w, b = torch.randn(m, 64, **d), torch.randn(128, 64, **d) / 8, torch.randn(128, **d) * 0.1
+    x[1, 3] = float("nan")
+    runners = stages._runners(x, [w], [b], [], "relu(a0)", timed=True)
+    assert len(runners) >= 2
+    for name, run in runners.items():
+        out = run()
+        assert torch.isnan(out[1]).all(), name
+        assert not torch.isnan(out[0]).any(), name

@@ -164,8 +164,9 @@ def gated_act(g, u, alpha, limit, ACT: tl.constexpr):
     elif ACT == 2:
         return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
     else:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)  # (NaN stays NaN, as torch.clamp keeps it)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
         return (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
 
 
