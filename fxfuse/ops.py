@@ -497,6 +497,8 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     ``spec`` has run a backward, calls that record gradients run the original ops instead: autograd
     keeps their intermediates, and the step costs what eager's does. Calls without gradients stay fused.
 
+    Inside ``torch.func`` transforms (``vmap``, ``grad``) the region runs its original ops.
+
     Under autocast the region runs fused in the autocast dtype (fp32 weights replaced by kept casts, or by casts
     made with autograd in a call that records gradients; an fp32 input rounded by the kernels in a call that
     records none), or as the original ops (:mod:`fxfuse.autocast`).
@@ -510,6 +512,8 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     """
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
+    if torch._C._are_functorch_transforms_active():  # torch.func.vmap / grad: batched tensors, which only ops take
+        return reference_mlp(x, weights, biases, operands, spec)
     if not on_its_device(x):  # another GPU's input: launches, streams and replays under that GPU
         with torch.cuda.device(x.device):
             return fused_mlp(x, weights, biases, operands, spec)

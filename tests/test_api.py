@@ -243,8 +243,7 @@ def _runs_fused_op(out: torch.Tensor, depth: int = 3) -> bool:
 
 
 def test_torch_func_grad_over_an_optimized_model(untrained_specs):
-    # functorch transforms need the autograd.Function that eager gradient-recording calls go through to have
-    # a separate setup_context; per-parameter gradients then equal the original model's.
+    # Inside torch.func transforms a region runs its original ops: per-parameter gradients equal the original's.
     from torch.func import functional_call, grad
 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -413,3 +412,14 @@ def test_a_nan_in_the_input_reaches_the_output_as_in_eager(device, act):
         got, want = fast(x), model(x)
     assert torch.isnan(want[1]).all() and torch.isnan(got[1]).all()
     torch.testing.assert_close(got[[0, 2, 3]], want[[0, 2, 3]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_torch_func_vmap_over_an_optimized_model(grad_mode):
+    from torch.func import vmap
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 5, 8)
+    with torch.set_grad_enabled(grad_mode):
+        torch.testing.assert_close(vmap(fast)(x), vmap(model)(x), rtol=1e-5, atol=1e-5)
