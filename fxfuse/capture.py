@@ -29,12 +29,14 @@ Nothing is copied: graphs reference the user's modules and parameters.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import inspect
 import logging
 import operator
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -45,8 +47,8 @@ from torch import nn
 
 from .pointwise import is_known_activation
 
-__all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "GradModeError", "Scope", "SideEffectError",
-           "discover", "record_inputs", "trace_scope", "weight_count"]
+__all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "GlobalModeError", "Scope",
+           "SideEffectError", "discover", "record_inputs", "trace_scope", "weight_count"]
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class Scope:
     # then autocast as the method's would). False when that could not be watched (another profiler).
     autocast_free: bool = False
     autocast_used: str = ""  # what of the autocast state the code used ("" for nothing): not a host then
-    grad_mode_used: str = ""  # the grad-mode switch the code made (torch.no_grad(), ...): not a host then
+    modes_used: str = ""  # torch's global modes the code switched or read (torch.no_grad(), ...): not a host then
     side_effects: list[str] = field(default_factory=list)  # what the code changed besides tensors: not a host then
     # The path of the submodule of every module call the trace made (leaf or traced into), in order: those the graph
     # does not call as modules skip their hooks, so the installed method checks them (fxfuse.install).
@@ -309,15 +311,15 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
         effects += [e for e in dict.fromkeys(stores) if e not in effects]
         if effects and not permissive:
             raise SideEffectError(f"its code changes state a traced graph would not change ({', '.join(effects[:3])})")
-        grad_mode = ", ".join(dict.fromkeys(grad_modes))
-        if grad_mode and not permissive:
-            raise GradModeError(f"its code switches grad mode ({grad_mode}), which FX does not record: the graph "
-                                "would run those ops with the caller's grad mode")
+        modes = ", ".join(dict.fromkeys(grad_modes))
+        if modes and not permissive:
+            raise GlobalModeError(f"its code switches or reads torch's global modes ({modes}), which FX does not "
+                                  "record: the graph would run with the modes of its trace, not the caller's")
         leaf_paths = {n.target for n in graph.nodes if n.op == "call_module"}
         opaque = {p for p in leaf_paths if id(module.get_submodule(p)) in forced}
         return Scope(module_path, method, gm, tracer.arg_specs, sorted(opaque), tracer.permissive_used,
                      tracer.permissive_reason, constants, _mode_dependent(gm, codes), autocast_free=not autocast,
-                     autocast_used=used, grad_mode_used=grad_mode, side_effects=effects, calls=tracer.calls)
+                     autocast_used=used, modes_used=modes, side_effects=effects, calls=tracer.calls)
     raise RuntimeError(f"too many submodules fail to trace (> {_MAX_LEAF_RETRIES})")
 
 
@@ -333,9 +335,16 @@ class AutocastStateError(RuntimeError):
     """A method's code reads or sets the autocast state: a graph traced from it would not follow it."""
 
 
-class GradModeError(RuntimeError):
-    """A method's code switches grad mode (``with torch.no_grad():``): FX records no node for that, so a graph
-    traced from it would compute those ops with gradients (or a chain across it would be fused)."""
+class GlobalModeError(RuntimeError):
+    """A method's code switches grad mode (``with torch.no_grad():``) or reads one of torch's global modes
+    (``torch.is_grad_enabled()``, ``torch.are_deterministic_algorithms_enabled()``): FX records no node for either,
+    so a graph traced from it would compute those ops with gradients (or fuse a chain across the switch), or
+    take the branch its trace took whatever the caller's mode."""
+
+
+# torch's global modes that model code may read to pick a branch (each a C function or one of torch's own).
+_MODE_READS = {"is_grad_enabled", "is_inference_mode_enabled", "are_deterministic_algorithms_enabled",
+               "is_deterministic_algorithms_warn_only_enabled", "is_anomaly_enabled", "is_anomaly_check_nan_enabled"}
 
 
 class SideEffectError(RuntimeError):
@@ -380,21 +389,26 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                 autocast.append(f"torch.amp.{code.co_name}")
             elif code.co_name == "__enter__" and code.co_filename.endswith("grad_mode.py"):  # inference_mode, ...
                 grad_modes.append(f"torch.{code.co_qualname.split('.')[0]}")
+            elif code.co_name in _MODE_READS and _model_code(frame.f_back):  # torch's Python readers
+                grad_modes.append(f"torch.{code.co_name}()")
         elif event == "c_call":
             name = getattr(arg, "__name__", "")
             if "autocast" in name:  # torch.is_autocast_enabled, ...
                 autocast.append(f"torch.{name}")
             elif name == "_set_grad_enabled" and not grad_modes:  # (no_grad() etc. were named at __enter__)
                 grad_modes.append("torch.set_grad_enabled")
+            elif name in _MODE_READS and _model_code(frame):
+                grad_modes.append(f"torch.{name}()")
             elif name in _CONTAINER_WRITES and type(getattr(arg, "__self__", None)) in (list, dict, set) \
-                    and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+                    and _model_code(frame):
                 owner = arg.__self__
                 if not any(v is owner for v in frame.f_locals.values()):
                     stores.append(f"{type(owner).__name__}.{name} on a {type(owner).__name__} kept outside the call")
 
     sys.setprofile(profile)
     try:
-        return tracer.trace(module)
+        with _functions_as_calls(tracer):
+            return tracer.trace(module)
     finally:
         sys.setprofile(None)
         for g, name, old in watched.values():
@@ -404,6 +418,53 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                     g.pop(name, None)
                 else:
                     g[name] = old
+
+
+# Custom autograd.Functions whose backward is exactly the gradient of their forward: traced through (their ops
+# fuse). Bloom's is the tanh GELU with its derivative written out (``bloom_gelu_back``).
+_TRANSPARENT_FUNCTIONS = {"transformers.models.bloom.modeling_bloom.GeLUFunction"}
+
+
+@contextlib.contextmanager
+def _functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
+    """While tracing, a custom ``torch.autograd.Function`` applied to traced values is recorded as one call of it
+    (FX would run its ``forward`` on the proxies and record those ops: its own ``backward`` would be lost, say a
+    gradient-reversal layer's). Such a call is no pointwise op, so no chain is fused across it (but across those
+    known to be their forward's exact gradient, ``_TRANSPARENT_FUNCTIONS``)."""
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if f"{cls.__module__}.{cls.__qualname__}" not in _TRANSPARENT_FUNCTIONS and \
+                any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            return tracer.create_proxy("call_function", _applier(cls), args, kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        base.apply = original
+
+
+_APPLIERS: dict[type, Any] = {}
+
+
+def _applier(cls: type) -> Any:
+    """``cls.apply`` as a function of this module (FX writes a torch function's call by its import path, which
+    ``Function.apply`` bound to a class has none of; this one it keeps as a global of the graph's code)."""
+    fn = _APPLIERS.get(cls)
+    if fn is None:
+        def fn(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+        fn.__name__ = fn.__qualname__ = f"{cls.__name__}_apply"
+        _APPLIERS[cls] = fn
+    return fn
+
+
+def _model_code(frame: Any) -> bool:
+    """Whether ``frame`` runs the model's code (not torch's, fxfuse's or the standard library's)."""
+    return frame is not None and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
 
 
 _GLOBAL_STORES: dict[Any, tuple[str, ...]] = {}

@@ -88,9 +88,9 @@ def place(model: nn.Module, discovery: Discovery, module_inputs: Optional[dict] 
     out = Placement(graphs=len(discovery.scopes))
     attempts: dict[tuple[str, str], Any] = {}
     # Discovery's traces serve as hosts' when strict would give the same graph (a strict trace of code that uses
-    # the autocast state, switches grad mode or changes Python state fails: traced again, it says so).
+    # the autocast state, switches or reads grad mode or changes Python state fails: traced again, it says so).
     reuse = {(s.module_path, s.method): s for s in discovery.scopes
-             if not (s.permissive_used or s.autocast_used or s.grad_mode_used or s.side_effects)}
+             if not (s.permissive_used or s.autocast_used or s.modes_used or s.side_effects)}
     failing: dict = {}
     chosen: dict[tuple[str, str], Host] = {}
     seen_rejections: set[tuple] = set()

@@ -42,7 +42,7 @@ import inspect
 import logging
 import types
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -433,7 +433,11 @@ def _host_install(module: nn.Module, h: Host) -> Install:
 
 def _copy_module(module: nn.Module, installs: list[Install]) -> nn.Module:
     new = copy.copy(module) if not hasattr(type(module), _GRAPHS_ATTR) else _copy_same_class(module)
-    new._modules = type(module._modules)(module._modules)
+    # Its own submodules and hooks (the same objects in them): a submodule set or a hook registered on the optimized
+    # model is not on the user's, nor the other way round. Parameters and buffers stay shared, as documented.
+    for name, value in vars(module).items():
+        if (name == "_modules" or "_hooks" in name) and type(value) in (dict, OrderedDict):
+            new.__dict__[name] = type(value)(value)
     if not installs:
         return new
     methods, graphs = {}, {}

@@ -278,3 +278,32 @@ def test_frozen_weights_and_grad_modes_after_optimize(make):
             out, ref = fast(x), model(x)
         assert not out.requires_grad
         torch.testing.assert_close(out, ref, **TOL)
+
+
+
+def test_hooks_and_buffers_registered_on_either_model_stay_on_it():
+    """The optimized model is a copy: a hook registered on a module it copied is not on the user's, and back
+    (parameters and buffers are shared)."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.norm = GPT2MLP(), nn.LayerNorm(32)
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    model = nn.Sequential(Block(), Block()).eval()
+    ref = copy.deepcopy(model)
+    fast = fxfuse.optimize(model)
+    assert [r.module_path for r in fxfuse.report(fast).regions] == ["0.mlp", "1.mlp"]
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        want = model(x)
+        for m in (fast, ref):
+            m.register_forward_hook(lambda mod, args, out: out * 2)
+            m[0].mlp.register_forward_hook(lambda mod, args, out: out + 100)
+        assert not model._forward_hooks and not model[0].mlp._forward_hooks
+        torch.testing.assert_close(model(x), want)
+        model[1].mlp.register_forward_pre_hook(lambda mod, args: (args[0] * 0,))
+        torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-5)

@@ -163,7 +163,8 @@ def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls, dev
     report = _report(kind, runner, before)
     assert not report.regions
     reasons = " ".join(r.reason for r in report.rejections)
-    assert ("switches grad mode" in reasons) if kind == "optimize" else ("mode switch (_set_grad_enabled" in reasons)
+    optimize_says, compile_says = "switches or reads torch's global modes", "mode switch (_set_grad_enabled"
+    assert (optimize_says if kind == "optimize" else compile_says) in reasons
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -306,3 +307,69 @@ def test_local_lists_in_a_forward_do_not_stop_fusion():
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
     assert len(fxfuse.report(opt).regions) == 1
+
+
+class _GradReverse(torch.autograd.Function):
+    """Identity forward, negated gradient (domain-adversarial training)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+def test_a_custom_autograd_function_keeps_its_backward(where):
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            if where == "inside":
+                return self.fc2(_GradReverse.apply(torch.relu(self.fc1(x))))
+            return _GradReverse.apply(self.fc2(torch.relu(self.fc1(x))))
+
+    model = Head()
+    ref = copy.deepcopy(model)
+    fast = fxfuse.optimize(model)
+    assert len(fxfuse.report(fast).regions) == (0 if where == "inside" else 1)
+    x = torch.randn(8, 16)
+    fast(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("read, mode", [
+    (torch.is_grad_enabled, torch.no_grad),
+    (torch.is_inference_mode_enabled, torch.inference_mode),
+    (torch.are_deterministic_algorithms_enabled, None),
+])
+def test_a_method_that_reads_a_global_mode_follows_the_callers(read, mode):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            y = self.fc2(torch.relu(self.fc1(x)))
+            return y * 0.5 if read() else y
+
+    model = Block()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 16)
+    if mode is None:
+        torch.use_deterministic_algorithms(True)
+        try:
+            got, want = fast(x), model(x)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    else:
+        with mode():
+            got, want = fast(x), model(x)
+    torch.testing.assert_close(got, want)
+    assert any("torch's global modes" in r.reason for r in fxfuse.report(fast).rejections)
