@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import gc
 import inspect
 import logging
 import operator
@@ -405,12 +406,18 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                 if not any(v is owner for v in frame.f_locals.values()):
                     stores.append(f"{type(owner).__name__}.{name} on a {type(owner).__name__} kept outside the call")
 
+    # No garbage collection while watching: a finalizer of some earlier object (its __del__, a weakref callback)
+    # would run inside the trace and read as the traced code's.
+    collecting = gc.isenabled()
+    gc.disable()
     sys.setprofile(profile)
     try:
         with _functions_as_calls(tracer):
             return tracer.trace(module)
     finally:
         sys.setprofile(None)
+        if collecting:
+            gc.enable()
         for g, name, old in watched.values():
             if g.get(name, _MISSING) is not old:  # recorded, and undone: tracing leaves the model's module as it was
                 stores.append(f"global {name}")

@@ -214,31 +214,41 @@ def _reached_code(fn: Callable, cls: Optional[type] = None) -> Optional[tuple[tu
 
 @dataclass(frozen=True)
 class GlobalReads:
-    """The module-level names (``SCALE = 2.0``, a flag, a function) that fused code read while it was traced, as
-    they were: a trace bakes their values into the graph, so one rebound since makes the original code run.
-    ``spaces``: ``(globals dict, names, itemgetter of them, values)`` per module; plain values and functions only
-    (:func:`_is_setting`)."""
+    """The module-level names (``SCALE = 2.0``, a flag, a function) and class attributes (``self.SCALE`` where the
+    class defines it) that fused code read while it was traced, as they were: a trace bakes their values into the
+    graph, so one rebound since makes the original code run. ``spaces``: ``(namespace, names, itemgetter of them,
+    values, what they are)`` per module globals dict or class ``__dict__`` (a live view); plain values and functions
+    only (:func:`_is_setting`)."""
 
     spaces: tuple
 
     @staticmethod
     def of(functions: Sequence[tuple[Callable, Optional[type]]]) -> Optional[GlobalReads]:
         """For ``(function, its class)`` pairs (a host method, the forwards its graph traced into), or None when they
-        read no such name. torch's own code is left out (its globals are not settings)."""
-        by_space: dict[int, tuple[dict, set]] = {}
+        read no such name. torch's own code and classes are left out (their globals are not settings)."""
+        by_space: dict[int, tuple[Any, set, str]] = {}
         for fn, cls in functions:
             if getattr(fn, "__module__", "").startswith("torch"):
                 continue
+            names_read: set[str] = set()
             for code, glob in _reached_code(fn, cls) or ():
+                names_read.update(code.co_names)
                 if glob is not None:
-                    names = by_space.setdefault(id(glob), (glob, set()))[1]
+                    names = by_space.setdefault(id(glob), (glob, set(), "module-level"))[1]
                     names.update(n for n in code.co_names if n in glob and _is_setting(glob[n]))
+            for klass in (cls.__mro__ if cls is not None else ()):
+                if klass.__module__.startswith("torch") or klass is object:
+                    continue
+                space = vars(klass)
+                names = by_space.setdefault(id(klass), (space, set(), f"class attribute {klass.__name__}."))[1]
+                names.update(n for n in names_read if n in space and not n.startswith("__")
+                             and type(space[n]) in _PLAIN + (tuple,) and _is_setting(space[n]))
         spaces = []
-        for glob, names in by_space.values():
+        for space, names, what in by_space.values():
             if names:
                 keys = tuple(sorted(names))
                 read = operator.itemgetter(*keys)
-                spaces.append((glob, keys, read, read(glob)))
+                spaces.append((space, keys, read, read(space), what))
         return GlobalReads(tuple(spaces)) if spaces else None
 
     def __deepcopy__(self, memo: dict) -> GlobalReads:
@@ -247,18 +257,19 @@ class GlobalReads:
     def changed(self) -> bool:
         """Whether one of the names was rebound or deleted since: the check on every call."""
         try:
-            return any(read(glob) != values for glob, _, read, values in self.spaces)
+            return any(read(space) != values for space, _, read, values, _ in self.spaces)
         except KeyError:
             return True
 
     def what_changed(self) -> str:
         """Which name changed, as text (for the log)."""
-        for glob, keys, _, values in self.spaces:
+        for space, keys, _, values, what in self.spaces:
+            label = what if what.endswith(".") else what + " "
             for key, was in zip(keys, values if len(keys) > 1 else (values,)):
-                if key not in glob:
-                    return f"module-level {key} was removed"
-                if glob[key] != was:
-                    return f"module-level {key} was {was!r}, is {glob[key]!r}"
+                if key not in space:
+                    return f"{label}{key} was removed"
+                if space[key] != was:
+                    return f"{label}{key} was {was!r}, is {space[key]!r}"
         return "a module-level name changed"
 
 

@@ -307,3 +307,30 @@ def test_hooks_and_buffers_registered_on_either_model_stay_on_it():
         torch.testing.assert_close(model(x), want)
         model[1].mlp.register_forward_pre_hook(lambda mod, args: (args[0] * 0,))
         torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+class _ClassScaled(nn.Module):
+    SCALE = 0.5  # a class attribute the method reads as self.SCALE: the trace bakes it in
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) * self.SCALE)
+
+
+def test_a_class_attribute_changed_after_optimize_runs_the_original_method():
+    model = _ClassScaled().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert fused_calls(fast, x)[0] == 1
+        try:
+            _ClassScaled.SCALE = 2.0
+            n, got = fused_calls(fast, x)
+            torch.testing.assert_close(got, model(x))
+            assert n == 0
+        finally:
+            _ClassScaled.SCALE = 0.5
+        assert fused_calls(fast, x)[0] == 1
