@@ -371,7 +371,8 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
     if sys.getprofile() is not None:
         codes.add(None)
         autocast.append(None)
-        graph = tracer.trace(module)
+        with _functions_as_calls(tracer):
+            graph = tracer.trace(module)
         if any(n.meta.get("fxfuse_grad") is not grad_at_start for n in graph.nodes if "fxfuse_grad" in n.meta):
             grad_modes.append("a grad-mode switch")
         return graph

@@ -373,3 +373,25 @@ def test_a_method_that_reads_a_global_mode_follows_the_callers(read, mode):
             got, want = fast(x), model(x)
     torch.testing.assert_close(got, want)
     assert any("torch's global modes" in r.reason for r in fxfuse.report(fast).rejections)
+
+
+def test_a_custom_autograd_function_is_kept_under_another_profiler_too():
+    """With a profiler installed (cProfile, a tracing tool) capture cannot watch the trace, but a Function still
+    stays one call."""
+    import sys
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.fc2(_GradReverse.apply(torch.relu(self.fc1(x))))
+
+    model = Head()
+    sys.setprofile(lambda frame, event, arg: None)
+    try:
+        fast = fxfuse.optimize(model)
+    finally:
+        sys.setprofile(None)
+    assert not fxfuse.report(fast).regions
