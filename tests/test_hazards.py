@@ -394,4 +394,7 @@ def test_a_custom_autograd_function_is_kept_under_another_profiler_too():
         fast = fxfuse.optimize(model)
     finally:
         sys.setprofile(None)
-    assert not fxfuse.report(fast).regions
+    report = fxfuse.report(fast)
+    assert not report.regions
+    # (the method is still a host: the chain is left unfused at the Function's call, not the whole method)
+    assert any("_GradReverse_apply" in r.reason for r in report.rejections), [r.reason for r in report.rejections]
