@@ -31,8 +31,9 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     """Return a module that computes what ``model`` computes, its MLP chains fused into Triton kernels.
 
     The result is a shallow copy of ``model``, of the same class, with the same methods (``generate``),
-    attributes (``config``) and ``state_dict()``: parameters, buffers and untouched submodules are shared
-    (nothing is copied); only the modules that run a fused chain, and their parents, are new objects.
+    attributes (``config``) and ``state_dict()``: parameters and buffers are shared (no tensor is copied);
+    every module is a new object with its own training flag and hooks, so ``.eval()`` on one model does not
+    switch the other.
     Each chain runs from the smallest method that contains it (``LlamaMLP.forward``,
     ``BertLayer.feed_forward_chunk``...), so models that cannot be traced whole are fused too; a call
     that is not one the fused graph stands for (another training mode, autocast, other arguments) runs

@@ -1,7 +1,7 @@
 """Install: the optimized model, a copy of the user's in which each host method runs its fused graph.
 
-The result is a shallow copy of the user's model in which only the modules on the way to a host are
-copied; each host copy gets a subclass of its own class that overrides the host method with a
+The result is a shallow copy of the user's model in which every module is a shallow copy (its own training
+flag, submodule dict and hook dicts; parameters and buffers shared); each host copy gets a subclass of its own class that overrides the host method with a
 *guarded* call of the fused graph. The guards check, on each call, what the strict trace assumed:
 
 * the arguments: required ones are not ``None``; those traced with their default still have it
@@ -21,8 +21,8 @@ copied; each host copy gets a subclass of its own class that overrides the host 
 
 A call that fails a guard runs the original method, so the result is always the original function.
 Everything else (class, methods such as ``generate``, ``config``, parameters, buffers, hooks) is the
-user's model: ``state_dict()`` has the same keys and tensors, ``.to()`` / ``.eval()`` act on the same
-modules, and the fused graph reads the parameters through ``self`` on every call.
+user's model: ``state_dict()`` has the same keys and tensors, ``.to()`` acts on the same tensors (``.eval()``
+only on the model it is called on), and the fused graph reads the parameters through ``self`` on every call.
 
 Example:
     >>> import fxfuse, torch
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = ["Install", "assemble", "bind_call", "fused_graphs", "guard_text"]
 
 _GRAPHS_ATTR = "_fxfuse_graphs"
+_MODULES_ATTR = "_fxfuse_modules_"  # + the method's name: what _changed reads (_installed_modules)
 
 log = logging.getLogger(__name__)
 
@@ -387,26 +388,50 @@ def assemble(model: nn.Module, hosts: list[Host], inline: Sequence[InlineChain] 
     for chain in inline:
         for path, (methods, attrs) in install_parts(model, chain).items():
             by_path.setdefault(path, []).append(Install(methods, {}, attrs))
-    copies: dict[str, nn.Module] = {"": _copy_module(model, by_path.get("", []))}
+    # Every module is copied (its own training flag, submodule dict and hooks; parameters and buffers shared), a
+    # module reachable at two paths once, so `.train()` / `.eval()` on either model leaves the other as it was.
+    installs_of: dict[int, list[Install]] = {}
+    on_the_way: set[int] = set()  # the modules with installs and their parents: these must be copies
+    for path, installs in by_path.items():
+        installs_of.setdefault(id(model.get_submodule(path)), []).extend(installs)
+        parts = path.split(".") if path else []
+        on_the_way.update(id(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts) + 1))
+    copied: dict[int, nn.Module] = {}
 
-    def ensure(path: str) -> nn.Module:
-        if path in copies:
-            return copies[path]
-        parent_path, _, name = path.rpartition(".")
-        parent = ensure(parent_path)
-        child = _copy_module(parent._modules[name], by_path.get(path, []))
-        parent._modules[name] = child
-        copies[path] = child
-        return child
+    def copy_tree(module: nn.Module) -> nn.Module:
+        if id(module) in copied:
+            return copied[id(module)]
+        new = _copy_module(module, installs_of.get(id(module), []), required=id(module) in on_the_way)
+        copied[id(module)] = new
+        if new is not module:
+            for name, child in module._modules.items():
+                if child is not None:
+                    new._modules[name] = copy_tree(child)
+        return new
 
-    for path in sorted(by_path, key=lambda p: (p.count(".") if p else -1, p)):
-        ensure(path)
+    root = copy_tree(model)
+    for new in copied.values():  # (a model optimized before: its hosts' kept submodules are now their copies)
+        for attr, kept in list(new.__dict__.items()):
+            if attr.startswith(_MODULES_ATTR):
+                new.__dict__[attr] = _remapped(kept, copied)
+    copies = dict(root.named_modules(remove_duplicate=False))
     for path, installs in by_path.items():
         new = copies[path]
         for inst in installs:
             for attr, (paths, modal, method) in inst.modules.items():
                 new.__dict__[attr] = _installed_modules(new, paths, modal, method)
-    return copies[""]
+    return root
+
+
+def _remapped(kept: tuple, copied: dict[int, nn.Module]) -> tuple:
+    """:func:`_installed_modules`'s record for a copy of its host: the submodules it kept as their copies (with
+    their own hook dicts); one not copied (replaced since) stays, and keeps failing the guard."""
+    n_children, _, own, inner, glob = kept
+    inner = tuple((first, rest, copied.get(id(m), m), training, settings)
+                  for first, rest, m, training, settings in inner)
+    hooks = tuple(d for _, _, m, _, _ in inner
+                  for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))
+    return n_children, hooks, own, inner, glob
 
 
 def _host_install(module: nn.Module, h: Host) -> Install:
@@ -422,7 +447,7 @@ def _host_install(module: nn.Module, h: Host) -> Install:
     if call is not None:  # one region on the method's one input (fxfuse.shortcut): each instance keeps its own
         shortcut_attr = f"_fxfuse_shortcut_{h.method}"
         attrs[shortcut_attr] = Shortcut(call, autocast_free)
-    modules_attr = f"_fxfuse_modules_{h.method}"
+    modules_attr = f"{_MODULES_ATTR}{h.method}"
     key = (_code_key(gm), tuple(h.scope.args), training, autocast_free, tuple(h.weight_targets), tuple(lifted),
            shortcut_attr, modules_attr)
     fn = _make_method(orig, h.scope.args, type(gm).forward, training, h.weight_targets, lifted, autocast_free,
@@ -431,8 +456,14 @@ def _host_install(module: nn.Module, h: Host) -> Install:
                    {modules_attr: (_bypassed(h.scope), training is not None, orig)})
 
 
-def _copy_module(module: nn.Module, installs: list[Install]) -> nn.Module:
-    new = copy.copy(module) if not hasattr(type(module), _GRAPHS_ATTR) else _copy_same_class(module)
+def _copy_module(module: nn.Module, installs: list[Install], required: bool = True) -> nn.Module:
+    try:
+        new = copy.copy(module) if not hasattr(type(module), _GRAPHS_ATTR) else _copy_same_class(module)
+    except Exception as err:  # (a scripted or C++-backed module): shared, as the fused graph does not touch it
+        if required:
+            raise
+        log.debug("%s is shared with the original model, not copied: %s", type(module).__name__, err)
+        return module
     # Its own submodules and hooks (the same objects in them): a submodule set or a hook registered on the optimized
     # model is not on the user's, nor the other way round. Parameters and buffers stay shared, as documented.
     for name, value in vars(module).items():

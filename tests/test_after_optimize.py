@@ -309,6 +309,48 @@ def test_hooks_and_buffers_registered_on_either_model_stay_on_it():
         torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_train_and_eval_on_either_model_leave_the_other_as_it_was():
+    """Every module of the optimized model is a copy with its own training flag, an untouched one (the dropout
+    before the MLP, the norm, the head) included; parameters and buffers stay the same tensors."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop, self.norm, self.mlp, self.head = nn.Dropout(0.5), nn.LayerNorm(32), GPT2MLP(), nn.Linear(32, 8)
+            self.tied = self.head  # one module at two paths: one copy
+
+        def forward(self, x):
+            return self.head(self.mlp(self.norm(self.drop(x))))
+
+    model = Net().eval()
+    fast = fxfuse.optimize(model)
+    assert [r.module_path for r in fxfuse.report(fast).regions] == ["mlp"]
+    assert all(a is not b for a, b in zip(model.modules(), fast.modules())) and fast.tied is fast.head
+    assert all(fast.state_dict(keep_vars=True)[k] is v for k, v in model.state_dict(keep_vars=True).items())
+    x = torch.randn(6, 32)
+    fast.train()
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model(x))  # the user's dropout is still off
+        model.train()
+        fast.eval()
+        assert all(m.training for m in model.modules()) and not any(m.training for m in fast.modules())
+        check(fast, Net.forward.__get__(model.eval()), x, 1, rtol=1e-5, atol=1e-5)
+
+
+def test_optimizing_an_optimized_model_keeps_its_guards_on_the_new_copies():
+    model = nn.Sequential(GPT2MLP(), GPT2MLP()).eval()
+    fast = fxfuse.optimize(model)
+    again = fxfuse.optimize(fast)
+    x = torch.randn(4, 32)
+    check(again, model, x, 2)
+    again[0].act.register_forward_hook(lambda mod, args, out: out * 0)  # on again's copy of the activation only
+    ref = copy.deepcopy(model)
+    ref[0].act.register_forward_hook(lambda mod, args, out: out * 0)
+    check(again, ref, x, 1)
+    check(fast, model, x, 2)
+
+
 class _ClassScaled(nn.Module):
     SCALE = 0.5  # a class attribute the method reads as self.SCALE: the trace bakes it in
 

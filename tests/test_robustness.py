@@ -242,22 +242,32 @@ def test_hooks_and_replaced_submodules_after_optimize():
     handle = model.c_fc.register_forward_hook(lambda m, a, out: out * 0.5 + 1)
     fast = fxfuse.optimize(model)
     check(fast, model, 0)
-    handle.remove()
-    check(fast, model, 1)  # fused again once the hook is gone
-    for register in (lambda: fast.c_proj.register_forward_pre_hook(lambda m, a: (a[0] * 2,)),
-                     lambda: fast.act.register_forward_hook(lambda m, a, out: out + 1),
-                     lambda: nn.modules.module.register_module_forward_hook(
-                         lambda m, a, out: out * 2 if isinstance(m, nn.Linear) else None)):
-        handle = register()
-        check(fast, model, 0)
-        handle.remove()
+    handle.remove()  # from the user's model: the optimized copy of c_fc took the hook with it and keeps it
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.c_proj(model.act(model.c_fc(x) * 0.5 + 1)), rtol=1e-5, atol=1e-6)
+    assert n == 0
+    fast = fxfuse.optimize(model)
+    check(fast, model, 1)  # optimized after the hook is gone: fused
+    for register in (lambda m: [m.c_proj.register_forward_pre_hook(lambda m, a: (a[0] * 2,))],
+                     lambda m: [m.act.register_forward_hook(lambda m, a, out: out + 1)],
+                     lambda m: [nn.modules.module.register_module_forward_hook(
+                         lambda m, a, out: out * 2 if isinstance(m, nn.Linear) else None)] if m is fast else []):
+        ref = copy.deepcopy(model)  # (the optimized model's modules are copies: the hook is on its own)
+        handles = register(fast) + register(ref)
+        check(fast, ref, 0)
+        for handle in handles:
+            handle.remove()
     seen = []
     handle = fast.c_fc.register_full_backward_hook(lambda m, gi, go: seen.append(1))
     fast(x.requires_grad_()).sum().backward()
     handle.remove()
     assert seen == [1]
     fast.c_fc.forward = lambda h: nn.Linear.forward(fast.c_fc, h) * 2  # (accelerate wraps forward like this)
-    check(fast, model, 0)
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.c_proj(model.act(model.c_fc(x) * 2)), rtol=1e-5, atol=1e-6)
+    assert n == 0
     del fast.c_fc.forward
     fast.act = nn.ReLU()  # on the copy only: the model keeps its GELU
     n, out = fused_calls(fast, x)
@@ -285,9 +295,12 @@ def test_monte_carlo_dropout_after_optimize():
     fast = fxfuse.optimize(model)
     x = torch.randn(4, 32)
     assert fused_calls(fast, x)[0] == 1
-    fast.dropout.train()
+    fast.dropout.train()  # (on the optimized model's copy of the dropout: the user's stays in eval mode)
+    assert not model.dropout.training
+    mc = copy.deepcopy(model)
+    mc.dropout.train()
     torch.manual_seed(1)
-    ref = model(x)
+    ref = mc(x)
     torch.manual_seed(1)
     n, out = fused_calls(fast, x)
     assert n == 0 and (out == 0).any()
