@@ -2,7 +2,8 @@
 
 The result is a shallow copy of the user's model in which every module is a shallow copy (its own training
 flag, submodule dict and hook dicts; parameters and buffers shared); each host copy gets a subclass of its own
-class that overrides the host method with a *guarded* call of the fused graph. The guards check, on each call, what the strict trace assumed:
+class that overrides the host method with a *guarded* call of the fused graph. The guards check, on each call,
+what the strict trace assumed:
 
 * the arguments: required ones are not ``None``; those traced with their default still have it
   (``None``, a flag); ``*args`` / ``**kwargs`` are empty;
