@@ -70,10 +70,27 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, f
 _NO_SETTINGS = (nn.Linear, nn.Identity)
 
 
+_MAX_CONTAINER = 64  # a longer list or dict (a vocabulary) is not a setting a forward bakes in
+
+
 def _is_setting(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(type(v) in _PLAIN for v in value)
+    if type(value) is dict:  # ({"scale": 2.0}: kept as a copy, so a change in place is seen)
+        return len(value) <= _MAX_CONTAINER and all(type(k) in _PLAIN and _is_plain(v) for k, v in value.items())
+    if type(value) is list:
+        return len(value) <= _MAX_CONTAINER and all(_is_plain(v) for v in value)
     return type(value) in _PLAIN or isinstance(value, _FUNCTIONS)
+
+
+def _is_plain(value: Any) -> bool:
+    return type(value) in _PLAIN or (type(value) is tuple and all(type(v) in _PLAIN for v in value))
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` as kept: a list or dict copied (its items are immutable), so that comparing it with the live one
+    compares contents."""
+    return type(value)(value) if type(value) in (list, dict) else value
 
 
 def _no_keys(d: dict) -> tuple:
@@ -90,8 +107,8 @@ def _is_holder(value: Any) -> bool:
 @dataclass(frozen=True, slots=True)
 class Settings:
     """A module's settings as fused: its public ``__dict__`` entries that are plain values (numbers, strings,
-    ``None``, dtypes, tuples of them) or functions, except ``training`` (checked on its own, where the graph
-    depends on the mode). ``read`` is an ``operator.itemgetter`` of ``keys``: one C call per check.
+    ``None``, dtypes, tuples of them; short lists and dicts of them, kept as copies) or functions, except
+    ``training`` (checked on its own, where the graph depends on the mode). ``read`` is an ``operator.itemgetter`` of ``keys``: one C call per check.
 
     ``nested``: with ``only`` (a host's, :func:`self_reads`), the same for plain objects the method reads through
     (``self.config.scale``: ``(("config", Settings of the config's attributes named in only),)``): a trace bakes
@@ -119,7 +136,9 @@ class Settings:
         if not keys and not nested:
             return None
         read = operator.itemgetter(*keys) if keys else _no_keys
-        return Settings(keys, read, read(state), nested)
+        now = read(state)
+        values = _snapshot(now) if len(keys) == 1 else tuple(_snapshot(v) for v in now)
+        return Settings(keys, read, values, nested)
 
     def nested_changed(self, state: dict) -> bool:
         """Whether a setting of an object read through ``state``'s owner (``config.scale``) changed (may raise

@@ -351,6 +351,31 @@ def test_optimizing_an_optimized_model_keeps_its_guards_on_the_new_copies():
     check(fast, model, x, 2)
 
 
+class _DictScaled(nn.Module):
+    """Reads its settings from a dict and a list (a trace bakes both in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.cfg, self.scales = {"scale": 0.5, "act": "relu"}, [1.0, 2.0]
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x)) if self.cfg["act"] == "relu" else F.gelu(self.fc1(x))
+        return self.fc2(h * self.cfg["scale"] * self.scales[1])
+
+
+@pytest.mark.parametrize("change", [lambda m: m.cfg.update(scale=3.0), lambda m: m.cfg.update(act="gelu"),
+                                    lambda m: m.scales.__setitem__(1, 5.0)])
+def test_a_dict_or_list_of_settings_changed_in_place_runs_the_original_method(change):
+    model = _DictScaled().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 16)
+    check(fast, model, x, 1)
+    change(model)  # (the dict and list are the same objects in both models: a shallow copy)
+    check(fast, model, x, 0)
+    assert "since it was fused" in reasons(fast)[0]
+
+
 class _ClassScaled(nn.Module):
     SCALE = 0.5  # a class attribute the method reads as self.SCALE: the trace bakes it in
 
