@@ -108,7 +108,8 @@ def _is_holder(value: Any) -> bool:
 class Settings:
     """A module's settings as fused: its public ``__dict__`` entries that are plain values (numbers, strings,
     ``None``, dtypes, tuples of them; short lists and dicts of them, kept as copies) or functions, except
-    ``training`` (checked on its own, where the graph depends on the mode). ``read`` is an ``operator.itemgetter`` of ``keys``: one C call per check.
+    ``training`` (checked on its own, where the graph depends on the mode). ``read`` is an
+    ``operator.itemgetter`` of ``keys``: one C call per check.
 
     ``nested``: with ``only`` (a host's, :func:`self_reads`), the same for plain objects the method reads through
     (``self.config.scale``: ``(("config", Settings of the config's attributes named in only),)``): a trace bakes
