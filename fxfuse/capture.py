@@ -509,21 +509,27 @@ _MISSING = object()
 
 def _snapshot(module: nn.Module) -> _State:
     """The attributes of every module below ``module`` (model code may cache values on modules while it
-    runs: with a tracer those would be proxies), and the sizes of the public lists, dicts and sets among them."""
+    runs: with a tracer those would be proxies), and copies of the public lists, dicts and sets among them."""
     return [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers),
-             {k: len(v) for k, v in vars(m).items() if type(v) in (list, dict, set) and not k.startswith("_")})
+             {k: type(v)(v) for k, v in vars(m).items() if type(v) in (list, dict, set) and not k.startswith("_")})
             for m in module.modules()]
+
+
+def _same_items(a: Any, b: Any) -> bool:
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(v is b[k] for k, v in a.items())
+    return len(a) == len(b) and (type(a) is set or all(x is y for x, y in zip(a, b)))
 
 
 def _changes(state: _State) -> list[str]:
     """What tracing set on the modules of ``state`` (``self.cache = h``, ``self.calls += 1``, a list attribute
-    appended to): a graph would not do that on each call."""
+    appended to, ``self.cache[key] = h``): a graph would not do that on each call."""
     out = []
-    for m, attrs, params, buffers, sizes in state:
+    for m, attrs, params, buffers, containers in state:
         current = vars(m)
         for k in sorted(current.keys() | attrs.keys()):
             new = current.get(k, _MISSING)
-            if new is not attrs.get(k, _MISSING) or (k in sizes and len(new) != sizes[k]):
+            if new is not attrs.get(k, _MISSING) or (k in containers and not _same_items(new, containers[k])):
                 out.append(f"{type(m).__name__}.{k}")
         for live, saved in ((m._parameters, params), (m._buffers, buffers)):
             out += [f"{type(m).__name__}.{k}" for k in sorted(live.keys() | saved.keys())
@@ -533,11 +539,19 @@ def _changes(state: _State) -> list[str]:
 
 def _restore(state: _State) -> None:
     """Undo whatever tracing changed on the user's modules."""
-    for m, attrs, params, buffers, _ in state:
+    for m, attrs, params, buffers, containers in state:
         current = vars(m)
         if current.keys() != attrs.keys() or any(current[k] is not v for k, v in attrs.items()):
             current.clear()
             current.update(attrs)
+        for k, saved in containers.items():  # (the same list or dict: what tracing wrote into it, proxies too)
+            live = attrs[k]
+            if not _same_items(live, saved):
+                live.clear()
+                if type(live) is list:
+                    live.extend(saved)
+                else:
+                    live.update(saved)
         for live, saved in ((m._parameters, params), (m._buffers, buffers)):
             if live.keys() != saved.keys() or any(live[k] is not v for k, v in saved.items()):
                 live.clear()

@@ -248,7 +248,7 @@ class KeepsActivation(nn.Module):
     def __init__(self, how: str):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
-        self.how, self.cache, self.calls = how, None, 0
+        self.how, self.cache, self.calls, self.store = how, None, 0, {"h": None}
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
@@ -259,17 +259,20 @@ class KeepsActivation(nn.Module):
         elif self.how == "global":
             global _CALLS
             _CALLS += 1
+        elif self.how == "item":
+            self.store["h"] = h  # (a store, no call: seen as the dict's item changed)
         else:
             _LOG.append(h)
         return self.fc2(h)
 
 
-@pytest.mark.parametrize("how", ["attribute", "counter", "global", "list"])
+@pytest.mark.parametrize("how", ["attribute", "counter", "global", "item", "list"])
 def test_a_method_that_changes_python_state_keeps_running_its_code(how):
     model = KeepsActivation(how).eval()
     calls_before = _CALLS
     opt = fxfuse.optimize(model)
     assert _CALLS == calls_before  # tracing ran the code, and undid what it did to the module's globals
+    assert model.store == {"h": None}  # and to the module's dict (a proxy had been stored in it)
     _LOG.clear()
     x = torch.randn(3, 16)
     with torch.no_grad():
@@ -285,6 +288,8 @@ def test_a_method_that_changes_python_state_keeps_running_its_code(how):
         assert opt.calls == calls + 1
     elif how == "global":
         assert _CALLS == calls_before + 2
+    elif how == "item":
+        assert isinstance(opt.store["h"], torch.Tensor)
     else:
         assert len(_LOG) == 2
 
