@@ -39,6 +39,7 @@ from .kernels.chain_backward_template import DERIVATIVES, MAX_BACKWARD_WIDTH, ba
 from .kernels.chain_walk_template import walk_inputs
 from .kernels.template import interpreting
 from .spec import MLPSpec
+from .transforms import batched
 
 __all__ = ["forward_for_walk", "fused_backward_enabled", "fused_backward_reason", "fused_chain_gradients",
            "walk_reads_output"]
@@ -78,8 +79,8 @@ def _fused_widths(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Seque
     x's dtype and device, e.g. the output gradient), else None."""
     if not fused_backward_enabled() or torch.compiler.is_compiling():
         return None  # tracing needs the traced ops
-    if type(x) is not Tensor or any(type(t) is not Tensor for t in extra) or x.numel() == 0:
-        return None
+    if type(x) is not Tensor or any(type(t) is not Tensor or batched(t) for t in extra) or x.numel() == 0:
+        return None  # (a subclass, or a batched gradient: jacobian(vectorize=True))
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     if x.numel() // widths[0] * max(widths) >= 2**31:  # the kernel forms int32 offsets into [M, width] tiles
         return None

@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -47,6 +46,7 @@ from .kernels.gated_launch import run_gated_backward, run_gated_forward
 from .kernels.launch import SUPPORTED_DTYPES
 from .kernels.template import interpreting
 from .spec import MLPSpec
+from .transforms import transformed
 
 __all__ = ["GatedMLPFunction", "gated_mlp", "gated_region"]
 
@@ -167,7 +167,7 @@ def gated_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], sp
     region = gated_region(spec)
     if region is None or not use_function or len(weights) != 3:
         return None
-    if type(x) is not Tensor or torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
+    if type(x) is not Tensor or transformed():
         return None  # (the caller, fused_mlp, runs the op itself while anything traces)
     cuda = x.is_cuda
     # Under autocast to another dtype (fp32 master weights, bf16 autocast) the Linear layers run in that dtype:

@@ -39,6 +39,7 @@ from .kernels.gated_launch import run_gated_backward, run_gated_forward
 from .kernels.gated_template import GATED_ACTIVATIONS
 from .kernels.launch import SUPPORTED_DTYPES
 from .kernels.template import interpreting
+from .transforms import transformed
 
 __all__ = ["GatedProduct", "gated_form", "gated_product", "gated_training_enabled"]
 
@@ -86,8 +87,7 @@ class GatedProduct(torch.autograd.Function):
 def gated_product(g: Tensor, u: Tensor, act: str) -> Optional[Tensor]:
     """``act(g) * u`` through :class:`GatedProduct` when the kernels take these tensors, else None (the caller
     runs the original ops)."""
-    if type(g) is not Tensor or type(u) is not Tensor or torch.compiler.is_compiling() \
-            or torch._C._are_functorch_transforms_active():
+    if type(g) is not Tensor or type(u) is not Tensor or torch.compiler.is_compiling() or transformed():
         return None
     if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device or g.numel() == 0:
         return None

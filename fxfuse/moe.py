@@ -54,6 +54,7 @@ from .moe_op import moe_experts
 from .ops import on_its_device
 from .roofline import Verdict, classify
 from .strategy import ORIGINAL_OPS, for_cuda_graphs, measured_choice_enabled, time_candidates
+from .transforms import transformed
 
 __all__ = ["MOE_PATTERN", "ExpertsTiming", "activation_of", "experts_form", "experts_installs", "experts_modules",
            "experts_timings", "gate_form", "moe_forward", "why_not_experts"]
@@ -92,6 +93,8 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any,
     gate_up = module.gate_up_proj
     if not (type(hidden) is torch.Tensor and type(index) is torch.Tensor and type(weights) is torch.Tensor):
         return False  # (FakeTensor, a tracer's proxy: the original forward)
+    if transformed():  # (vmap's batched tensors, forward AD's tangents: only the original ops follow them)
+        return False
     if hidden.dim() != 2 or index.dim() != 2 or index.dtype.is_floating_point:
         return False
     if hidden.device != gate_up.device or (hidden.device.type != "cuda" and not interpreting()):

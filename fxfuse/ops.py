@@ -70,6 +70,7 @@ from .strategy import (
     times_bucket_top,
     top_input,
 )
+from .transforms import transformed
 
 __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
 
@@ -512,7 +513,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     """
     if _traced_or_watched(x):
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
-    if torch._C._are_functorch_transforms_active():  # torch.func.vmap / grad: batched tensors, which only ops take
+    if transformed():  # torch.func.vmap / grad, forward AD: batched or dual tensors, which only ops take
         return reference_mlp(x, weights, biases, operands, spec)
     if not on_its_device(x):  # another GPU's input: launches, streams and replays under that GPU
         with torch.cuda.device(x.device):

@@ -44,6 +44,7 @@ from . import replay
 from .autocast import any_autocast, weight_casts
 from .kernels.fastlaunch import _raw_stream
 from .ops import _traced_or_watched, current_cuda_device, fused_mlp
+from .transforms import transformed
 
 try:  # dynamo's C++ tensor check (torch >= 2.1); without it there are no shortcuts
     from torch._C._dynamo.guards import TensorGuards
@@ -170,7 +171,7 @@ def _entry(call: RegionCall, get: Callable[[Sequence[Tensor]], tuple], x: Tensor
                 or (x.data_ptr() % 16 == 0) is not aligned or current() != device or stream_of(device) != stream:
             return None
         if (needs_no_grad and is_grad_enabled()) or _traced_or_watched(x) or casts \
-                or (autocast_free and any_autocast()) or capturing():
+                or (autocast_free and any_autocast()) or capturing() or transformed():
             return None
         if (fp32 and torch.backends.cuda.matmul.allow_tf32 != tf32) or is_deterministic() is not deterministic:
             return None

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import GPT2MLP, Block, ControlFlowModel, GatedMLP, Stack, nerf_mlp
+from real_models import fused_calls
 from torch import nn
 
 import fxfuse
@@ -423,3 +424,35 @@ def test_torch_func_vmap_over_an_optimized_model(grad_mode):
     x = torch.randn(3, 5, 8)
     with torch.set_grad_enabled(grad_mode):
         torch.testing.assert_close(vmap(fast)(x), vmap(model)(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_forward_mode_ad_through_an_optimized_model(frozen):
+    """Forward AD (``dual_level``): the tangent is eager's, with frozen weights (the kernels would drop it) and with
+    trained ones (the fused Function has no jvp)."""
+    import torch.autograd.forward_ad as fwAD
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 4)).requires_grad_(not frozen)
+    fast = fxfuse.optimize(model)
+    x, t = torch.randn(5, 8), torch.randn(5, 8)
+    with fwAD.dual_level():
+        out = fwAD.unpack_dual(fast(fwAD.make_dual(x, t)))
+        want = fwAD.unpack_dual(model(fwAD.make_dual(x, t)))
+    assert out.tangent is not None
+    torch.testing.assert_close(out.primal, want.primal, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.tangent, want.tangent, rtol=1e-5, atol=1e-5)
+    assert fused_calls(fast, x)[0] == 1  # fused again outside it
+
+
+def test_a_vectorized_jacobian_takes_the_original_backward_quietly(caplog):
+    """``jacobian(vectorize=True)`` hands the backward a batched gradient (outside any torch.func transform): the
+    region's backward runs the original ops' path without trying the fused kernel (which failed with a warning)."""
+    from torch.autograd.functional import jacobian
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 8)
+    with caplog.at_level("WARNING", logger="fxfuse"):
+        got = jacobian(fast, x, vectorize=True)
+    torch.testing.assert_close(got, jacobian(model, x), rtol=1e-5, atol=1e-5)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
