@@ -11,8 +11,9 @@ autocast leaves alone (:data:`AUTOCAST_NEUTRAL_OPS`):
   autocast: timm's ``validate.py --amp``, a Trainer's evaluation with ``bf16=True``): the weights and biases are
   cast to the autocast dtype too, as autocast casts them, and the region runs fused on the casts. The casts are
   kept (:data:`weight_casts`) while each parameter's storage and version are unchanged, like autocast's own cache,
-  so a decode loop reads the narrow weights, not a new cast, at every step; they are dropped at the first fused
-  call made without autocast, or one that records gradients (training), and with their parameter. With
+  so a decode loop inside one autocast context reads the narrow weights, not a new cast, at every step; they are
+  dropped when the outermost autocast context exits (with autocast's own), at the first fused call made without
+  autocast, or one that records gradients (training), and with their parameter. With
   autocast's cache turned off (``cache_enabled=False``) the original ops run.
 * **fp32 weights, a call that records gradients** (mixed-precision training), same conditions: the weights,
   biases and input are cast with autograd (``.to``, as autocast casts a Linear's: gradients flow back to the fp32
@@ -79,7 +80,9 @@ class WeightCasts:
     Eager's Linear layers under autocast read an fp32 weight's cast from autocast's cache, made once per autocast
     context. This keeps the same casts for fused regions (autocast's cache cannot be read from Python), checked
     on every use against the parameter's storage and version counter (an optimizer step or any in-place write
-    bumps it), so a cast is never stale. A cast goes with its parameter, and all go on :meth:`clear`.
+    bumps it). A cast goes with its parameter, and all go on :meth:`clear`, which the exit of the outermost
+    autocast context calls (as it clears autocast's cache): a write through ``.data``, which bumps no version,
+    is seen in the next context, as eager sees it.
 
     Example:
         >>> casts, w = WeightCasts(), torch.randn(4, 8)
@@ -132,6 +135,26 @@ class WeightCasts:
 
 
 weight_casts = WeightCasts()  # the fused regions' casts (see the module doc)
+
+
+def _clears_weight_casts(clear):
+    """``torch.clear_autocast_cache`` that also drops :data:`weight_casts`. Autocast's ``__exit__`` calls it when
+    the outermost context exits, so the casts live as long as autocast's own: a parameter written through
+    ``.data`` (which bumps no version counter: an EMA or momentum teacher's update) between two contexts is cast
+    again in the next, as eager's Linear layers cast it."""
+    if getattr(clear, "_fxfuse_clears_weight_casts", False):  # (this module imported again)
+        return clear
+
+    @functools.wraps(clear)
+    def clear_autocast_cache() -> None:
+        clear()
+        weight_casts.clear()
+
+    clear_autocast_cache._fxfuse_clears_weight_casts = True
+    return clear_autocast_cache
+
+
+torch.clear_autocast_cache = _clears_weight_casts(torch.clear_autocast_cache)
 
 
 @functools.lru_cache(maxsize=256)

@@ -141,7 +141,7 @@ def test_weights_in_the_autocast_dtype_run_fused(make, monkeypatch):
 @pytest.mark.parametrize("make", [GatedMLP, GPT2MLP, lambda: nerf_mlp()], ids=["gated", "gpt2", "nerf"])
 def test_fp32_weights_under_autocast_run_fused_at_inference(make, monkeypatch):
     # fp32 master weights evaluated under float16 autocast: the region runs the kernels on casts of its weights,
-    # kept from call to call, and the model's own parameters stay as they were.
+    # kept from call to call within the context, and the model's own parameters stay as they were.
     monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
     model = make().eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -152,9 +152,10 @@ def test_fp32_weights_under_autocast_run_fused_at_inference(make, monkeypatch):
         out, ref = fast(x), model(x)
         kept = len(fx_autocast.weight_casts)
         again = fast(x)
+        assert kept == len(list(model.parameters())) == len(fx_autocast.weight_casts)  # one cast each, kept
+    assert len(fx_autocast.weight_casts) == 0  # gone with autocast's own cache at the context's exit
     assert counts.fused == 2 and counts.reference == 0
     assert out.dtype == ref.dtype == torch.float16
-    assert kept == len(list(model.parameters())) == len(fx_autocast.weight_casts)  # one cast each, kept
     torch.testing.assert_close(again, out, rtol=0, atol=0)
     with torch.no_grad():
         exact = copy.deepcopy(model).half().double()(x.half().double())
@@ -166,6 +167,27 @@ def test_fp32_weights_under_autocast_run_fused_at_inference(make, monkeypatch):
     with torch.autocast("cpu", dtype=torch.float16):  # recording gradients: casts made with autograd
         grads_out = fast(x)
     assert grads_out.requires_grad and len(fx_autocast.weight_casts) == 0
+
+
+def test_kept_casts_see_a_write_through_data_in_the_next_autocast_context(monkeypatch):
+    """A write through ``.data`` bumps no version counter (an EMA or momentum teacher's update): the kept casts go
+    when the autocast context exits, as autocast's own cache does, so the next context casts the new values."""
+    monkeypatch.setattr(fx_autocast, "FUSED_AUTOCAST_DEVICES", {"cuda", "cpu"})
+    model = GPT2MLP().eval()
+    fast = fxfuse.optimize(model)
+    counts = _Counts(monkeypatch)
+    x = torch.randn(6, 32)
+    for step in range(2):
+        with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
+            out = fast(x)
+            with torch.autocast("cpu", enabled=False):  # (an inner context's exit keeps them, as autocast does)
+                pass
+            assert len(fx_autocast.weight_casts) == 4
+            ref = model(x)
+        assert counts.fused == step + 1 and counts.reference == 0
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+        for p in model.parameters():
+            p.data.mul_(-1.5)
 
 
 def _train_fp32_under_autocast(make, device: str, dtype: torch.dtype, rows: int) -> None:
