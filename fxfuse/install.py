@@ -66,6 +66,7 @@ __all__ = ["Install", "assemble", "bind_call", "fused_graphs", "guard_text"]
 
 _GRAPHS_ATTR = "_fxfuse_graphs"
 _MODULES_ATTR = "_fxfuse_modules_"  # + the method's name: what _changed reads (_installed_modules)
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,10 @@ def _bypassed(scope: Scope) -> list[str]:
 
 def _changed(self: nn.Module, attr: str) -> Optional[str]:
     """Why the fused graph would not compute what the method computes now, or None. ``self.<attr>``:
-    ``(number of children, hook dicts, own settings, ((first path part, other parts, module, training mode or
-    None, settings), ...), module-level names)`` of the submodules in :func:`_bypassed`, as installed (their mode
-    where the graph depends on it); the hook dicts are those submodules' own (torch's global ones,
+    ``(number of children, hook dicts, own settings, ((first path part, other parts, module, class, training mode
+    or None, settings, number of children, called), ...), module-level names)`` of the submodules in
+    :func:`_bypassed` (called) and the containers below the host (``ModuleList``: not called, iterated), as
+    installed (their mode where the graph depends on it); the hook dicts are those submodules' own (torch's global ones,
     :data:`fxfuse.module_state.GLOBAL_HOOKS`, are checked as well); the module-level names
     (:class:`fxfuse.module_state.GlobalReads`) are the plain globals the method and those submodules' forwards
     read; the settings (:class:`fxfuse.module_state.Settings`) are the host's that its method reads
@@ -141,8 +143,9 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
 
     The graph skips those modules' ``__call__`` and baked in what they were: one replaced or removed, one with
     hooks or an instance ``forward`` (accelerate's), one in another mode (a dropout switched on alone, as Monte
-    Carlo dropout does), a setting changed in place (``act.approximate``), a global module hook, or children
-    added (a ``Sequential`` runs them all) makes the original method run. This runs on every call of a fused
+    Carlo dropout does), a setting changed in place (``act.approximate``), its class swapped, a global module
+    hook, or children added (a ``Sequential`` runs them all, a loop over a ``ModuleList`` too) makes the original
+    method run. This runs on every call of a fused
     method (the hook dicts are bound once: torch mutates them and never rebinds them), so it only tests;
     :func:`_what_changed` says what."""
     kept = self.__dict__.get(attr)
@@ -157,14 +160,15 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
         if own is not None and (own.read(self.__dict__) != own.values
                                 or (own.nested and own.nested_changed(self.__dict__))):  # (self.config.x)
             return _what_changed(self, kept)
-        for first, rest, want, training, settings in inner:
+        for first, rest, want, cls, training, settings, n, called in inner:
             m = children.get(first)
             for part in rest:
                 m = m._modules.get(part) if m is not None else None
-            if m is not want:
+            if m is not want or m.__class__ is not cls or len(m._modules) != n:
                 return _what_changed(self, kept)
             state = m.__dict__  # (read here: a deep copy or unpickling gives the module a new one)
-            if "forward" in state or (training is not None and state.get("training", training) is not training) \
+            if (called and "forward" in state) \
+                    or (training is not None and state.get("training", training) is not training) \
                     or (settings is not None and settings.read(state) != settings.values):
                 return _what_changed(self, kept)
     except KeyError:  # a setting deleted
@@ -182,11 +186,15 @@ def _what_changed(self: nn.Module, kept: tuple) -> str:
         return glob.what_changed()
     if own is not None and own.changed(self):
         return f"its {own.what_changed(self)}"
-    for first, rest, want, training, settings in inner:
+    for first, rest, want, cls, training, settings, n, called in inner:
         name, m = ".".join((first, *rest)), submodule(self, (first, *rest))
         if m is not want:
             return f"{name} was replaced or removed"
-        if runs_own_code(m):
+        if m.__class__ is not cls:
+            return f"{name}'s class was changed to {m.__class__.__qualname__}"
+        if len(m._modules) != n:
+            return f"{name}'s submodules were added or removed"
+        if called and runs_own_code(m):
             return f"{name} has hooks or its own forward"
         if training is not None and m.training is not training:
             return f"{name} is in {'training' if m.training else 'eval'} mode"
@@ -203,9 +211,16 @@ def _installed_modules(host: nn.Module, paths: list[str], modal: bool, method: A
     for path in paths:
         m = host.get_submodule(path)
         first, *rest = path.split(".")
-        inner.append((first, tuple(rest), m, m.training if modal else None, Settings.of(m)))
+        inner.append((first, tuple(rest), m, type(m), m.training if modal else None, Settings.of(m), len(m._modules),
+                      True))
         hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
         functions.append((type(m).forward, type(m)))
+    # The containers below the host that the trace may have iterated without calling them (``for layer in
+    # self.layers``): a layer appended or removed there makes the original method run.
+    for path, m in host.named_modules():
+        if path and path not in paths and isinstance(m, _CONTAINERS):
+            first, *rest = path.split(".")
+            inner.append((first, tuple(rest), m, type(m), None, None, len(m._modules), False))
     return len(host._modules), tuple(hooks), Settings.of(host, self_reads(method, type(host))), tuple(inner), \
         GlobalReads.of(functions)
 
@@ -428,9 +443,8 @@ def _remapped(kept: tuple, copied: dict[int, nn.Module]) -> tuple:
     """:func:`_installed_modules`'s record for a copy of its host: the submodules it kept as their copies (with
     their own hook dicts); one not copied (replaced since) stays, and keeps failing the guard."""
     n_children, _, own, inner, glob = kept
-    inner = tuple((first, rest, copied.get(id(m), m), training, settings)
-                  for first, rest, m, training, settings in inner)
-    hooks = tuple(d for _, _, m, _, _ in inner
+    inner = tuple((first, rest, copied.get(id(m), m), *more) for first, rest, m, *more in inner)
+    hooks = tuple(d for _, _, m, *_, called in inner if called
                   for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))
     return n_children, hooks, own, inner, glob
 

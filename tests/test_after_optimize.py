@@ -376,6 +376,43 @@ def test_a_dict_or_list_of_settings_changed_in_place_runs_the_original_method(ch
     assert "since it was fused" in reasons(fast)[0]
 
 
+class _Looped(nn.Module):
+    """A chain in a loop over a ModuleList (never called itself) and through a Sequential."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Sequential(nn.Linear(32, 64), nn.GELU())
+        self.layers = nn.ModuleList([nn.Linear(64, 64), nn.ReLU()])
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.down(h)
+
+
+class _Doubled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("change", ["append to the Sequential", "append to the ModuleList", "swap a class"])
+def test_a_container_grown_or_a_class_swapped_after_optimize_runs_the_original_method(change):
+    model = _Looped().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 32)
+    check(fast, model, x, 1)
+    if change == "append to the Sequential":
+        fast.up.append(nn.Tanh())
+    elif change == "append to the ModuleList":
+        fast.layers.append(nn.Linear(64, 64))
+    else:
+        fast.layers[0].__class__ = _Doubled
+    check(fast, lambda t: _Looped.forward(fast, t), x, 0)  # (the class's own forward on the changed modules)
+    assert reasons(fast)
+
+
 class _ClassScaled(nn.Module):
     SCALE = 0.5  # a class attribute the method reads as self.SCALE: the trace bakes it in
 
