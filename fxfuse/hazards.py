@@ -6,7 +6,9 @@ there. That is the same computation only if nothing in between
 
 * writes to a tensor in place (``x.add_(1)``, ``x += 1``, ``x[i] = v``, ``F.relu(t, inplace=True)``,
   ``out=``, an aten op whose schema mutates an argument): the write may reach the chain's input through
-  an alias, or a weight, which the eager chain read before it;
+  an alias, or a weight, which the eager chain read before it; or may do so: a call kept whole whose code the
+  graph does not show (a submodule that did not trace, a custom ``autograd.Function``, a wrapped function) on
+  a tensor;
 * switches a mode its ops depend on (``torch.no_grad()`` / ``enable_grad`` / ``set_grad_enabled``, which
   Dynamo records as ``torch._C._set_grad_enabled`` calls; autocast's enter and exit; inference mode): a
   chain that crosses ``with torch.no_grad():`` would record gradients for a frozen layer, or none for a
@@ -30,6 +32,8 @@ import operator
 from typing import Optional
 
 import torch.fx as fx
+
+from .pointwise import is_known_activation
 
 __all__ = ["hazard"]
 
@@ -68,7 +72,23 @@ def hazard(node: fx.Node, gm: Optional[fx.GraphModule] = None) -> Optional[str]:
             return None
         if getattr(module, "inplace", False) is True:
             return f"an in-place module ({type(module).__name__}(inplace=True))"
+        if node.all_input_nodes and not (_known(type(module)) or is_known_activation(module)):
+            return f"a module call fxfuse cannot see into ({type(module).__name__}, which may write its inputs)"
+    if node.op == "call_function" and node.all_input_nodes and not _known(node.target):
+        return f"a call fxfuse cannot see into ({getattr(node.target, '__name__', node.target)}, which may write " \
+            "its inputs)"
     return None
+
+
+_KNOWN_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+def _known(target) -> bool:
+    """Whether ``target`` (a function or a module class) is torch's or Python's: its effects are the ones the
+    checks above see (an in-place name, a mutable schema, ``inplace=``). Anything else kept whole in a graph (a
+    submodule that did not trace, a custom ``autograd.Function``, a wrapped function) may write its inputs."""
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".")[0] in _KNOWN_MODULES
 
 
 def _writes(name: str, node: fx.Node) -> bool:

@@ -143,6 +143,54 @@ def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why
                    for r in report.rejections), [r.reason for r in report.rejections]
 
 
+class _Normalizer(nn.Module):
+    """Scales its input in place; a data-dependent branch keeps it from tracing (it stays one opaque call)."""
+
+    def forward(self, t):
+        if t.abs().max() > 0:
+            t.div_(t.abs().max())
+        return t
+
+
+class _ScaleInPlace(torch.autograd.Function):
+    """A custom Function that writes its input (``mark_dirty``): one call in the graph, its code unseen."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.mark_dirty(t)
+        return t.mul_(0.5)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class OpaqueWriter(nn.Module):
+    """Between fc1 and fc2, a call whose code the graph does not show writes the chain's input."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc1, self.fc2, self.norm, self.how = nn.Linear(16, 32), nn.Linear(32, 16), _Normalizer(), how
+
+    def forward(self, x):
+        h = self.fc1(x)
+        x = self.norm(x) if self.how == "module" else _ScaleInPlace.apply(x)
+        return self.fc2(torch.relu(h)) + x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_a_call_fxfuse_cannot_see_into_between_a_chains_ends_is_a_hazard(how, device):
+    model = OpaqueWriter(how).to(device).eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(6, 16, device=device) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x.clone()), model(x.clone()), rtol=1e-5, atol=1e-5)
+    report = fxfuse.report(fast)
+    assert not report.regions
+    assert any("cannot see into" in r.reason for r in report.rejections), [r.reason for r in report.rejections]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["optimize", "compile"])
 @pytest.mark.parametrize("cls", [FrozenProjection, FrozenHead])
