@@ -297,7 +297,9 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
                 v_info = tensor_info(gm, v)
                 if v_info is None:
                     return f"operand {v.name}: shape unknown (or not a tensor)"
-                max_ndim = max(1, x_info.ndim) if x_info is not None else 1
+                # (input's rank unknown: leading 1s are taken; a call whose input has fewer dims, where eager's
+                # output would gain them, runs the original ops: ops.kernel_fallback_reason)
+                max_ndim = max(1, x_info.ndim) if x_info is not None else v_info.ndim
                 if v_info.ndim > max_ndim or any(d != 1 for d in v_info.shape[:-1]) or \
                         (v_info.ndim and v_info.shape[-1] not in (1, n_out)):
                     return f"operand {v.name} of shape {list(v_info.shape)} is not broadcast along the last dim"

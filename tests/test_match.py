@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from models import dynamo_graph
 from torch.fx.passes.shape_prop import ShapeProp
 
+import fxfuse
 from fxfuse import epilogue as ep
 from fxfuse.normalize import is_linear, normalize
 from fxfuse.pattern import all_patterns, compile_pattern, pointwise, register_pattern, registered, unregister_pattern
@@ -288,6 +289,28 @@ def test_operand_must_broadcast_along_last_dim(shape, ok):
         assert epilogues(r) == ["mul(relu(a0),v0)", "a0"] and r.operands[0].target == "scale"
     else:
         assert regions == [] and "not broadcast along the last dim" in rejections[0].reason
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (1, 1, 32)])
+def test_an_operand_with_leading_ones_fuses_where_the_input_has_as_many_dims(shape):
+    """Planned without the input's rank (optimize's discovery), a ``[1, H]`` operand fuses; a call whose input has
+    fewer dims (eager's output would gain them) runs the original ops."""
+    class M(MLP):
+        def __init__(self):
+            super().__init__(nn.ReLU())
+            self.register_buffer("scale", torch.rand(shape))
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)) * self.scale)
+
+    model = M().eval()
+    fast = fxfuse.optimize(model)
+    assert [r.spec for r in fxfuse.report(fast).regions] == ["1b:mul(relu(a0),v0);1b:a0"]
+    for x in (torch.randn(5, 8), torch.randn(2, 3, 8), torch.randn(8)):
+        with torch.no_grad():
+            out, ref = fast(x), model(x)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_float16_and_mixed_dtypes():
