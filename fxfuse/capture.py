@@ -49,7 +49,7 @@ from torch import nn
 from .pointwise import is_known_activation
 
 __all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "GlobalModeError", "Scope",
-           "SideEffectError", "discover", "record_inputs", "trace_scope", "weight_count"]
+           "SideEffectError", "discover", "leaving_unchanged", "record_inputs", "trace_scope", "weight_count"]
 
 log = logging.getLogger(__name__)
 
@@ -673,20 +673,59 @@ def _candidate_methods(module: nn.Module) -> list[str]:
 # ------------------------------------------------------------------------------------------ example inputs
 
 def record_inputs(model: nn.Module, example_inputs: tuple) -> dict[int, tuple[tuple, dict]]:
-    """Run ``model`` once and keep the ``(args, kwargs)`` of the first call of every submodule."""
+    """Run ``model`` once (without gradients, leaving it as it was: :func:`leaving_unchanged`) and keep the
+    ``(args, kwargs)`` of the first call of every submodule."""
     seen: dict[int, tuple[tuple, dict]] = {}
 
     def hook(mod: nn.Module, args: tuple, kwargs: dict[str, Any]):
         if id(mod) not in seen:
             seen[id(mod)] = (args, dict(kwargs))
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+    handles = []
     try:
-        with torch.no_grad():
-            model(*example_inputs)
+        with leaving_unchanged(model, example_inputs), torch.no_grad():
+            handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+            try:
+                model(*example_inputs)
+            finally:
+                for h in handles:
+                    h.remove()
     except Exception as err:
         log.info("fxfuse: running the example inputs failed (%s); shapes stay unknown", _short(err))
-    finally:
-        for h in handles:
-            h.remove()
     return seen
+
+
+@contextlib.contextmanager
+def leaving_unchanged(module: nn.Module, inputs: Any = ()) -> Iterator[None]:
+    """Run the user's code (``module``'s, on example ``inputs``) and leave the model as it was: a training-mode
+    forward updates BatchNorm's running statistics, ``self.steps += 1`` a buffer, ``self.cache = h`` an attribute,
+    and a dropout draws from the random generator. Afterwards every module's attributes and parameter and buffer
+    dicts hold what they held (:func:`_restore`), every buffer its values (copied back from a clone, in place), and
+    the random generators (the CPU's, and those of the CUDA devices of the model's tensors and of ``inputs``)
+    their states. Parameters are neither copied nor written back (a forward that writes one in place keeps it)."""
+    state = _snapshot(module)
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for m in module.modules():
+        for t in m._buffers.values():
+            if isinstance(t, torch.Tensor) and id(t) not in saved \
+                    and not isinstance(t, nn.parameter.UninitializedTensorMixin):
+                with torch.no_grad():
+                    saved[id(t)] = (t, t.detach().clone())
+    tensors = [*module.parameters(), *(t for t, _ in saved.values()),
+               *(t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
+    devices = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
+                      for t in tensors if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        _restore(state)
+        with torch.no_grad():
+            for t, copy in saved.values():
+                try:
+                    if t.shape != copy.shape or t.dtype != copy.dtype:  # (``self.buf.data = ...``, ``resize_``)
+                        t.data = copy
+                    elif not torch.equal(t, copy):  # (an unchanged one keeps its version counter)
+                        t.copy_(copy)
+                except Exception as err:  # pragma: no cover - a buffer that cannot be written back
+                    log.warning("fxfuse: could not restore a buffer the example inputs changed (%s)", _short(err))

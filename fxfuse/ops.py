@@ -70,6 +70,9 @@ from .strategy import (
     times_bucket_top,
     top_input,
 )
+from .strategy import (
+    failed_keys as strategy_failures,
+)
 from .transforms import transformed
 
 __all__ = ["FUSED_TARGETS", "fused_mlp", "is_fused_call", "kernel_fallback_reason", "mlp", "reference_mlp"]
@@ -377,7 +380,8 @@ def _dispatch(x, weights, biases, operands, spec):
     args = (x, weights, biases, operands, spec)
     cast_input = x.dtype is not weights[0].dtype  # (an fp32 input under autocast: see _run_kernels)
     timed = x.device.type == "cuda" and type(x) is Tensor and measured_choice_enabled()
-    strategy = cached_choice(args) if timed else None
+    # (untimed calls look up only a strategy that failed: strategy.forget)
+    strategy = cached_choice(args) if timed or strategy_failures else None
     settled = strategy is not None or not timed  # this call only runs (it times nothing)
     if strategy is None:
         m = x.numel() // x.shape[-1]
@@ -414,13 +418,16 @@ def _dispatch(x, weights, biases, operands, spec):
         log.info("%s; the graph runs the original ops of %s", err, spec)
         return reference_mlp(*args)
     except Exception as err:  # a kernel that fails here must not fail the user's forward: eager's ops run
+        m = x.numel() // x.shape[-1]
+        then = forget(args, strategy, _candidates(spec, (x.shape[-1], *(w.shape[0] for w in weights)),
+                                                  m if m <= DECODE_MAX_M else None, weights[0].element_size(),
+                                                  torch.are_deterministic_algorithms_enabled()))
         where = (spec, strategy, type(err).__name__)
         if where not in _failed:
             _failed.add(where)
-            log.warning("fxfuse: the %s kernels of %s failed (%s: %s); running the original ops instead",
-                        strategy, spec, type(err).__name__, err)
-        if timed:
-            forget(args, strategy)
+            log.warning("fxfuse: the %s kernels of %s failed (%s: %s); running the original ops instead, and %s "
+                        "from the next call of this shape", strategy, spec, type(err).__name__, err,
+                        "the original ops" if then == ORIGINAL_OPS else f"the {then} kernels")
         return reference_mlp(*args)
 
 
@@ -445,11 +452,15 @@ def _autocast_on(x: Tensor) -> bool:
 
 
 def _traced_or_watched(x: Tensor) -> bool:
-    """Whether something must see this call as the op: tracing, export, or a mode watching torch.ops."""
-    if type(x) is not Tensor or torch.compiler.is_compiling():
-        return True  # FakeTensor, FunctionalTensor, Proxy, a subclass; Dynamo / export tracing
+    """Whether something must see this call as the op: tracing, export, or a mode watching torch.ops (or
+    ``torch.jit.trace`` recording it: :func:`fused_mlp` then runs the original ops, the trace records those)."""
+    if type(x) is not Tensor or torch.compiler.is_compiling() or _jit_tracing() is not None:
+        return True  # FakeTensor, FunctionalTensor, Proxy, a subclass; Dynamo / export / TorchScript tracing
     # make_fx, FakeTensorMode, a profiler or counter watching torch.ops calls
     return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
+
+
+_jit_tracing = torch._C._get_tracing_state  # not None while torch.jit.trace records: sizes are traced tensors
 
 
 # Specs whose op backward has run: their regions are being trained (see ``fused_mlp``).
@@ -510,8 +521,14 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         ...     y = fused_mlp(x, [w1, w2], [], [], "1:relu(a0);1:a0")
         >>> torch.allclose(y, torch.relu(x @ w1.T) @ w2.T, atol=1e-5)
         True
+
+    Under ``torch.jit.trace`` the region runs its original ops, so that the TorchScript graph records plain aten
+    ops (sizes are traced tensors there, which the kernels' choice cannot take; a recorded ``fxfuse::mlp`` would
+    tie the ScriptModule to this process's registration of the op).
     """
     if _traced_or_watched(x):
+        if _jit_tracing() is not None:
+            return reference_mlp(x, weights, biases, operands, spec)
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     if transformed():  # torch.func.vmap / grad, forward AD: batched or dual tensors, which only ops take
         return reference_mlp(x, weights, biases, operands, spec)

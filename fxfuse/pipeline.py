@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from .backward import fused_backward_reason
+from .capture import leaving_unchanged
 from .gated_training import gated_form
 from .kernels.chain_backward_template import walks
 from .meta import records_grad, tensor_info
@@ -141,8 +142,10 @@ def _has_value_meta(gm: fx.GraphModule) -> bool:
 
 
 def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> None:
+    # (the graph runs the user's modules and buffers: a training-mode BatchNorm, a buffer written in place, a
+    # dropout would change them or the random state; all is put back as it was)
     try:
-        with torch.no_grad():
+        with leaving_unchanged(gm, example_inputs), torch.no_grad():
             ShapeProp(gm).propagate(*example_inputs)
     except Exception as err:  # shapes are a help, not a requirement
         log.info("fxfuse: shape propagation failed (%s: %s); planning from parameters only",

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -298,9 +299,35 @@ def cached_choice(args: tuple) -> Optional[str]:
     return choice
 
 
-def forget(args: tuple, strategy: str) -> None:
-    """Stop choosing ``strategy`` for inputs like ``args`` (it failed): the original ops run instead."""
-    _choices[choice_key(args)] = ORIGINAL_OPS
+# Choice keys whose strategy failed at run time (see forget): calls that time nothing look their choice up too.
+failed_keys: set[tuple] = set()
+
+
+def forget(args: tuple, failed: str, candidates: Sequence[str]) -> str:
+    """Stop running ``failed`` (its kernels raised) for inputs like ``args``: their bucket runs the next fastest
+    measured strategy, or where nothing was timed the next of ``candidates`` (the planner's order), or the original
+    ops after the last; the bucket's record (what ``fxfuse.report`` reads as running) says so. Returns that one."""
+    key = choice_key(args)
+    x, weights, _, _, spec = args
+    measured = _measured.get(key)
+    timed = measured is not None and bool(measured.times)
+    order = [s for s, _ in measured.times] if timed else [*candidates, ORIGINAL_OPS]  # (fastest first)
+    after = order[order.index(failed) + 1:] if failed in order else order
+    then = after[0] if after else ORIGINAL_OPS
+    _choices[key] = then
+    failed_keys.add(key)
+    if timed:
+        _measured[key] = dataclasses.replace(
+            measured, strategy=measured.strategy if then == ORIGINAL_OPS else then, split=None,
+            fused_us=math.inf if then == ORIGINAL_OPS else dict(measured.times)[then],
+            source=f"{measured.source}; {failed} failed")
+    else:  # nothing timed: no times to show (inf), only what runs
+        m = x.numel() // x.shape[-1]
+        widths = (x.shape[-1], *(w.shape[0] for w in weights))
+        device = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
+        _measured[key] = Measurement(spec, key[1], m, widths, str(x.dtype).replace("torch.", ""), device, then,
+                                     math.inf, math.inf, f"not timed; {failed} failed", for_cuda_graph=key[-1])
+    return then
 
 
 def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],

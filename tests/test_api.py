@@ -86,6 +86,67 @@ def test_model_is_not_modified_params_shared_state_dict_same():
     fast.load_state_dict(model.state_dict())
 
 
+class CountingModel(nn.Module):
+    """A training-mode model whose forward changes state: BatchNorm's running statistics, a dropout's draws and a
+    counting buffer. ``inline``: the MLP is written in the forward, which hosts it (the shape propagation of its
+    fused graph runs all of that); else it is a GPT-2 MLP (its own dropout) and the forward sets a Python attribute
+    and assigns the buffer (so it hosts nothing)."""
+
+    def __init__(self, inline: bool):
+        super().__init__()
+        self.inline = inline
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.25)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        if inline:
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        else:
+            self.mlp = GPT2MLP(16, 32)
+
+    def forward(self, x):
+        if self.inline:
+            self.steps.add_(1)  # (in the fused graph; ``self.steps += 1`` would assign the buffer: no host)
+        else:
+            self.steps += 1
+        h = self.drop(self.bn(x))
+        if self.inline:
+            return self.fc2(F.gelu(self.fc1(h)))
+        self.rows = x.shape[0]
+        return self.mlp(h)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_example_inputs_leave_a_training_model_as_it_was(inline):
+    model = CountingModel(inline).train()
+    x = torch.randn(6, 16) + 3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attributes = {m: dict(vars(m)) for m in model.modules()}
+    rng = torch.get_rng_state()
+    fast = fxfuse.optimize(model, example_inputs=(x,))
+    # The example run (and the shape propagation of each fused graph) changed nothing of the model's.
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) and after[k].dtype == before[k].dtype for k in before)
+    assert all(vars(m).keys() == attrs.keys() and all(vars(m)[k] is v for k, v in attrs.items())
+               for m, attrs in attributes.items())
+    # ... and it still recorded the shapes: the region's cost is predicted at the example's M.
+    report = fxfuse.report(fast)
+    assert [r.host_path for r in report.regions] == ["" if inline else "mlp"] and count_fused(fast) == 1
+    assert "at M=6" in str(report)
+    # The optimized model computes what the model computes, training-mode dropout draws included.
+    ref = copy.deepcopy(model).double()
+    x = torch.randn(5, 16)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out = fast(x)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        expected = ref(x.double())
+    assert rel_err(out, expected) < 1e-5
+    assert model.steps.item() == 1 and model.bn.num_batches_tracked.item() == 1  # (state shared with the model)
+
+
 def test_control_flow_outside_the_mlp_falls_back_to_submodules():
     model = ControlFlowModel().eval()
     fast = fxfuse.optimize(model, example_inputs=(torch.randn(3, 32),))
@@ -389,6 +450,31 @@ def test_torch_export_keeps_the_fused_op():
     targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert targets == [FUSED_OP]
     check_same_function(model, exported.module(), x)
+
+
+@pytest.mark.parametrize("make_model", [
+    lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)),
+    lambda: nerf_mlp(),
+    lambda: GPT2MLP(),
+    lambda: Block(),
+])
+@pytest.mark.parametrize("grad", [False, True])
+def test_jit_trace_records_the_original_ops(make_model, grad):
+    """Under torch.jit.trace a region runs its original ops (traced sizes are tensors, which the kernels' choice
+    cannot take): the ScriptModule holds plain aten ops and computes the model's function at other shapes too."""
+    model = make_model().eval()
+    fast = fxfuse.optimize(model)
+    assert count_fused(fast) == 1
+    x = torch.randn(4, model_in(model))
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(fast, (x,), check_trace=False)
+    assert isinstance(traced, torch.jit.ScriptModule)
+    kinds = {n.kind() for n in traced.inlined_graph.nodes()}
+    assert "aten::linear" in kinds and not any(k.startswith("fxfuse::") for k in kinds)
+    for new in (torch.randn(4, model_in(model)), torch.randn(3, 7, model_in(model))):  # another input, shape
+        with torch.no_grad():
+            assert torch.equal(traced(new), model(new))
+        check_same_function(model, fast, new)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -37,6 +37,17 @@ def test_chain_kernel_matches_float64_reference(spec, dims, dtype):
     assert rel_err(mlp(*args), reference_mlp(*f64(args))) < TOL[dtype]  # the op routes here too
 
 
+@pytest.mark.parametrize("scale", [1e-2, 1e-4])
+def test_chain_tanh_of_small_pre_activations_matches_float64(scale):
+    # fp32 tanh keeps its relative precision near 0 (fxfuse.epilogue): with 2 * sigmoid(2x) - 1 alone this MLP's
+    # output was 6e-6 (scale 1e-2) and 7e-4 (1e-4) off the float64 reference, eager fp32 1e-7.
+    x, w, b, o, spec = args = make_args("1-:tanh(a0);1-:a0", [16, 32, 8], lead=(37,))
+    w[0].mul_(scale)
+    ref = reference_mlp(*f64(args))
+    assert rel_err(run_chain(x, w, [None, None], [[], []], ("tanh(a0)", "a0")), ref) < 1e-6
+    assert rel_err(mlp(*args), ref) < 1e-6  # the op routes here too
+
+
 @pytest.mark.parametrize("spec,dims", CHAINS[:2])
 def test_chain_kernel_rounds_an_fp32_input_as_it_loads_it(spec, dims):
     # Under autocast an fp32 input meets fp16 weights: the kernel rounds x to fp16 as it loads it, which is
@@ -180,3 +191,149 @@ def test_at_many_rows_only_persistent_chain_configs_compete_where_their_weights_
     assert kept(nerf64, PERSISTENT_ONLY_ROWS // 2) == [(128, 1), (64, 1), (128, 0), (64, 0)]
     # Weights too big for shared memory: the one-tile configs that load weights inline, at any number of rows.
     assert kept([256, 256, 256, 256], PERSISTENT_ONLY_ROWS) == [(64, 0)]
+
+
+# metadata.shared (bytes) of the chain kernel as Triton 3.6 compiles it for sm_90: triton.compile(ASTSource(...),
+# target=GPUTarget("cuda", 90, 128)) on a CPU, contiguous inputs (16-byte aligned, unit strides specialized), M = 64.
+# (padded widths, weight bytes, x bytes (4: fp32 x under autocast), config (chain_template._config's arguments),
+# bytes; fp32 rows: "ieee" dots unless marked tf32). The H200 allows 232448: it refused the first three on every
+# call (the review's 360448 and 327680; the offline compile gives the same numbers).
+_P128, _P64, _P256 = (128, 8, 1, 1, 3, 2), (64, 4, 1, 1, 3, 4), (256, 8, 1, 1, 3, 1)
+_T128, _T64, _T128W8 = (128, 4, 1), (64, 4, 0), (128, 8, 0)
+SM90_TRITON36_SHARED = [
+    ([256, 128, 256], 2, 2, _P128, 360448),  # 16-bit 256 -> 128 -> 256 (GELU)
+    ([128, 256, 128], 2, 2, _P128, 262144),
+    ([64, 256, 64], 4, 4, _P128, 327680),  # fp32, tanh-GELU
+    ([256, 128, 256], 2, 2, _P64, 245760),
+    ([256, 128, 256], 2, 2, _P256, 557056),
+    ([256, 128, 256], 2, 2, _T128, 196608),
+    ([256, 128, 256], 2, 2, _T64, 98560),
+    ([256, 128, 256], 2, 2, _T128W8, 131072),
+    ([128, 256, 128], 2, 2, _P64, 188416),
+    ([128, 256, 128], 2, 2, _T128, 163840),
+    ([128, 256, 128], 2, 2, _T64, 82432),
+    ([128, 256, 128], 2, 2, _T128W8, 98816),
+    ([128, 256, 128], 2, 4, _P128, 294912),  # fp32 x under autocast
+    ([128, 256, 128], 2, 4, _P64, 204800),
+    ([128, 256, 128], 2, 4, _T128, 196608),
+    ([64, 256, 64], 4, 4, _P64, 229376),
+    ([64, 256, 64], 4, 4, _P256, 524288),
+    ([64, 256, 64], 4, 4, _T64, 131072),  # the first config kept without autotuning
+    ([64, 256, 64], 4, 4, _T128W8, 196608),
+    ([64, 256, 64], 4, 4, _T128, 164864),  # tf32
+    ([32, 64, 64, 64, 16], 2, 2, _P128, 51200),  # nerf64
+    ([32, 64, 64, 64, 16], 2, 2, _P64, 36864),
+    ([32, 64, 64, 64, 16], 2, 2, _T128, 30720),
+    ([64, 128, 128, 128, 64], 2, 2, _P128, 163840),  # nerf128
+    ([64, 128, 128, 128, 64], 2, 2, _P64, 131072),
+    ([64, 128, 128, 128, 64], 2, 2, _P256, 212992),
+    ([64, 128, 128, 128, 64], 4, 4, _P128, 327680),  # tf32
+    ([64, 128, 128, 128, 64], 4, 4, _T128, 229376),  # tf32
+    ([128, 128, 128], 4, 4, _P128, 393216),  # tf32
+    ([128, 128, 128], 4, 4, _P128, 327680),
+    ([128, 128, 128], 4, 4, _P64, 262144),  # tf32
+    ([128, 128, 128], 4, 4, _P64, 229376),
+    ([128, 128, 128], 4, 4, _T128, 197120),
+    ([128, 128, 128], 4, 4, _T128, 196608),  # tf32
+    ([256, 64, 256], 4, 4, _P128, 655360),  # tf32
+    ([256, 64, 256], 4, 4, _T128W8, 196608),  # tf32
+    ([64, 256, 64], 2, 2, _P128, 131072),
+    ([256, 128, 128, 256], 2, 2, _P64, 278528),
+    ([256, 128, 128, 256], 2, 2, _T128, 229376),
+    ([128, 256, 128, 256, 128], 2, 2, _P64, 319488),
+    ([128, 256, 128, 256, 128], 2, 2, _T128, 294912),
+]
+
+
+@pytest.mark.parametrize("pads,weight_size,x_size,config,shared", SM90_TRITON36_SHARED)
+def test_chain_shared_memory_estimate_never_falls_short(pads, weight_size, x_size, config, shared):
+    from fxfuse.kernels.chain_template import _config, shared_memory_estimate
+
+    # Never below (close for the persistent loop; one-tile configs reuse the x tile's space, which it leaves out).
+    assert shared_memory_estimate(_config(*config), pads, weight_size, x_size) >= shared
+
+
+def _gpu_configs_pruned(monkeypatch, pads, weight_dtype, x_dtype=None, rows=64, autotune=True):
+    """(BLOCK_M, num_warps, PERSISTENT) of the GPU's chain configs that _prune keeps, in order."""
+    from fxfuse.kernels import chain_template
+
+    monkeypatch.setattr(chain_template, "_interpreting", lambda: False)  # the GPU's list of configs
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "1" if autotune else "0")
+    w0, x = torch.empty(0, dtype=weight_dtype), torch.empty(0, dtype=x_dtype or weight_dtype)
+    args = {f"P{i}": p for i, p in enumerate(pads)} | {"w0_ptr": w0, "x_ptr": x, "M_BUCKET": rows}
+    return [(c.kwargs["BLOCK_M"], c.num_warps, c.kwargs["PERSISTENT"])
+            for c in chain_template._prune(chain_template.chain_configs(), args)]
+
+
+@pytest.mark.parametrize("pads,dtype,x_dtype", [([256, 128, 256], torch.float16, None),
+                                                ([256, 128, 256], torch.bfloat16, None),
+                                                ([128, 256, 128], torch.float16, None),
+                                                ([128, 256, 128], torch.float16, torch.float32),
+                                                ([64, 256, 64], torch.float32, None)])
+def test_chain_configs_the_gpu_refused_are_pruned(monkeypatch, pads, dtype, x_dtype):
+    # FXFUSE_AUTOTUNE=0 on the H200 took the persistent 128-row config of these chains, which needs more shared
+    # memory than the GPU has, and failed on every call: now the first kept config fits (measured above).
+    measured = {(tuple(p), w, x, c[:2] + (c[3] if len(c) > 3 else 0,)): s
+                for p, w, x, c, s in SM90_TRITON36_SHARED}
+    x_size = (x_dtype or dtype).itemsize
+    for autotune in (True, False):
+        kept = _gpu_configs_pruned(monkeypatch, pads, dtype, x_dtype, autotune=autotune)
+        assert kept and (128, 8, 1) not in kept
+        for c in kept:
+            assert measured.get((tuple(pads), dtype.itemsize, x_size, c), 0) <= 232448, c
+    assert _gpu_configs_pruned(monkeypatch, pads, dtype, x_dtype, autotune=False) == kept[:1]
+
+
+def test_chain_configs_that_fit_are_kept(monkeypatch):
+    # The persistent configs that win the NeRF rows (benchmarks/NOTES.md), and one that fits a 16-bit 128 -> 256 ->
+    # 128 chain (188416 bytes), stay.
+    assert _gpu_configs_pruned(monkeypatch, [32, 64, 64, 64, 16], torch.float16)[:2] == [(128, 8, 1), (64, 4, 1)]
+    assert _gpu_configs_pruned(monkeypatch, [64, 128, 128, 128, 64], torch.float16)[:2] == [(128, 8, 1), (64, 4, 1)]
+    assert _gpu_configs_pruned(monkeypatch, [128, 256, 128], torch.float16, autotune=False) == [(64, 4, 1)]
+    # Nothing fits: the smallest estimate, not the fewest rows (the persistent 64-row config needs 393216 here).
+    from fxfuse.kernels import chain_template
+
+    w0 = torch.empty(0, dtype=torch.float32)
+    args = {"P0": 256, "P1": 64, "P2": 256, "w0_ptr": w0, "x_ptr": w0, "M_BUCKET": 64}
+    persistent64 = chain_template._config(64, 4, 1, 1, 3, 4)
+    (kept,) = chain_template._prune([persistent64, chain_template._config(128, 8, 0)], args)
+    assert kept.kwargs["PERSISTENT"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims,dtype,act", [((256, 128), torch.float16, "gelu"), ((128, 256), torch.float16, "gelu"),
+                                            ((256, 128), torch.bfloat16, "gelu"), ((128, 256), torch.bfloat16, "gelu"),
+                                            ((64, 256), torch.float32, "tanh")])
+def test_chain_first_config_fits_the_gpu_without_autotuning(monkeypatch, dims, dtype, act):
+    """FXFUSE_AUTOTUNE=0 (the H200 review): the chain's first kept config launches (its shared memory fits), every
+    call runs the chain kernel, and the report says so."""
+    import copy
+
+    from torch import nn
+
+    import fxfuse
+
+    monkeypatch.setenv("FXFUSE_AUTOTUNE", "0")
+    k, h = dims
+    model = nn.Sequential(nn.Linear(k, h), nn.GELU(approximate=act if act == "tanh" else "none"),
+                          nn.Linear(h, k)).eval().to("cuda", dtype)
+    x = torch.randn(64, k, device="cuda", dtype=dtype)
+    fast = fxfuse.optimize(model, example_inputs=(x,))
+    failed = []
+    run_kernels = ops._run_kernels
+
+    def watched(*a, **kw):
+        try:
+            return run_kernels(*a, **kw)
+        except Exception as err:
+            failed.append(err)
+            raise
+
+    monkeypatch.setattr(ops, "_run_kernels", watched)
+    with torch.no_grad():
+        for _ in range(3):
+            out = fast(x)
+        ref = copy.deepcopy(model).double()(x.double())
+    assert not failed, failed[0]
+    assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert fxfuse.report(fast).regions[0].running == "fused_chain (1 launch)"

@@ -70,6 +70,33 @@ def test_every_op(op):
     check(x, [w], [b], operands, epilogue)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the unused branch at infinity
+def test_tanh_keeps_fp32_relative_precision_near_zero():
+    """fp32 tanh, elementwise against float64: 2 * sigmoid(2x) - 1 alone cancels near 0 (an absolute error of ~6e-8,
+    so 6e-4 relative at x = 1e-4); below ``TANH_SMALL`` a polynomial runs. Zero weights and the values as the bias
+    make the accumulator exactly those values (infinities and NaN included)."""
+    t = ep.TANH_SMALL
+    small = torch.logspace(-30, 1, 240, dtype=torch.float64).float()
+    border = torch.tensor([t, t * (1 - 2**-23), t * (1 + 2**-23), 0.3, 0.5, 0.7, 1.0, 3.0, 9.0, 20.0, 90.0])
+    values = torch.cat([small, -small, border, -border, torch.tensor([0.0, -0.0, 1e-38, 1e-45])]).to(DEV)
+    out = run_stage(rand(3, 16), [torch.zeros(values.numel(), 16, device=DEV)], [values], [], "tanh(a0)")
+    ref = torch.tanh(values.double()).expand(3, -1)
+    err = ((out.double() - ref).abs() / ref.abs().clamp_min(1e-300)).max().item()
+    assert err <= 2e-6 and torch.equal(out[:, values == 0], values[values == 0].expand(3, -1)), f"relative {err:.2e}"
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")], device=DEV)
+    out = run_stage(rand(2, 16), [torch.zeros(3, 16, device=DEV)], [special], [], "tanh(a0)")
+    assert out[:, :2].tolist() == [[1.0, -1.0]] * 2 and out[:, 2].isnan().all()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e-5])
+def test_tanh_of_small_pre_activations_in_a_stage(scale):
+    # A layer whose pre-activations are ~scale (small weights): the fp32 tolerance against float64 still holds
+    # (the sigmoid form alone: 8e-5 at 1e-3, 7e-4 at 1e-4).
+    x = rand(37, 24)
+    w = rand(50, 24, scale=scale * 24**-0.5)
+    check(x, [w], [None], [], "tanh(a0)")
+
+
 def test_pow_exponents():
     x = rand(16, 24)
     w, b = linear_params(50, 24, torch.float32)

@@ -330,6 +330,67 @@ def test_a_failing_kernel_falls_back_to_the_original_ops(monkeypatch, caplog):
     assert "fused_chain" in caplog.text and "running the original ops instead" in caplog.text
 
 
+def test_kernels_that_fail_at_run_time_are_dropped_for_their_bucket_and_the_report_says_so(monkeypatch, caplog):
+    """Untimed (FXFUSE_AUTOTUNE=0 on a GPU, the interpreter here): a strategy whose kernels raise (the H200 refused a
+    chain config's shared memory on every call) stops running for that shape's bucket: the next candidate runs from
+    the next call, then the original ops, and ``fxfuse.report`` shows what runs (it said ``fused_chain`` before)."""
+    from torch import nn
+
+    import fxfuse
+    import fxfuse.kernels as kernels
+
+    monkeypatch.setattr(strategy, "failed_keys", set())
+    monkeypatch.setattr(ops, "strategy_failures", strategy.failed_keys)
+    monkeypatch.setattr(ops, "_failed", set())  # (warned once per spec, strategy and error)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    x = torch.randn(40, 16)  # (above DECODE_MAX_M rows: the candidates are fused_chain, then gemm_epilogue)
+    fast = fxfuse.optimize(model, example_inputs=(x,))
+    (region,) = fxfuse.report(fast).regions
+    assert region.running == "fused_chain (1 launch)"
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(kernels, "run_chain", broken)
+    ran = []
+    run_best_stage = stages.run_best_stage
+    monkeypatch.setattr(stages, "run_best_stage", lambda *a, **k: ran.append(1) or run_best_stage(*a, **k))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fxfuse.ops"):
+        for _ in range(3):
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(calls) == 1 and len(ran) == 4  # the chain once; then two stages a call
+    assert "from the next call of this shape" in caplog.text and "the gemm_epilogue kernels" in caplog.text
+    (region,) = fxfuse.report(fast).regions
+    assert region.running == "gemm_epilogue (2 launches)"
+    # Another row count of the same bucket (33-64) keeps the choice; the per-stage kernels failing too: the
+    # original ops.
+    monkeypatch.setattr(stages, "run_best_stage", broken)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fast(x[:33]), model(x[:33]), rtol=1e-4, atol=1e-5)
+    assert len(calls) == 2
+    (region,) = fxfuse.report(fast).regions
+    assert region.running == "original ops"
+
+
+def test_a_timed_choice_whose_kernels_fail_falls_to_the_next_fastest(monkeypatch):
+    """Timed (a GPU): the bucket runs the next fastest of its measurement, and its record shows that one."""
+    monkeypatch.setattr(strategy, "failed_keys", set())
+    args = make_args("1b:relu(a0);1b:a0", [16, 32, 8], lead=(9,))
+    key = strategy.choice_key(args)
+    times = ((FUSED_CHAIN, 5.0), (GEMM_EPILOGUE, 8.0), (ORIGINAL_OPS, 10.0))
+    strategy._choices[key] = FUSED_CHAIN
+    strategy._measured[key] = strategy.Measurement(args[-1], key[1], 9, (16, 32, 8), "float32", "cpu", FUSED_CHAIN,
+                                                   5.0, 10.0, "timed", times=times)
+    assert strategy.forget(args, FUSED_CHAIN, ()) == GEMM_EPILOGUE and strategy.cached_choice(args) == GEMM_EPILOGUE
+    (m,) = strategy.measurements()
+    assert (m.strategy, m.fused_us, m.fused) == (GEMM_EPILOGUE, pytest.approx(8.0), True)
+    assert strategy.forget(args, GEMM_EPILOGUE, ()) == ORIGINAL_OPS and strategy.cached_choice(args) == ORIGINAL_OPS
+    assert not strategy.measurements()[0].fused
+
+
 def test_a_kernel_refused_in_a_capture_runs_the_original_ops_and_keeps_the_kernels(monkeypatch, caplog):
     """Tuning refused inside a CUDA graph capture is no failure: the graph records the original ops, no warning is
     logged, and the next plain call runs the kernels again."""

@@ -19,7 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Optional
 
 import triton
 
@@ -228,14 +230,63 @@ def chain_configs() -> list[triton.Config]:
 _WEIGHT_BUDGET = 160 * 1024
 # Rows from which only the persistent configs compete (where their weights fit): thousands of tiles per launch.
 PERSISTENT_ONLY_ROWS = 1 << 18
+# Shared memory per block where the device cannot be asked (no GPU): the H100's and H200's 227 KB (232448 bytes).
+DEFAULT_SHARED_MEMORY = 232448
+
+
+def shared_memory_estimate(config: triton.Config, pads: Sequence[int], weight_size: int, x_size: int) -> int:
+    """Bytes of shared memory ``config`` of the chain kernel asks for, at most (an over-estimate, never under):
+    the weights held (every layer's with ``PRELOAD`` or ``PERSISTENT``, else the largest layer's), the tiles of x in
+    flight (``LOOP_STAGES`` of them in the persistent loop, else one; ``x_size`` bytes per element: fp32 under
+    autocast), and one ``[BLOCK_M, widest layer output]`` tile of staging (``weight_size``: the layers' dtype; what
+    Triton adds for layout conversions, the output's, and with fp32 "ieee" dots the intermediates').
+
+    ``pads``: the padded widths ``P0 .. PL``. Fitted to what Triton 3.6 asks on sm_90 (``metadata.shared`` of the
+    kernel compiled for ``GPUTarget("cuda", 90, 128)``, tests/test_chain.py): the weights plus ``LOOP_STAGES`` x
+    tiles plus at most that tile, e.g. 360448 bytes for the persistent 128-row config of a 16-bit 256 -> 128 -> 256
+    chain (131072 of weights, 3 x 65536 of x, 32768 more), which the H200 (232448) refused on every call.
+
+    Example:
+        >>> shared_memory_estimate(_config(128, 8, 1, 1, 3, 2), [256, 128, 256], 2, 2)  # 131072 + 3*65536 + 65536
+        393216
+    """
+    kw = config.kwargs
+    layers = [a * b * weight_size for a, b in zip(pads, pads[1:])]
+    held = sum(layers) if kw["PRELOAD"] or kw["PERSISTENT"] else max(layers)
+    x_tiles = (kw["LOOP_STAGES"] if kw["PERSISTENT"] else 1) * kw["BLOCK_M"] * pads[0] * x_size
+    return held + x_tiles + kw["BLOCK_M"] * max(pads[1:]) * weight_size
+
+
+@functools.lru_cache(maxsize=16)
+def shared_memory_limit(device_index: Optional[int]) -> int:
+    """Shared memory one block may use on this GPU (Triton's ``max_shared_mem``), or DEFAULT_SHARED_MEMORY."""
+    if device_index is None:
+        return DEFAULT_SHARED_MEMORY
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # no driver here: the H200's
+        return DEFAULT_SHARED_MEMORY
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     pads = [args[f"P{i}"] for i in range(sum(1 for k in args if k.startswith("P") and k[1:].isdigit()))]
     widest = max(pads)
-    elem = args["w0_ptr"].element_size() if hasattr(args["w0_ptr"], "element_size") else 2
+
+    def size(name: str, default: int) -> int:
+        t = args.get(name)
+        return t.element_size() if hasattr(t, "element_size") else default
+
+    elem = size("w0_ptr", 2)
+    x_elem = size("x_ptr", elem)
+    x = args.get("x_ptr", args.get("w0_ptr"))
+    device = getattr(x, "device", None)
+    limit = shared_memory_limit(device.index if device is not None and device.type == "cuda" else None)
     weight_bytes = sum(a * b for a, b in zip(pads, pads[1:])) * elem
+
+    def shared(c) -> int:
+        return shared_memory_estimate(c, pads, elem, x_elem)
+
     kept = []
     for c in configs:
         # A [BLOCK_M, widest] fp32 tile per live intermediate: keep it within the register file.
@@ -243,13 +294,15 @@ def _prune(configs, named_args, **kwargs):
             continue
         if (c.kwargs["PRELOAD"] or c.kwargs["PERSISTENT"]) and weight_bytes > _WEIGHT_BUDGET:
             continue
+        if shared(c) > limit:  # Triton would refuse it (OutOfResources) on every launch
+            continue
         kept.append(c)
     # At many rows the persistent loop wins wherever its weights fit (H200: nerf64 54 µs against 72-74 for the
     # best one-tile config, nerf128 187 against 229), yet the tuner's brief timing picked a one-tile config in about
     # one fresh process in five (session 46, benchmarks/NOTES.md): there, keep the one-tile configs out of the race.
     if args.get("M_BUCKET", 0) >= PERSISTENT_ONLY_ROWS and any(c.kwargs["PERSISTENT"] for c in kept):
         kept = [c for c in kept if c.kwargs["PERSISTENT"]]
-    kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+    kept = kept or [min(configs, key=shared)]
     if not autotune_enabled():
         kept = kept[:1]
     return kept
