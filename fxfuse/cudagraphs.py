@@ -23,7 +23,8 @@ A call is replayed only when all of these hold, otherwise the plain forward runs
   a tie goes to the plain call (no graph memory, no input copy and output clone per call).
   A single fused MLP, whose plain call is one bound launch per stage, can lose to its replay's input copy and
   output clone (H200, Llama MLP at one row: 80.8 µs per call plain, 88.7 replayed); a whole model wins;
-* fewer than ``max_graphs`` graphs exist for the module.
+* fewer than ``max_graphs`` graphs exist for the module;
+* the module tree is still the one the graphs were captured with (below).
 
 A miss runs the plain forward for the caller, then twice more on a side stream (so Triton autotuning,
 fxfuse's measured choice and lazy library set-up happen outside the capture), then captures one call into
@@ -31,14 +32,25 @@ a graph; all graphs of a module share one memory pool. fxfuse's regions choose t
 by GPU time alone (a replay skips the host path; :func:`fxfuse.strategy.scoring_for_cuda_graphs`).
 
 Parameters and buffers are read in place, by address: copying into them (``load_state_dict``, ``p.copy_``) is
-seen by the next replay; replacing them (``m.weight = nn.Parameter(...)``, ``.to(dtype)``, a new submodule)
-changes an address, which a check of every parameter's and buffer's ``data_ptr`` on each call notices: all
-graphs are dropped and recaptured.
+seen by the next replay; replacing them (``m.weight = nn.Parameter(...)``, ``.to(dtype)``) changes an address,
+which a check of every parameter's and buffer's ``data_ptr`` on each call notices: all graphs are dropped and
+recaptured.
 
-What a graph cannot see: Python side effects of the forward (counters, prints, hooks of submodules) run
-only in the plain calls (a new signature's first call runs the forward about 25 times: plain, warm-up, capture,
-the timing against the replay), and a tensor the forward reads that is neither an argument nor a parameter or
-buffer of the module (a global, a plain tensor attribute) is read at the address it had when captured.
+A replay skips every submodule's call, so before each one the module tree is compared with the tree as the
+graphs were captured (:class:`_TreeSnapshot`): a submodule replaced, added or removed (one without parameters
+too, such as ``mlp.act = nn.ReLU()``, which changes no address), one switched to the other mode alone
+(``drop.train()``), a hook or an instance ``forward`` set on one, a class swapped, a setting changed in place
+(``act.approximate = "tanh"``, :class:`fxfuse.module_state.Settings`) or one of torch's global module hooks
+registered drops all graphs likewise (the reason logged once, INFO): that call runs plainly and captures for
+the new state, as a miss does. The root's own hooks run in its ``__call__``, around the replay, and need no
+check. The comparison is a few C-level passes over lists kept at the capture: ~60 µs per replay for 300 modules
+on the dev CPU (2 shared, loaded cores; ~2 µs for an MLP), about what the parameter check costs for that model.
+
+What a graph cannot see: Python side effects of the forward (counters, prints, hooks of submodules registered
+before the capture) run only in the plain calls (a new signature's first call runs the forward about 25 times:
+plain, warm-up, capture, the timing against the replay); a tensor the forward reads that is neither an argument
+nor a parameter or buffer of the module (a global, a plain tensor attribute) is read at the address it had when
+captured; settings read through another object (``self.config.x``) and module-level names are not compared.
 
 Example:
     >>> fast = fxfuse.cuda_graphed(model.cuda().eval())      # doctest: +SKIP
@@ -54,7 +66,9 @@ import copy
 import enum
 import gc
 import inspect
+import itertools
 import logging
+import operator
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -66,6 +80,7 @@ from torch import nn
 
 from .autocast import any_autocast as _any_autocast
 from .kernels.workspace import zero_after_capture
+from .module_state import GLOBAL_HOOKS, Settings
 from .strategy import scoring_for_cuda_graphs
 
 __all__ = ["GraphedForward", "call_key", "cuda_graphed"]
@@ -222,6 +237,142 @@ class _ParameterWatch:
         return any(t is not None and t.requires_grad for d in self.dicts(module) for t in d.values())
 
 
+# ---------------------------------------------------------------------------------------- module tree
+
+_TRAINING = operator.itemgetter("training")
+_CHILDREN = operator.itemgetter("_modules")
+_FORWARD = itertools.repeat("forward")  # (endless: for map(dict.get, dicts, _FORWARD))
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hook_copies(dicts: Sequence[dict]) -> tuple:
+    return tuple(type(d)(d) for d in dicts)
+
+
+class _TreeSnapshot:
+    """The module tree below a root as it was when snapshot, and a cheap test that it still is: what a replay
+    assumes about the modules whose calls it skips.
+
+    A replay runs no Python, so it cannot see what would make the forward compute something else: a submodule
+    replaced, added or removed (one without parameters included: no address changes), one switched to the other
+    mode alone (``drop.train()``), a hook registered on one, an instance ``forward`` set on one (accelerate's),
+    a class swapped, a setting changed in place (``act.approximate``: :class:`fxfuse.module_state.Settings`),
+    or one of torch's global module hooks registered. :meth:`changed` tests all of these; :meth:`what_changed`
+    says which, for the log. The root's own hooks and ``forward`` are left out: they run in its ``__call__``,
+    outside the graph (its ``forward`` is the graphed one).
+
+    Everything is read at snapshot time into flat tuples (the modules, their ``__dict__``, their hook dicts, which
+    torch mutates and never rebinds, their ``_modules`` dicts, which torch rebinds only after deleting from them,
+    as ``del layers[0]`` does, the settings' ``itemgetter``), so a test is a few C-level ``map``s and list
+    compares: ~60 µs for 300 modules on the dev CPU, about as much as reading the parameters' addresses of a
+    model that size (:class:`_ParameterWatch`). A ``_modules`` or ``__dict__`` replaced by hand as a whole is not
+    seen. The root is read through the argument, never held: its ``__dict__`` holds the graphed forward, which
+    holds this snapshot.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        >>> tree = _TreeSnapshot(model)
+        >>> tree.changed(model)
+        False
+        >>> model[1].approximate = "tanh"
+        >>> tree.changed(model), tree.what_changed(model)
+        (True, "1.approximate was 'none', is 'tanh'")
+    """
+
+    def __init__(self, root: nn.Module):
+        named = [(name, m) for name, m in root.named_modules() if m is not root]
+        self.names = tuple(name for name, _ in named)
+        mods = self.modules = tuple(m for _, m in named)
+        dicts = self.dicts = tuple(m.__dict__ for m in mods)
+        self.classes = list(map(type, mods))
+        self.training = list(map(_TRAINING, dicts))
+        self.forwards = list(map(dict.get, dicts, _FORWARD))
+        children = list(map(_CHILDREN, dicts))
+        self.children_then = [dict(d) for d in children]  # (the same children, by name and identity)
+        self.leaves = tuple(d for d in children if not d)  # (stay empty)
+        self.parents = tuple(d for d in children if d)
+        self.parents_then = tuple(then for then in self.children_then if then)
+        hooks = [tuple(getattr(m, name) for name in _HOOK_DICTS) for m in mods]
+        self.hooks_then = [_hook_copies(h) for h in hooks]
+        self.unhooked = tuple(d for h in hooks for d in h if not d)  # (stay empty)
+        self.hooked = tuple(d for h in hooks for d in h if d)
+        self.hooked_then = _hook_copies(self.hooked)
+        self.global_then = _hook_copies(GLOBAL_HOOKS)
+        settings = self.settings = list(map(Settings.of, mods))
+        kept = [(m.__dict__, s) for m, s in zip(mods, settings) if s is not None]
+        self.readers = tuple(s.read for _, s in kept)
+        self.setting_dicts = tuple(state for state, _ in kept)
+        self.values = [s.values for _, s in kept]
+        self.root_class, self.root_training = type(root), root.training
+        self.root_children = dict(root._modules)
+        self.root_settings = Settings.of(root)
+
+    def changed(self, root: nn.Module) -> bool:
+        """Whether anything above differs from the snapshot: the test before every replay."""
+        try:
+            return type(root) is not self.root_class or root.training is not self.root_training \
+                or root._modules != self.root_children or GLOBAL_HOOKS != self.global_then \
+                or (self.root_settings is not None and self.root_settings.changed(root)) \
+                or list(map(type, self.modules)) != self.classes \
+                or list(map(_TRAINING, self.dicts)) != self.training \
+                or any(self.leaves) or self.parents != self.parents_then \
+                or any(self.unhooked) or self.hooked != self.hooked_then \
+                or list(map(dict.get, self.dicts, _FORWARD)) != self.forwards \
+                or list(map(operator.call, self.readers, self.setting_dicts)) != self.values
+        except KeyError:  # (a setting or the training flag deleted)
+            return True
+
+    def what_changed(self, root: nn.Module) -> Optional[str]:
+        """What :meth:`changed` found, as text (for the log); None when nothing changed."""
+        if type(root) is not self.root_class:
+            return f"its class was changed to {type(root).__qualname__}"
+        if root.training is not self.root_training:
+            return f"it is in {'training' if root.training else 'eval'} mode"
+        if GLOBAL_HOOKS != self.global_then:
+            return "torch's global module hooks changed"
+        if self.root_settings is not None and self.root_settings.changed(root):
+            return f"its {self.root_settings.what_changed(root)}"
+        found = _children_changed("", root._modules, self.root_children)
+        if found:
+            return found
+        for path, m, state, cls, training, forward, then, hooks_then, settings in zip(
+                self.names, self.modules, self.dicts, self.classes, self.training, self.forwards,
+                self.children_then, self.hooks_then, self.settings):
+            found = _children_changed(path, m._modules, then)
+            if found:
+                return found
+            if type(m) is not cls:
+                return f"{path}'s class was changed to {type(m).__qualname__}"
+            if state.get("training") != training:
+                return f"{path} is in {'training' if state.get('training') else 'eval'} mode" \
+                    if "training" in state else f"{path}.training was removed"
+            if state.get("forward") != forward:
+                return f"{path} has an instance forward" if forward is None else \
+                    f"{path}'s instance forward was {'replaced' if 'forward' in state else 'removed'}"
+            for name, was in zip(_HOOK_DICTS, hooks_then):
+                if getattr(m, name) != was:
+                    return f"{path} has {name.strip('_').replace('_', ' ')}" if not was else \
+                        f"{path}'s {name.strip('_').replace('_', ' ')} changed"
+            if settings is not None and settings.changed(m):
+                return f"{path}.{settings.what_changed(m)}"
+        return "a submodule changed" if self.changed(root) else None
+
+
+def _children_changed(path: str, now: dict, then: dict) -> Optional[str]:
+    """Which child of the module at ``path`` was added, removed or replaced since ``then``, or None."""
+    if now == then and list(now) == list(then):
+        return None
+    prefix = f"{path}." if path else ""
+    for name in [*then, *now]:
+        if name not in now:
+            return f"{prefix}{name} was removed"
+        if name not in then:
+            return f"{prefix}{name} was added"
+        if now[name] is not then[name]:
+            return f"{prefix}{name} was replaced"
+    return f"{path or 'the root'}'s submodules were reordered"
+
+
 # --------------------------------------------------------------------------------------------- graphs
 
 class _Graph:
@@ -262,8 +413,9 @@ class GraphedForward:
         self.static_outputs, self.max_graphs, self.warmup = static_outputs, max_graphs, warmup
         self._graphs: dict[tuple, Optional[_Graph]] = {}  # None: this signature runs plainly
         self._watch = _ParameterWatch()
+        self._tree: Optional[_TreeSnapshot] = None  # the module tree as the graphs were captured in (None: no graph)
         self._pool: Any = None
-        self._logged: set[str] = set()
+        self._logged: set = set()
         self._name = type(module).__name__
         fn = plain if plain is not None else type(module).forward
         self.__name__ = getattr(fn, "__name__", "forward")
@@ -335,9 +487,22 @@ class GraphedForward:
         entry = self._graphs.get(key, _MISSING)
         if entry is None:
             return self._call(module, args, kwargs)
+        if self._tree is not None and self._tree.changed(module):  # (a replay would skip the changed modules)
+            self._drop_for_tree(module)
+            entry = _MISSING
         if entry is _MISSING:
             return self._miss(module, key, tensors, args, kwargs)
         return entry.run(tensors)
+
+    def _drop_for_tree(self, module: nn.Module) -> None:
+        """Drop every graph (recaptured for the new state), the module tree having changed since the capture."""
+        why = self._tree.what_changed(module) or "a submodule changed"
+        if ("tree", why) not in self._logged:
+            self._logged.add(("tree", why))
+            log.info("fxfuse: %s: the module changed since its capture (%s); %d CUDA graph(s) dropped, "
+                     "recaptured for the new state", self._name, why, self.num_graphs)
+        self._graphs.clear()
+        self._tree = None
 
     def _miss(self, module: nn.Module, key: tuple, tensors: list, args: tuple, kwargs: dict) -> Any:
         if self.num_graphs >= self.max_graphs:
@@ -365,6 +530,12 @@ class GraphedForward:
         if entry is None:
             log.info("fxfuse: %s.forward: no CUDA graph for %s: %s", self._name, _describe(tensors), reason)
         else:
+            # The module tree the replays assume: as this call left it. When its forward changed it (graphs of
+            # other signatures were captured before), those graphs are dropped.
+            if self._tree is not None and self._tree.changed(module):
+                self._drop_for_tree(module)
+            if self._tree is None:
+                self._tree = _TreeSnapshot(module)
             log.info("fxfuse: %s.forward: CUDA graph %d captured for %s", self._name, self.num_graphs + 1,
                      _describe(tensors))
         self._graphs[key] = entry

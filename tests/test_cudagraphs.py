@@ -17,7 +17,7 @@ from torch import nn
 import fxfuse
 from fxfuse import cudagraphs
 from fxfuse.api import fused_graphs
-from fxfuse.cudagraphs import GraphedForward, _ParameterWatch, call_key
+from fxfuse.cudagraphs import GraphedForward, _ParameterWatch, _TreeSnapshot, call_key
 
 STATE = (False, False, False, None)  # (grad enabled, inference mode, training, autocast), as GraphedForward reads
 
@@ -180,6 +180,133 @@ def test_parameter_watch_cost_on_a_12_block_model():
         best = min(best, (time.perf_counter() - start) / 200)
     print(f"parameter check: {best * 1e6:.1f} us per call (121 tensors)")
     assert best < 1e-3  # a few µs on an idle CPU; generous for loaded CI machines
+
+
+class _TreeMLP(nn.Module):
+    def __init__(self, d=4, h=8):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _TreeModel(nn.Module):
+    """Submodules of every kind the tree check reads: with and without parameters, containers, a setting."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.ln, self.mlp, self.drop = nn.LayerNorm(d), _TreeMLP(d), nn.Dropout(0.5)
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+        self.head = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+        self.scale = 2.0
+
+    def forward(self, x):
+        x = self.drop(self.mlp(self.ln(x)))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) * self.scale
+
+
+class _TanhGELU(nn.GELU):
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+class _Subclassed(_TreeModel):
+    pass
+
+
+def _setattr(obj, name, value):
+    setattr(obj, name, value)
+
+
+TREE_CHANGES = {  # what a replay would skip -> (change, what the log says)
+    "submodule without parameters replaced": (lambda r: _setattr(r.mlp, "act", nn.ReLU()), "mlp.act was replaced"),
+    "child of the root replaced": (lambda r: _setattr(r, "drop", nn.Dropout(0.5)), "drop was replaced"),
+    "submodule added": (lambda r: _setattr(r, "extra", nn.Identity()), "extra was added"),
+    "child added to a leaf": (lambda r: _setattr(r.mlp.act, "inner", nn.Identity()), "mlp.act.inner was added"),
+    "submodule removed": (lambda r: delattr(r.mlp, "act"), "mlp.act was removed"),
+    "ModuleList appended to": (lambda r: r.layers.append(nn.Linear(4, 4)), "layers.2 was added"),
+    "ModuleList item deleted": (lambda r: r.layers.__delitem__(0), "layers.0 was replaced"),
+    "Sequential inserted into": (lambda r: r.head.insert(0, nn.Identity()), "head.0 was replaced"),
+    "submodule switched to training alone": (lambda r: r.drop.train(), "drop is in training mode"),
+    "root switched to training": (lambda r: r.train(), "it is in training mode"),
+    "forward hook": (lambda r: r.mlp.fc1.register_forward_hook(lambda m, a, o: o * 2), "mlp.fc1 has forward hooks"),
+    "forward pre-hook": (lambda r: r.mlp.act.register_forward_pre_hook(lambda m, a: a),
+                         "mlp.act has forward pre hooks"),
+    "backward hook": (lambda r: r.ln.register_full_backward_hook(lambda m, gi, go: None), "ln has backward hooks"),
+    "backward pre-hook": (lambda r: r.mlp.fc2.register_full_backward_pre_hook(lambda m, go: None),
+                          "mlp.fc2 has backward pre hooks"),
+    "instance forward": (lambda r: _setattr(r.mlp.act, "forward", torch.relu), "mlp.act has an instance forward"),
+    "class swapped": (lambda r: _setattr(r.mlp.act, "__class__", _TanhGELU),
+                      "mlp.act's class was changed to _TanhGELU"),
+    "root class swapped": (lambda r: _setattr(r, "__class__", _Subclassed), "its class was changed to _Subclassed"),
+    "setting changed in place": (lambda r: _setattr(r.mlp.act, "approximate", "tanh"),
+                                 "mlp.act.approximate was 'none', is 'tanh'"),
+    "setting deleted": (lambda r: delattr(r.drop, "p"), "drop.p was removed"),
+    "root setting changed": (lambda r: _setattr(r, "scale", 3.0), "its scale was 2.0, is 3.0"),
+    "global module hook": (lambda r: torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None),
+                           "torch's global module hooks changed"),
+}
+
+
+@pytest.mark.parametrize("change", list(TREE_CHANGES))
+def test_tree_snapshot_sees_each_change_a_replay_would_skip(change):
+    """What ``_ParameterWatch`` cannot see (no parameter moves), each found by the check before a replay."""
+    mutate, said = TREE_CHANGES[change]
+    model = _TreeModel().eval()
+    tree = _TreeSnapshot(model)
+    assert not tree.changed(model) and tree.what_changed(model) is None
+    handle = mutate(model)
+    try:
+        assert tree.changed(model)
+        assert tree.what_changed(model) == said
+        assert not _TreeSnapshot(model).changed(model)  # a snapshot of the new state (a recapture's) holds
+    finally:
+        if isinstance(handle, torch.utils.hooks.RemovableHandle):
+            handle.remove()
+
+
+def test_tree_snapshot_passes_what_a_replay_still_computes_right():
+    model = _TreeModel().eval()
+    handle = model.mlp.fc1.register_forward_hook(lambda m, a, o: o)  # registered before: captured with it
+    model.mlp.fc2.forward = model.mlp.fc2.forward  # an instance forward of its own (accelerate's), also before
+    model.shared = model.mlp.act  # one module at two places
+    tree = _TreeSnapshot(model)
+    with torch.no_grad():
+        model(torch.randn(3, 4))  # a plain call
+        model.mlp.fc1.weight.mul_(2)  # in place: the graph reads it
+    model.load_state_dict(_TreeModel().state_dict(), strict=False)
+    model.eval()  # the same modes again
+    model._private_cache = {}  # (a private attribute is no setting)
+    later = model.mlp.act.register_forward_hook(lambda m, a, o: o)
+    later.remove()  # registered and removed: no hook left
+    model.mlp.act.approximate = "tanh"
+    model.mlp.act.approximate = "none"  # and back
+    assert not tree.changed(model) and tree.what_changed(model) is None
+    handle.remove()  # the hook the graphs were captured with, gone
+    assert tree.changed(model) and tree.what_changed(model) == "mlp.fc1's forward hooks changed"
+    del model.mlp.fc2.forward
+    assert _TreeSnapshot(model).changed(model) is False
+    tree = _TreeSnapshot(model)
+    model.mlp.fc2.forward = lambda x: x
+    assert tree.what_changed(model) == "mlp.fc2 has an instance forward"
+
+
+def test_tree_check_cost_on_a_300_module_model():
+    model = Stack(blocks=33).eval()  # 299 modules, 132 of them with settings
+    assert len(list(model.modules())) == 299
+    tree = _TreeSnapshot(model)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(200):
+            tree.changed(model)
+        best = min(best, (time.perf_counter() - start) / 200)
+    print(f"tree check: {best * 1e6:.1f} us per call (299 modules)")
+    assert not tree.changed(model)
+    assert best < 2e-3  # ~60 µs on the dev CPU; generous for loaded CI machines
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -447,6 +574,108 @@ def test_regions_of_a_graphed_module_are_planned_by_gpu_time(monkeypatch, tmp_pa
     assert strategy._choices and all(key[-1] for key in strategy._choices)  # only graph-scored choices
     assert any("for a CUDA graph: GPU time only" in r.getMessage() for r in caplog.records)
     tuning_cache.clear_loaded()
+
+
+class _GpuMLP(nn.Module):
+    def __init__(self, d=256, h=1024):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _GpuBlock(nn.Module):
+    def __init__(self, d=256, h=1024):
+        super().__init__()
+        self.ln, self.mlp, self.drop = nn.LayerNorm(d), _GpuMLP(d, h), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.mlp(self.ln(x)))
+
+
+def _doubled_gelus(m, args, out):
+    return out * 2 if isinstance(m, nn.GELU) else None
+
+
+REPLAYED_CHANGES = {  # changes after the capture that move no parameter (the H200 review's), -> what the log says
+    "submodule without parameters replaced": (lambda r: _setattr(r.mlp, "act", nn.ReLU()), "mlp.act was replaced"),
+    "setting changed in place": (lambda r: _setattr(r.mlp.act, "approximate", "tanh"),
+                                 "mlp.act.approximate was 'none', is 'tanh'"),
+    "forward hook": (lambda r: r.mlp.fc1.register_forward_hook(lambda m, a, o: o * 2), "mlp.fc1 has forward hooks"),
+    "forward pre-hook": (lambda r: r.mlp.fc2.register_forward_pre_hook(lambda m, a: (a[0] * 0.5,)),
+                         "mlp.fc2 has forward pre hooks"),
+    "instance forward": (lambda r: _setattr(r.mlp.act, "forward", torch.tanh), "mlp.act has an instance forward"),
+    "class swapped": (lambda r: _setattr(r.mlp.act, "__class__", _TanhGELU),
+                      "mlp.act's class was changed to _TanhGELU"),
+    "global module hook": (lambda r: torch.nn.modules.module.register_module_forward_hook(_doubled_gelus),
+                           "torch's global module hooks changed"),
+}
+
+
+def _graphed_block(how):
+    """A block on the GPU, graphed by ``how``, and an independent copy of it for eager references."""
+    model = _GpuBlock().cuda().eval()
+    ref = copy.deepcopy(model)
+    fast = fxfuse.optimize(model, cuda_graphs=True) if how == "optimize" else fxfuse.cuda_graphed(model)
+    return fast, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["optimize", "cuda_graphed"])
+@pytest.mark.parametrize("change", list(REPLAYED_CHANGES))
+def test_changes_to_submodules_after_the_capture_are_not_replayed_stale(no_tf32, caplog, how, change):
+    """Until the tree check, a replay after these changes computed what the module computed when captured
+    (H200 review: relerr 0.07 with ``mlp.act = nn.ReLU()``, 0.23 with a hook doubling fc1's output)."""
+    mutate, said = REPLAYED_CHANGES[change]
+    fast, ref = _graphed_block(how)
+    x = torch.randn(8, 256).cuda()
+    handles = []
+    try:
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="fxfuse.cudagraphs"):
+            for _ in range(3):  # plain call and capture, then replays
+                assert rel_err(fast(x), ref(x)) < 1e-5
+            assert fast.forward.num_graphs == 1
+            (before,) = [g for g in fast.forward._graphs.values() if g is not None]
+            stale = ref(x)
+            handles = [mutate(fast), mutate(ref)]
+            want = ref(x)
+            assert rel_err(want, stale) > 1e-4  # (the change matters)
+            for _ in range(4):  # the check fails: plain call and a capture for the new state, then its replays
+                assert rel_err(fast(x), want) < 1e-5
+            assert fast.forward.num_graphs == 1
+            (after,) = [g for g in fast.forward._graphs.values() if g is not None]
+            assert after is not before
+    finally:
+        for handle in handles:
+            if isinstance(handle, torch.utils.hooks.RemovableHandle):
+                handle.remove()
+    dropped = [r.getMessage() for r in caplog.records if "changed since its capture" in r.getMessage()]
+    assert len(dropped) == 1 and f"({said})" in dropped[0], dropped
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["optimize", "cuda_graphed"])
+def test_dropout_switched_on_alone_after_the_capture_is_not_skipped(no_tf32, how):
+    """Monte Carlo dropout: ``drop.train()`` on the submodule only. The root stays in eval mode, so the call key
+    is the same; a replay skipped the dropout (H200 review: output identical to the eval output)."""
+    fast, ref = _graphed_block(how)
+    x = torch.randn(8, 256).cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(fast(x), ref(x)) < 1e-5
+        clean = ref(x)
+        fast.drop.train()
+        outs = [fast(x) for _ in range(4)]  # plain call and a capture, then replays: each with a fresh mask
+        for out in outs:
+            kept = out != 0
+            assert 0.3 < kept.float().mean().item() < 0.7
+            assert rel_err(out[kept], 2 * clean[kept]) < 1e-5  # kept values scaled by 1 / (1 - p)
+        assert not torch.equal(outs[-1], outs[-2])
+        fast.drop.eval()
+        for _ in range(3):  # back: recaptured once more
+            assert rel_err(fast(x), clean) < 1e-5
+    assert fast.forward.num_graphs == 1
 
 
 def test_no_garbage_collection_inside_a_capture():
