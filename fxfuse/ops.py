@@ -585,16 +585,14 @@ def _mlp_fake(x, weights, biases, operands, spec):
 def _save_inputs(ctx, spec: str, sizes: tuple[int, ...], flat: Sequence[Tensor],
                  stored: Sequence[Tensor] = ()) -> None:
     """What ``_backward`` reads: the spec, how ``flat`` splits into (x, weights, biases, operands), which of
-    them want gradients, and the tensors themselves: the inputs (the biases as copies), and ``stored`` (what the
+    them want gradients, and the tensors themselves: the inputs, and ``stored`` (what the
     walk reads from the forward: :func:`fxfuse.backward.forward_for_walk`'s layer inputs, and its output where the
     walk reads it)."""
     ctx.spec, ctx.sizes, ctx.num_stored = spec, sizes, len(stored)
     ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
-    _, n_weights, n_biases, _ = sizes
-    if n_biases:  # (copies: eager's backward reads no bias, so a bias written in place before it is no error there)
-        flat = list(flat)
-        first = 1 + n_weights
-        flat[first:first + n_biases] = torch._foreach_mul([b.detach() for b in flat[first:first + n_biases]], 1.0)
+    # (the biases too, which eager's backward does not read: a bias written in place between the forward and the
+    # backward raises autograd's error here, not in eager. Copies would cost a launch per step and new addresses,
+    # which the backward's bound launches are keyed by: a new binding every step.)
     ctx.save_for_backward(*flat, *stored)
 
 
