@@ -10,8 +10,9 @@ and run with no gradients under ``torch.autocast("cuda", <the row's dtype>)``, t
   casts every weight on each call: autocast's cache lives for one context.
 * **one context** around all calls (``generate`` under autocast): eager's casts are cached after the first call.
 
-fxfuse keeps its casts (``fxfuse.autocast.weight_casts``) as autocast's cache keeps its own: for one context (since
-session 49; before, across contexts too, which missed writes through ``.data`` between them). GPU µs: do_bench
+fxfuse keeps its casts (``fxfuse.autocast.weight_casts``) as autocast's cache keeps its own, for one context: each
+new context casts them again, into the same memory (since session 49; before, they were kept across contexts,
+which missed writes through ``.data`` between them). GPU µs: do_bench
 median (L2 flushed before each call); floor: the row's floor in its dtype (narrow weights read once); torch.compile
 default with the context inside the compiled function (per call); decode rows also get the wall µs per call of 200
 back-to-back calls (per call). rel err: against float64 of the cast model. Writes ``DIR/autocast.md``.

@@ -11,9 +11,9 @@ autocast leaves alone (:data:`AUTOCAST_NEUTRAL_OPS`):
   autocast: timm's ``validate.py --amp``, a Trainer's evaluation with ``bf16=True``): the weights and biases are
   cast to the autocast dtype too, as autocast casts them, and the region runs fused on the casts. The casts are
   kept (:data:`weight_casts`) while each parameter's storage and version are unchanged, like autocast's own cache,
-  so a decode loop inside one autocast context reads the narrow weights, not a new cast, at every step; they are
-  dropped when the outermost autocast context exits (with autocast's own), at the first fused call made without
-  autocast, or one that records gradients (training), and with their parameter. With
+  so a decode loop inside one autocast context reads the narrow weights, not a new cast, at every step; in each
+  new context they are cast again (into the same memory), as autocast's own are; they are dropped at the first
+  fused call made without autocast, or one that records gradients (training), and with their parameter. With
   autocast's cache turned off (``cache_enabled=False``) the original ops run.
 * **fp32 weights, a call that records gradients** (mixed-precision training), same conditions: the weights,
   biases and input are cast with autograd (``.to``, as autocast casts a Linear's: gradients flow back to the fp32
@@ -80,9 +80,10 @@ class WeightCasts:
     Eager's Linear layers under autocast read an fp32 weight's cast from autocast's cache, made once per autocast
     context. This keeps the same casts for fused regions (autocast's cache cannot be read from Python), checked
     on every use against the parameter's storage and version counter (an optimizer step or any in-place write
-    bumps it). A cast goes with its parameter, and all go on :meth:`clear`, which the exit of the outermost
-    autocast context calls (as it clears autocast's cache): a write through ``.data``, which bumps no version,
-    is seen in the next context, as eager sees it.
+    bumps it), and made again in each new autocast context (:meth:`expire`, at the exit of the outermost one,
+    when autocast clears its cache): a write through ``.data``, which bumps no version, is seen in the next
+    context, as eager sees it. A new cast goes into the old one's memory, so the addresses replays are keyed by
+    stay. A cast goes with its parameter, and all go on :meth:`clear`.
 
     Example:
         >>> casts, w = WeightCasts(), torch.randn(4, 8)
@@ -95,23 +96,37 @@ class WeightCasts:
     """
 
     def __init__(self):
-        # id of the parameter -> (weak reference to it, its version and address at the cast, the dtype, the cast)
-        self._casts: dict[int, tuple[weakref.ref, int, int, torch.dtype, Tensor]] = {}
+        # id of the parameter -> (weak reference to it, its version and address at the cast, the dtype, the cast,
+        # the generation it was cast in)
+        self._casts: dict[int, tuple[weakref.ref, int, int, torch.dtype, Tensor, int]] = {}
+        self.generation = 0  # one per autocast context (expire)
 
     def get(self, t: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
-        """fp32 ``t`` cast to ``dtype`` (no autograd history): the kept cast while ``t`` is unchanged, else a new
-        one; None for a tensor this does not cast (not fp32; an inference tensor, which has no version)."""
+        """fp32 ``t`` cast to ``dtype`` (no autograd history): the kept cast while ``t`` is unchanged in this
+        autocast context; cast again into the same memory when the context is new or ``t``'s version changed (the
+        addresses that replays are keyed by stay); a new cast for a new storage; None for a tensor this does not
+        cast (not fp32; an inference tensor, which has no version)."""
         kept = self._casts.get(id(t))
-        if kept is not None and kept[0]() is t and kept[1] == t._version and kept[2] == t.data_ptr() \
-                and kept[3] is dtype:
-            return kept[4]
+        if kept is not None and kept[0]() is t and kept[3] is dtype and kept[2] == t.data_ptr():
+            if kept[1] == t._version and kept[5] == self.generation:
+                return kept[4]
+            cast = kept[4]
+            if cast.shape == t.shape:
+                cast.copy_(t.detach())
+                self._casts[id(t)] = (kept[0], t._version, kept[2], dtype, cast, self.generation)
+                return cast
         if t.dtype is not torch.float32 or t.is_inference():
             return None
         cast = t.detach().to(dtype)
         key = id(t)
         self._casts[key] = (weakref.ref(t, functools.partial(self._forget, key)), t._version, t.data_ptr(), dtype,
-                            cast)
+                            cast, self.generation)
         return cast
+
+    def expire(self) -> None:
+        """A new autocast context: every kept cast is made again at its next use, into its own memory (a write
+        through ``.data`` bumps no version: autocast's own cache lives for one context for that reason)."""
+        self.generation += 1
 
     def _forget(self, key: int, ref: weakref.ref) -> None:
         kept = self._casts.get(key)
@@ -138,17 +153,17 @@ weight_casts = WeightCasts()  # the fused regions' casts (see the module doc)
 
 
 def _clears_weight_casts(clear):
-    """``torch.clear_autocast_cache`` that also drops :data:`weight_casts`. Autocast's ``__exit__`` calls it when
-    the outermost context exits, so the casts live as long as autocast's own: a parameter written through
-    ``.data`` (which bumps no version counter: an EMA or momentum teacher's update) between two contexts is cast
-    again in the next, as eager's Linear layers cast it."""
+    """``torch.clear_autocast_cache`` that also expires :data:`weight_casts`. Autocast's ``__exit__`` calls it when
+    the outermost context exits, so a kept cast is good for one context, as autocast's own: a parameter written
+    through ``.data`` (which bumps no version counter: an EMA or momentum teacher's update) between two contexts
+    is cast again in the next, as eager's Linear layers cast it (into the same memory: replays keep their keys)."""
     if getattr(clear, "_fxfuse_clears_weight_casts", False):  # (this module imported again)
         return clear
 
     @functools.wraps(clear)
     def clear_autocast_cache() -> None:
         clear()
-        weight_casts.clear()
+        weight_casts.expire()
 
     clear_autocast_cache._fxfuse_clears_weight_casts = True
     return clear_autocast_cache

@@ -948,8 +948,7 @@ def test_fp32_experts_under_autocast_run_the_kernels_on_casts(family, monkeypatc
     with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
         out = forward(module, x, index, weights)
         eager = type(module).forward(module, x, index, weights)
-        assert len(fx_autocast.weight_casts) == len(list(module.parameters()))  # (gone at the context's exit)
-    assert vars(module)["_fxfuse_moe"] is True and len(fx_autocast.weight_casts) == 0
+    assert vars(module)["_fxfuse_moe"] is True and len(fx_autocast.weight_casts) == len(list(module.parameters()))
     assert out.dtype == eager.dtype == torch.float32  # (the input's dtype, as transformers returns it)
     ref = float64_forward(module, x, index, weights)
     assert rel_err(out, ref) < TOL[torch.float16] and rel_err(eager, ref) < TOL[torch.float16]
