@@ -275,6 +275,14 @@ def _candidates(spec: str, widths: tuple[int, ...], small: Optional[int], elem_s
                                    deterministic))
 
 
+def _candidates_of(args: tuple) -> tuple[str, ...]:
+    """:func:`_candidates` for a call's ``(x, weights, biases, operands, spec)``."""
+    x, weights, _, _, spec = args
+    m = x.numel() // x.shape[-1]
+    return _candidates(spec, (x.shape[-1], *(w.shape[0] for w in weights)), m if m <= DECODE_MAX_M else None,
+                       weights[0].element_size(), torch.are_deterministic_algorithms_enabled())
+
+
 def _run_kernels(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], operands: Sequence[Tensor],
                  spec: str, strategy: str) -> Tensor:
     """The region with the kernels of ``strategy`` (one of :func:`fxfuse.strategy.kernel_candidates`)."""
@@ -385,9 +393,7 @@ def _dispatch(x, weights, biases, operands, spec):
     settled = strategy is not None or not timed  # this call only runs (it times nothing)
     if strategy is None:
         m = x.numel() // x.shape[-1]
-        widths = (x.shape[-1], *(w.shape[0] for w in weights))
-        candidates = _candidates(spec, widths, m if m <= DECODE_MAX_M else None, weights[0].element_size(),
-                                 torch.are_deterministic_algorithms_enabled())
+        candidates = _candidates_of(args)
         if timed:
             replayed = replay_key is not None  # timed as they will run: replayed after the first calls
             runners, original = _timing_runners(args, candidates, replayed)
@@ -418,10 +424,7 @@ def _dispatch(x, weights, biases, operands, spec):
         log.info("%s; the graph runs the original ops of %s", err, spec)
         return reference_mlp(*args)
     except Exception as err:  # a kernel that fails here must not fail the user's forward: eager's ops run
-        m = x.numel() // x.shape[-1]
-        then = forget(args, strategy, _candidates(spec, (x.shape[-1], *(w.shape[0] for w in weights)),
-                                                  m if m <= DECODE_MAX_M else None, weights[0].element_size(),
-                                                  torch.are_deterministic_algorithms_enabled()))
+        then = forget(args, strategy, _candidates_of(args))
         where = (spec, strategy, type(err).__name__)
         if where not in _failed:
             _failed.add(where)
