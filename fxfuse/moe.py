@@ -49,6 +49,7 @@ from .kernels.moe_backward_launch import MoEExpertsFunction
 from .kernels.moe_launch import ExpertsForm, run_moe
 from .kernels.template import interpreting, next_pow2
 from .kernels.tuning import TuningDuringCapture
+from .module_state import Settings
 from .moe_match import activation_of, experts_form, experts_modules, gate_form, why_not_experts
 from .moe_op import moe_experts
 from .ops import on_its_device
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 MOE_PATTERN = "moe_experts"
 _PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # (the kernels' order)
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SETTINGS_ATTR = "_fxfuse_moe_settings"  # (Settings of the module as optimized, its act_fn): see _changed_since
 # torch.utils.checkpoint stops a recomputation early by raising this through the forward: never a failure.
 _CHECKPOINT_CONTROL = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if c)
 # A first call's check of the kernels against the original forward: relative error by dtype.
@@ -77,8 +80,8 @@ def training_enabled() -> bool:
 
 
 def _records_grad(module: nn.Module, hidden: torch.Tensor, weights: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad
-                                        or any(p.requires_grad for p in module._parameters.values()))
+    return torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad or any(
+        p is not None and p.requires_grad for p in module._parameters.values()))
 
 
 def _autocast_dtype(hidden: torch.Tensor) -> Optional[torch.dtype]:
@@ -95,8 +98,8 @@ def _usable(module: nn.Module, hidden: Any, index: Any, weights: Any,
         return False  # (FakeTensor, a tracer's proxy: the original forward)
     if transformed():  # (vmap's batched tensors, forward AD's tangents: only the original ops follow them)
         return False
-    if hidden.dim() != 2 or index.dim() != 2 or index.dtype.is_floating_point:
-        return False
+    if hidden.dim() != 2 or index.dim() != 2 or index.dtype.is_floating_point or gate_up.dtype not in _KERNEL_DTYPES:
+        return False  # (float64 after .double(): the original forward, as for the dense regions)
     if hidden.device != gate_up.device or (hidden.device.type != "cuda" and not interpreting()):
         return False
     if _records_grad(module, hidden, weights) and not training_enabled():
@@ -267,7 +270,7 @@ def moe_forward(orig: Any, form: Union[str, ExpertsForm]) -> Any:
     def _eager(self, *args):
         hidden_states, top_k_index, top_k_weights = args
         state = self.__dict__.get("_fxfuse_moe")  # None: not checked yet; True: agreed; False: kept original
-        if state is False:
+        if state is False or _changed_since(self):
             return orig(self, *args)
         autocast = _autocast_dtype(hidden_states) if type(hidden_states) is torch.Tensor else None
         if not _usable(self, hidden_states, top_k_index, top_k_weights, autocast):
@@ -418,9 +421,38 @@ def _guarded(module: nn.Module, kernels: Any, original: Any) -> torch.Tensor:
         return original()
     except (torch.OutOfMemoryError, *_CHECKPOINT_CONTROL):
         raise
+    except ValueError as err:  # (a call the kernels' checks refuse, such as [T, E] routing weights: this one only)
+        log.info("fxfuse: the experts kernels of %s do not take this call (%s); its forward runs",
+                 type(module).__name__, err)
+        return original()
     except Exception as err:  # never fail the user's forward: the original runs from now on
         _kernels_failed(module, err)
         return original()
+
+
+def _settings_of(module: nn.Module) -> tuple:
+    """What :func:`_changed_since` compares: the module's settings, its ``act_fn``'s class and settings (the optimized
+    model's ``act_fn`` is a copy: compared by what it is, not by identity)."""
+    act = module._modules.get("act_fn")
+    return Settings.of(module), type(act), (Settings.of(act) if act is not None else None)
+
+
+def _changed_since(module: nn.Module) -> bool:
+    """Whether a setting the kernels baked in changed since optimize (gpt-oss's ``alpha`` / ``limit``, ``act_fn``
+    replaced): then the module's own forward runs (logged once)."""
+    kept = module.__dict__.get(_SETTINGS_ATTR)
+    if kept is None:
+        return False
+    settings, act_type, act_settings = kept
+    act = module._modules.get("act_fn")
+    same_act = type(act) is act_type and (act_settings is None or not act_settings.changed(act))
+    if same_act and (settings is None or not settings.changed(module)):
+        return False
+    if not module.__dict__.get("_fxfuse_moe_changed_logged"):
+        module.__dict__["_fxfuse_moe_changed_logged"] = True
+        log.info("fxfuse: %s's settings changed since it was optimized (%s); it runs its forward",
+                 type(module).__name__, "act_fn replaced or changed" if not same_act else settings.what_changed(module))
+    return True
 
 
 def _kernels_failed(module: nn.Module, err: Exception) -> None:
@@ -435,6 +467,8 @@ def experts_installs(model: nn.Module) -> tuple[dict[str, Install], dict[str, Ex
     found = experts_modules(model)
     installs = {}
     for path, form in found.items():
-        orig = type(model.get_submodule(path)).forward
-        installs[path] = Install({"forward": (("fxfuse.moe", form), moe_forward(orig, form))})
+        module = model.get_submodule(path)
+        orig = type(module).forward
+        installs[path] = Install({"forward": (("fxfuse.moe", form), moe_forward(orig, form))}, {},
+                                 {_SETTINGS_ATTR: _settings_of(module)})
     return installs, found

@@ -137,6 +137,10 @@ def experts_form(module: nn.Module) -> Union[ExpertsForm, str]:
         form = gate_form(module)
         return form if form is not None else (
             "_apply_gate is not act(gate) * up (interleaved or halves) for a known act or gpt-oss's clamped SwiGLU")
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        # (DeepSeek-V4's and Step-3.7's clamp gate and up there, past values a probe may not reach)
+        return "_apply_gate is the class's own, not transformers' act_fn(gate) * up (a clamp?)"
     act = activation_of(getattr(module, "act_fn", None))
     return ExpertsForm(act) if act is not None else "act_fn is not SiLU, tanh-GELU or erf-GELU"
 

@@ -10,6 +10,7 @@ import torch
 import triton
 from test_ops import rel_err
 
+import fxfuse
 from fxfuse import moe
 from fxfuse.kernels import moe_launch
 from fxfuse.kernels.moe_launch import ExpertsForm, PairLayout, run_moe
@@ -1657,7 +1658,85 @@ def test_the_training_node_keeps_the_pre_activations_not_h():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = kernels_forward(module, x, index, weights)
     params = {p.data_ptr() for p in module.parameters()}
-    activations = [t for t in saved if t.data_ptr() not in params and t.dim() == 2 and t.is_floating_point()]
+    activations = {t.data_ptr(): t for t in saved if t.data_ptr() not in params and t.dim() == 2
+                   and t.is_floating_point()}.values()  # (x is kept twice, as the kernels' x and as the input)
     assert sorted(t.shape[1] for t in activations) == [2, 32, 96]  # routing weights, x, gu: no [rows, 48] h
     out.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in module.parameters())
+
+
+class _Holds(torch.nn.Module):
+    """A model around one experts module (optimize installs the kernels' forward on its copy)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.experts = module
+
+    def forward(self, x, index, weights):
+        return self.experts(x, index, weights)
+
+
+def test_experts_whose_own_apply_gate_clamps_keep_their_forward():
+    """DeepSeek-V4 clamps gate and up in its own ``_apply_gate`` (act_fn alone is SiLU): not the kernels' form, at
+    any input (the first call's check passed on small values, and a later large one came out wrong)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Config, DeepseekV4Experts
+
+    config = DeepseekV4Config(hidden_size=32, intermediate_size=48, num_local_experts=4, hidden_act="silu",
+                              swiglu_limit=10.0)
+    module = DeepseekV4Experts(config)
+    assert "_apply_gate is the class's own" in moe.why_not_experts(module)
+    assert moe.why_not_experts(experts("silu", torch.float32, "cpu")) is None  # transformers' default gate
+
+
+def test_settings_changed_after_optimize_and_float64_run_the_module_forward(caplog):
+    module = biased_experts("gpt_oss", torch.float32, "cpu")
+    fast = fxfuse.optimize(_Holds(module))
+    x = 2 * torch.randn(8, 32)
+    index, weights = local_routing(8, 2, 4, "cpu", torch.float32)
+    with torch.no_grad():
+        fast(x, index, weights)
+        assert vars(fast.experts)["_fxfuse_moe"] is True
+        fast.experts.limit = 3.0  # (was baked into the kernels)
+        assert rel_err(fast(x, index, weights), float64_forward(fast.experts, x, index, weights)) < 1e-5
+        fast.experts.limit = 7.0
+        double = fast.double()  # (the kernels take fp16, bf16 and fp32: float64 runs the module's forward)
+        out = double(x.double(), index, weights.double())
+    assert out.dtype == torch.float64
+    assert rel_err(out, float64_forward(module, x, index, weights)) < 1e-10
+
+
+def test_double_backward_through_the_experts_kernels_is_eagers():
+    """A gradient penalty (``create_graph=True``) differentiates the experts' gradients again: the node's backward
+    then records the reference ops (the kernels' gradients would drop every second-order term)."""
+    import copy
+
+    module = experts("silu", torch.float32, "cpu")
+    ref_module = copy.deepcopy(module)
+    fast = fxfuse.optimize(_Holds(module))
+    x, dout = torch.randn(8, 32), torch.randn(8, 32)
+    index, weights = local_routing(8, 2, 4, "cpu", torch.float32)
+    fast(x.requires_grad_(), index, weights).sum().backward()  # (the first call's check and training choice)
+    module.zero_grad()
+    grads = []
+    for run, params in ((fast, module), (_Holds(ref_module), ref_module)):
+        xi = x.detach().requires_grad_()
+        out = torch.tanh(xi) + run(xi, index, weights)
+        (gx,) = torch.autograd.grad((out * dout).sum(), xi, create_graph=True)
+        gx.square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in params.parameters())])
+        params.zero_grad()
+    assert vars(fast.experts)["_fxfuse_moe"] is True
+    for a, b in zip(*grads):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_a_call_the_kernels_refuse_leaves_them_on_for_the_next():
+    module = experts("silu", torch.float32, "cpu")
+    fast = fxfuse.optimize(_Holds(module))
+    x = torch.randn(8, 32)
+    index, weights = local_routing(8, 2, 4, "cpu", torch.float32)
+    with torch.no_grad():
+        fast(x, index, weights)
+        full = torch.zeros(8, 4).scatter(1, index, weights)  # [T, E] routing weights: eager takes them, the kernels not
+        assert rel_err(fast(x, index, full), float64_forward(module, x, index, full)) < 1e-5
+        assert vars(fast.experts)["_fxfuse_moe"] is True

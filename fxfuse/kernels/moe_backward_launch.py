@@ -16,6 +16,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import moe_launch
 from .fastlaunch import launch
@@ -179,6 +180,46 @@ def run_moe_backward(saved: MoESaved, dout: torch.Tensor, top_k_index: torch.Ten
     return dx, dr, d_w1, d_w2, d_b1, d_b2
 
 
+def reference_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+                      down_bias: Optional[torch.Tensor], form: ExpertsForm) -> torch.Tensor:
+    """The experts layer in torch ops, expert by expert as transformers' forward computes it (differentiable)."""
+    w1, w2 = (gate_up.transpose(1, 2), down.transpose(1, 2)) if form.transposed else (gate_up, down)
+    out = torch.zeros_like(hidden)
+    for e in range(w1.shape[0]):
+        token, pos = torch.where(top_k_index == e)
+        if token.numel() == 0:
+            continue
+        gu = F.linear(hidden[token], w1[e], None if gate_up_bias is None else gate_up_bias[e])
+        g, u = (gu[..., ::2], gu[..., 1::2]) if form.interleaved else gu.chunk(2, dim=-1)
+        if form.act == "clamped_swiglu":
+            g, u = g.clamp(max=form.limit), u.clamp(-form.limit, form.limit)
+            h = (u + 1) * g * torch.sigmoid(g * form.alpha)
+        else:
+            h = _GATE_ACTS[form.act](g) * u
+        y = F.linear(h, w2[e], None if down_bias is None else down_bias[e])
+        out = out.index_add(0, token, (y * top_k_weights[token, pos, None]).to(out.dtype))
+    return out
+
+
+_GATE_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def _recorded_backward(form: ExpertsForm, dout: torch.Tensor, hidden, top_k_index, top_k_weights, gate_up, down,
+                       gate_up_bias, down_bias, needs: tuple) -> tuple:
+    """:class:`MoEExpertsFunction`'s gradients as a graph autograd can differentiate again (a double backward: the
+    kernels' gradients would drop every second-order term), from :func:`reference_experts` on the saved inputs."""
+    inputs = (hidden, None, top_k_weights, gate_up, down, gate_up_bias, down_bias)
+    wanted = [i for i, t in enumerate(inputs) if t is not None and needs[i]]
+    out = reference_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, form)
+    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], dout.to(out.dtype), create_graph=True,
+                                allow_unused=True)
+    result: list = [None] * 9
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    return tuple(result)
+
+
 class MoEExpertsFunction(torch.autograd.Function):
     """The experts layer as one autograd node: the forward kernels (keeping the pre-activations), and
     :func:`run_moe_backward`. Arguments as :func:`~fxfuse.kernels.moe_launch.moe_forward_pass`'s (biases may be
@@ -195,9 +236,11 @@ class MoEExpertsFunction(torch.autograd.Function):
             return out
         ctx.empty = False
         ctx.meta = (saved.layout.block_m, saved.form, gate_up.shape, down.shape)
-        # (not h: the backward recomputes it from gu, so a step keeps a third less of the layer's activations)
+        # (not h: the backward recomputes it from gu, so a step keeps a third less of the layer's activations;
+        # hidden and gate_up_bias: for a backward that records gradients, see below)
         ctx.save_for_backward(saved.x, saved.gu, saved.layout.rows, saved.layout.block_expert,
-                              saved.layout.segments, top_k_index, top_k_weights, gate_up, down, down_bias)
+                              saved.layout.segments, top_k_index, top_k_weights, gate_up, down, down_bias, hidden,
+                              gate_up_bias)
         return out
 
     @staticmethod
@@ -206,7 +249,11 @@ class MoEExpertsFunction(torch.autograd.Function):
                  ctx.needs_input_grad[5], ctx.needs_input_grad[6])
         if ctx.empty:
             return (None,) * 9
-        x, gu, rows, block_expert, segments, top_k_index, top_k_weights, gate_up, down, down_bias = ctx.saved_tensors
+        (x, gu, rows, block_expert, segments, top_k_index, top_k_weights, gate_up, down, down_bias, hidden,
+         gate_up_bias) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (a gradient penalty): gradients that are differentiable
+            return _recorded_backward(ctx.meta[1], dout, hidden, top_k_index, top_k_weights, gate_up, down,
+                                      gate_up_bias, down_bias, ctx.needs_input_grad)
         block_m, form, _, _ = ctx.meta
         w1, w2 = (gate_up.transpose(1, 2), down.transpose(1, 2)) if form.transposed else (gate_up, down)
         w1, w2 = _strided(w1), _strided(w2)  # (as the forward read them)
