@@ -39,6 +39,7 @@ import ast
 import copy
 import functools
 import inspect
+import sys
 import textwrap
 import threading
 from collections.abc import Sequence
@@ -246,6 +247,9 @@ def _prove(cls: type, method: str, chain: list[str], dropouts: set[str], groups:
                        not any(n is m for m in ast.walk(call))]
             if outside:
                 return f"{h} is read outside the chain on line {stmt.lineno}", []
+            if not _runs_once(value, call):
+                return f"the last linear's call on line {stmt.lineno} may run other than once (inside a " \
+                       "conditional, a boolean operator, a lambda or a comprehension)", []
             value = call
         steps: list[str] = []
         if not _carrier(value, h, self_name, first, steps, groups):
@@ -274,12 +278,31 @@ def _read_after(fdef: ast.AST, name: str, rest: list[ast.stmt]) -> bool:
     return any(name in _names_in(n) for n in [*rest, *nested])
 
 
+_CONDITIONAL = (ast.IfExp, ast.BoolOp, ast.Compare, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+                ast.GeneratorExp, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)
+
+
+def _runs_once(root: ast.AST, call: ast.AST) -> bool:
+    """Whether evaluating ``root`` evaluates ``call`` exactly once: no conditional, short-circuit, deferred or
+    repeated evaluation on the way down to it (``y = self.fc2(h) if flag else x`` may skip it)."""
+    parents = {child: node for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
+    node = call
+    while node is not root:
+        node = parents[node]
+        if isinstance(node, _CONDITIONAL):
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=256)
 def _class_tree(klass: type) -> ast.AST | str:
     try:
         return ast.parse(textwrap.dedent(inspect.getsource(klass)))
     except (OSError, TypeError, SyntaxError) as err:
         return f"source of {klass.__name__} unavailable ({type(err).__name__})"
+
+
+_SUBMODULE_WALKS = {"children", "named_children", "modules", "named_modules", "_modules", "apply"}
 
 
 def _used_once(cls: type, names: set[str]) -> Optional[str]:
@@ -295,6 +318,11 @@ def _used_once(cls: type, names: set[str]) -> Optional[str]:
                 counts[node.attr] += 1
             elif isinstance(node, ast.Constant) and node.value in names:
                 return f"{node.value!r} is referenced by name in {klass.__name__}"
+            elif isinstance(node, ast.Attribute) and node.attr in _SUBMODULE_WALKS:
+                return f"{klass.__name__} reaches its submodules through .{node.attr} (a chain module may run twice)"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and len(node.args) >= 2 and not isinstance(node.args[1], ast.Constant):
+                return f"{klass.__name__} reads attributes by computed names (getattr)"
     many = sorted(n for n, c in counts.items() if c != 1)
     return f"{', '.join(many)} used more than once in {cls.__name__}" if many else None
 
@@ -304,7 +332,8 @@ def _used_once(cls: type, names: set[str]) -> Optional[str]:
 class _State:
     """Per parent instance: whether the hand-off is armed, and the pending input."""
 
-    __slots__ = ("active", "x", "stage", "parent", "chain", "weights", "biases", "roles", "checked", "settings")
+    __slots__ = ("active", "x", "stage", "parent", "chain", "weights", "biases", "roles", "checked", "settings",
+                 "callers")
 
     def __init__(self, chain: InlineChain, settings: Sequence[Optional[Settings]] = ()):
         self.chain = chain
@@ -319,10 +348,12 @@ class _State:
         self.x = None
         self.stage = -1
         self.parent = None
+        self.callers: frozenset = frozenset()  # the code that may call the head: the method's, its groups' forwards
 
     def __deepcopy__(self, memo):
         new = _State(self.chain)
         new.settings = self.settings
+        new.callers = self.callers
         memo[id(self)] = new
         new.parent = copy.deepcopy(self.parent, memo)
         return new
@@ -405,6 +436,22 @@ def _attrs(obj: Any, getter: Any) -> Sequence:
     return getter(obj) if getter is not None else []
 
 
+_MODULE_CALL_FILE = nn.Module.__call__.__code__.co_filename  # (torch's __call__ frames between a caller and forward)
+
+
+def _code_of(fn: Any) -> Any:
+    return inspect.unwrap(fn).__code__  # (the decorated method's own code: transformers wraps forwards)
+
+
+def _called_from(callers: frozenset) -> bool:
+    """Whether the module call in progress was made by the code the hand-off was proven on (the parent's method,
+    a group's forward), not by a hook or a helper function that calls the head module itself."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
+        frame = frame.f_back
+    return frame is not None and frame.f_code in callers
+
+
 def _role_forward(orig: Any, role: str):
     """``forward`` of a chain module: ``head`` defers, ``pass`` forwards the token, ``tail`` runs the op."""
 
@@ -414,6 +461,8 @@ def _role_forward(orig: Any, role: str):
             return orig(self, *args, **kwargs)
         x = args[0]
         if role == "head":
+            if not _called_from(st.callers):  # (a hook's, a helper's call: the module's own forward, no token)
+                return orig(self, *args)
             if st.x is not None:
                 raise RuntimeError("fxfuse: inline chain entered twice")
             ws = _attrs(st.parent, st.weights)
@@ -449,6 +498,8 @@ def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict,
     attr = "_fxfuse_inline_state"
     parts: dict[str, tuple[dict, dict]] = {}
     orig = getattr(type(parent), chain.method)
+    groups = {p.rpartition(".")[0] for p in chain.modules if "." in p}
+    state.callers = frozenset(_code_of(f) for f in [orig, *(type(parent.get_submodule(g)).forward for g in groups)])
     method = _parent_method(orig, attr, (type(parent), chain.method))
     parts[chain.module_path] = ({chain.method: (("inline-parent", chain.method, attr), method)}, {attr: state})
     for index, name in enumerate(chain.modules):

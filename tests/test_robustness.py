@@ -601,3 +601,60 @@ def test_cuda_model_cpu_input_and_moves(kind):
         assert n == 1
         with torch.no_grad():
             torch.testing.assert_close(out, model(xb), rtol=3e-2, atol=3e-2)
+
+
+def _probe(layer, x):
+    return layer.fc1(x).sum()  # (a helper that calls the chain's first module itself)
+
+
+class _Layers(nn.Module):
+    def __init__(self, d: int = 32, hidden: int = 64):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, d)
+
+
+class _HelperCalls(_Layers):
+    def forward(self, x):
+        if x.numel() and x.abs().amax() > 1e6:  # data-dependent: the hand-off, not a trace
+            x = x.clamp(-1e6, 1e6)
+        s = _probe(self, x)
+        h = self.act(self.fc1(x))
+        h = self.fc2(h)
+        return h + s
+
+
+class _MaybeSkipped(_Layers):
+    use_mlp = True
+
+    def forward(self, x):
+        if x.numel() and x.abs().amax() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        h = self.act(self.fc1(x))
+        y = self.fc2(h) if self.use_mlp else x
+        return y
+
+
+class _ChildrenLoop(_Layers):
+    def forward(self, x):
+        if x.numel() and x.abs().amax() > 1e6:
+            x = x.clamp(-1e6, 1e6)
+        h = self.act(self.fc1(x))
+        h = self.fc2(h)
+        return h + sum(m(x).sum() for m in self.children() if isinstance(m, nn.Linear) and m.in_features == 32)
+
+
+@pytest.mark.parametrize("cls, fused", [(_HelperCalls, 1), (_MaybeSkipped, 0), (_ChildrenLoop, 0)])
+def test_the_inline_hand_off_only_takes_calls_it_proved(cls, fused):
+    """A call of the chain's first module from a helper (or a hook) gets that module's own forward (it got the
+    hand-off's token: a crash); a last call that may be skipped (a conditional) or modules reached through
+    ``children()`` are not proven: the chain stays unfused."""
+    model = cls().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(5, 32)
+    for flag in (True, False):
+        cls.use_mlp = flag
+        n, out = fused_calls(fast, x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    cls.use_mlp = True
+    assert len(fxfuse.report(fast).regions) == fused
