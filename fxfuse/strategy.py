@@ -359,7 +359,8 @@ def fastest(args: tuple, runners: dict[str, Callable[[], torch.Tensor]],
         + (" | CUDA graph" if for_cuda_graphs() else "") + (" | both ends" if at_top else "")
     stored = tuning_cache.lookup(disk_key, device)
     top_times: dict[str, float] = {}
-    if stored is not None and {stored.strategy, *(s for s, _ in stored.top_times[:1])} <= {*runners, ORIGINAL_OPS}:
+    if stored is not None and ORIGINAL_OPS in dict(stored.times) \
+            and {stored.strategy, *(s for s, _ in stored.top_times[:1])} <= {*runners, ORIGINAL_OPS}:
         times, source = dict(stored.times), "tuning cache"
         top_times = dict(stored.top_times)
         m_timed, top_m = (stored.m, stored.top_m) if top_times else (m, 0)

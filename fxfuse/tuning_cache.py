@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,7 +127,7 @@ def _load() -> dict[str, TunedChoice]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return _entries
-    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: not JSON
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: not JSON
         log.warning("fxfuse: tuning cache %s is unreadable or corrupt (%s); rebuilding it", path, err)
         return _entries
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -137,7 +138,10 @@ def _load() -> dict[str, TunedChoice]:
                                                 int(v.get("top_m", 0)),
                                                 {str(s): float(t) for s, t in v.get("top_times", ())})
                          for k, v in data["entries"].items()})
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        for key, entry in _entries.items():  # (an entry with no times would be read as a choice: a crash later)
+            if not entry.times or not all(math.isfinite(t) and t >= 0 for _, t in entry.times + entry.top_times):
+                raise ValueError(f"{key}: no times, or a time not a finite number")
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as err:
         _entries.clear()
         log.warning("fxfuse: tuning cache %s has a malformed entry (%r); rebuilding it", path, err)
     return _entries

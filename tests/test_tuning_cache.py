@@ -51,7 +51,10 @@ def test_both_ends_round_trip_and_entries_written_before_them_still_load():
     assert lookup(KEY, "NVIDIA H200") == TunedChoice.of({"torch": 168.0, "tma": 178.0})
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 2, "entries": {"k": 3}}'])
+@pytest.mark.parametrize("content", [
+    b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 2, "entries": {"k": 3}}', b"[" * 100000,
+    b'{"format": 2, "entries": {"k": {"times": []}}}', b'{"format": 2, "entries": {"k": {"times": [["a", 1]], "m": 1e999}}}',
+    b'{"format": 2, "entries": {"k": {"times": [["a", NaN]]}}}'])
 def test_corrupt_file_is_rebuilt_with_a_warning(content, caplog):
     cache_path().parent.mkdir(parents=True)
     cache_path().write_bytes(content)
