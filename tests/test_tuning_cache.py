@@ -53,7 +53,8 @@ def test_both_ends_round_trip_and_entries_written_before_them_still_load():
 
 @pytest.mark.parametrize("content", [
     b"{not json", b"\xff\xfe\x00", b"[1, 2]", b'{"format": 2, "entries": {"k": 3}}', b"[" * 100000,
-    b'{"format": 2, "entries": {"k": {"times": []}}}', b'{"format": 2, "entries": {"k": {"times": [["a", 1]], "m": 1e999}}}',
+    b'{"format": 2, "entries": {"k": {"times": []}}}',
+    b'{"format": 2, "entries": {"k": {"times": [["a", 1]], "m": 1e999}}}',
     b'{"format": 2, "entries": {"k": {"times": [["a", NaN]]}}}'])
 def test_corrupt_file_is_rebuilt_with_a_warning(content, caplog):
     cache_path().parent.mkdir(parents=True)
