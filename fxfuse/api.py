@@ -103,6 +103,10 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
             experts=(type(experts_module), tuple(experts_module.gate_up_proj.shape))))
     if cuda_graphs:
         full_report.cuda_graphs = cuda_graphed(result, static_outputs=cuda_graphs == "static").forward.describe()
+    earlier = model.__dict__.get(_REPORT_ATTR)
+    if isinstance(earlier, FusionReport):  # (a model optimized before: its regions still run, from its copies)
+        again = {r.module_path for r in full_report.regions}
+        full_report.regions = [*(r for r in earlier.regions if r.module_path not in again), *full_report.regions]
     full_report.seconds = time.perf_counter() - start
     setattr(result, _REPORT_ATTR, full_report)
     log.info("%s", full_report)

@@ -205,18 +205,20 @@ class OriginalRuns:
     calls: int
     reason: str
     modules: tuple[str, ...] = ()
+    counts: tuple[int, ...] = ()  # the calls of each of ``modules``
 
     @staticmethod
     def of(model: nn.Module) -> list[OriginalRuns]:
         """Those of ``model``'s modules, counted now (in this process), in module order."""
-        found: dict[tuple[str, str], tuple[list[int], list[str]]] = {}  # (class, reason) -> ([calls], paths)
+        found: dict[tuple[str, str], tuple[list[int], list[str]]] = {}  # (class, reason) -> (calls, paths)
         for path, m in model.named_modules():
             if hasattr(type(m), "_fxfuse_original_class"):  # (an fxfuse host: fxfuse.install._host_class)
                 for why, n in original_runs(m).items():
-                    calls, paths = found.setdefault((type(m).__name__, why), ([0], []))
-                    calls[0] += n
+                    calls, paths = found.setdefault((type(m).__name__, why), ([], []))
+                    calls.append(n)
                     paths.append(path)
-        return [OriginalRuns(host, calls[0], why, tuple(paths)) for (host, why), (calls, paths) in found.items()]
+        return [OriginalRuns(host, sum(calls), why, tuple(paths), tuple(calls))
+                for (host, why), (calls, paths) in found.items()]
 
 
 @dataclass
@@ -286,7 +288,7 @@ class FusionReport:
 
     def _original_note(self, region: RegionReport) -> str:
         """``"; 3 calls ran the original code (see below)"`` for a region whose host turned calls away, else ""."""
-        n = sum(o.calls for o in self.original_runs if region.host_path in o.modules)
+        n = sum(c for o in self.original_runs for path, c in zip(o.modules, o.counts) if path == region.host_path)
         return f"; {n} call{'s' if n > 1 else ''} ran the original code (see below)" if n else ""
 
     def _repr_pretty_(self, p, cycle):  # IPython

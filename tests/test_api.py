@@ -555,3 +555,18 @@ def test_a_bias_written_in_place_between_forward_and_backward_raises_autograds_e
         next(p for name, p in model.named_parameters() if name.endswith("bias")).add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.square().sum().backward()
+
+
+def test_the_report_counts_original_runs_per_module_and_keeps_an_optimized_models_regions():
+    model = Stack(blocks=2).eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        fast.blocks[1].mlp.train()  # (its graph has no dropout: the original method runs, counted for it alone)
+        fast(x)
+        fast(x)
+    text = str(fxfuse.report(fast))
+    assert "blocks.1.mlp" in text and "2 calls ran the original code" in text
+    assert "1 call ran" not in text and text.count("ran the original code (see below)") == 1
+    again = fxfuse.optimize(fast)  # (nothing new to fuse: the regions it runs are the first optimize's)
+    assert [r.module_path for r in fxfuse.report(again).regions] == [r.module_path for r in fxfuse.report(fast).regions]
