@@ -576,19 +576,10 @@ def test_regions_of_a_graphed_module_are_planned_by_gpu_time(monkeypatch, tmp_pa
     tuning_cache.clear_loaded()
 
 
-class _GpuMLP(nn.Module):
-    def __init__(self, d=256, h=1024):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class _GpuBlock(nn.Module):
     def __init__(self, d=256, h=1024):
         super().__init__()
-        self.ln, self.mlp, self.drop = nn.LayerNorm(d), _GpuMLP(d, h), nn.Dropout(0.5)
+        self.ln, self.mlp, self.drop = nn.LayerNorm(d), _TreeMLP(d, h), nn.Dropout(0.5)
 
     def forward(self, x):
         return self.drop(self.mlp(self.ln(x)))
