@@ -33,6 +33,7 @@ import contextlib
 import dis
 import gc
 import inspect
+import itertools
 import logging
 import operator
 import os
@@ -45,6 +46,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .pointwise import is_known_activation
 
@@ -110,8 +112,12 @@ class Scope:
 
 
 def weight_count(module: nn.Module) -> int:
-    """Number of weight matrices (2-D parameters) at or below ``module``."""
-    return sum(1 for p in module.parameters() if p.dim() == 2)
+    """Number of weight matrices (2-D parameters and buffers) at or below ``module``, a tied one once per module
+    that holds it (two linears sharing a weight are a chain); a lazy module's uninitialized parameters are not
+    counted."""
+    named = itertools.chain(module.named_parameters(remove_duplicate=False),
+                            module.named_buffers(remove_duplicate=False))
+    return sum(1 for _, p in named if not is_lazy(p) and p.dim() == 2)
 
 
 def _short(err: BaseException) -> str:
@@ -589,6 +595,10 @@ def _join(*parts: str) -> str:
 def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: set[int]) -> None:
     if id(module) in seen:
         return
+    if any(is_lazy(p) for p in module.parameters()):  # (no shapes to plan with, nor a forward to trace)
+        seen.add(id(module))
+        out.failures.append(CaptureFailure(path, LAZY_NOTE))
+        return
     # (an experts module's own 2-D parameters are its biases, gpt-oss's: not weights of a chain to capture)
     experts = _stacked_weights(module) >= 2
     if experts or weight_count(module) < 2:
@@ -630,6 +640,8 @@ def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: se
                 _visit(sub, _join(path, node.target), out, failing, seen)
 
 
+LAZY_NOTE = ("a lazy module not yet initialized (nn.LazyLinear & co.): call the model once, or pass example_inputs "
+             "to optimize, before optimizing it")
 MOE_NOTE = ("mixture of experts (stacked 3-D expert weights): its per-expert MLPs run behind data-dependent "
             "routing, which fxfuse does not fuse")
 
@@ -644,7 +656,7 @@ def _holds_stacked_experts(module: nn.Module) -> bool:
 def _stacked_weights(module: nn.Module) -> int:
     """The 3-D parameters ``module`` holds itself with more than one expert along dim 0 (a ``[1, N, D]`` class
     token, mask token or position embedding, as ViT's and ViT-MAE's decoder keep, is not a stack of experts)."""
-    return sum(1 for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1)
+    return sum(1 for p in module.parameters(recurse=False) if not is_lazy(p) and p.dim() == 3 and p.shape[0] > 1)
 
 
 def _candidate_methods(module: nn.Module) -> list[str]:

@@ -303,6 +303,7 @@ class _TreeSnapshot:
         self.readers = tuple(s.read for _, s in kept)
         self.setting_dicts = tuple(state for state, _ in kept)
         self.values = [s.values for _, s in kept]
+        self.absent = tuple((state, s) for state, s in kept if s.absent)  # (parameter slots that held None)
         self.root_class, self.root_training = type(root), root.training
         self.root_children = dict(root._modules)
         self.root_settings = Settings.of(root)
@@ -318,7 +319,8 @@ class _TreeSnapshot:
                 or any(self.leaves) or self.parents != self.parents_then \
                 or any(self.unhooked) or self.hooked != self.hooked_then \
                 or list(map(dict.get, self.dicts, _FORWARD)) != self.forwards \
-                or list(map(operator.call, self.readers, self.setting_dicts)) != self.values
+                or list(map(operator.call, self.readers, self.setting_dicts)) != self.values \
+                or any(s.filled(state) for state, s in self.absent)
         except KeyError:  # (a setting or the training flag deleted)
             return True
 

@@ -50,6 +50,8 @@ def hazard(node: fx.Node, gm: Optional[fx.GraphModule] = None) -> Optional[str]:
 
     ``gm`` resolves ``call_module`` targets (a module with ``inplace=True``, such as ``nn.ReLU(inplace=True)``).
     """
+    if node.meta.get("fxfuse_helper"):  # (normalize's own views of a weight: a transpose, a packed half)
+        return None
     if node.op == "call_function":
         target = node.target
         name = getattr(target, "__name__", "") or str(target)

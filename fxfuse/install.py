@@ -158,7 +158,8 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
         return _what_changed(self, kept)
     try:
         if own is not None and (own.read(self.__dict__) != own.values
-                                or (own.nested and own.nested_changed(self.__dict__))):  # (self.config.x)
+                                or (own.nested and own.nested_changed(self.__dict__))  # (self.config.x)
+                                or (own.absent and own.filled(self.__dict__))):
             return _what_changed(self, kept)
         for first, rest, want, cls, training, settings, n, called in inner:
             m = children.get(first)
@@ -169,7 +170,8 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
             state = m.__dict__  # (read here: a deep copy or unpickling gives the module a new one)
             if (called and "forward" in state) \
                     or (training is not None and state.get("training", training) is not training) \
-                    or (settings is not None and settings.read(state) != settings.values):
+                    or (settings is not None and (settings.read(state) != settings.values
+                                                  or (settings.absent and settings.filled(state)))):
                 return _what_changed(self, kept)
     except KeyError:  # a setting deleted
         return _what_changed(self, kept)

@@ -119,13 +119,25 @@ class Settings:
     read: Callable[[dict], Any]
     values: Any
     nested: tuple = ()
+    absent: tuple[tuple[str, str], ...] = ()  # ("_parameters" | "_buffers", name): slots that held None
+
+    def filled(self, state: dict) -> bool:
+        """Whether a parameter or buffer slot that held ``None`` when fused holds a tensor now, in the module whose
+        ``__dict__`` is ``state`` (``fc2.bias = nn.Parameter(...)`` on a linear built without one: a trace baked
+        "no bias" in)."""
+        for which, name in self.absent:
+            if state[which].get(name) is not None:
+                return True
+        return False
 
     @staticmethod
     def of(m: Any, only: Optional[frozenset[str]] = None, holders: bool = True) -> Optional[Settings]:
         """``m``'s settings now (those named in ``only``, when given), or None when it has none worth checking."""
-        if type(m) in _NO_SETTINGS:
-            return None
         state = m.__dict__
+        absent = tuple((which, k) for which in ("_parameters", "_buffers") for k, v in state.get(which, {}).items()
+                       if v is None and (only is None or k in only))
+        if type(m) in _NO_SETTINGS:
+            return Settings((), _no_keys, (), (), absent) if absent else None
         keys = tuple(sorted(k for k, v in state.items()
                             if not k.startswith("_") and k != "training" and _is_setting(v)
                             and (only is None or k in only)))
@@ -134,12 +146,12 @@ class Settings:
             found = ((k, Settings.of(v, only, holders=False)) for k, v in sorted(state.items())
                      if k in only and not k.startswith("_") and _is_holder(v))
             nested = tuple((k, s) for k, s in found if s is not None)
-        if not keys and not nested:
+        if not keys and not nested and not absent:
             return None
         read = operator.itemgetter(*keys) if keys else _no_keys
         now = read(state)
         values = _snapshot(now) if len(keys) == 1 else tuple(_snapshot(v) for v in now)
-        return Settings(keys, read, values, nested)
+        return Settings(keys, read, values, nested, absent)
 
     def nested_changed(self, state: dict) -> bool:
         """Whether a setting of an object read through ``state``'s owner (``config.scale``) changed (may raise
@@ -153,7 +165,9 @@ class Settings:
     def changed(self, m: Any) -> bool:
         """Whether a setting of ``m`` differs from (or is no longer) what it was: the check on every call."""
         try:
-            return self.read(m.__dict__) != self.values or (bool(self.nested) and self.nested_changed(m.__dict__))
+            state = m.__dict__
+            return self.read(state) != self.values or (bool(self.nested) and self.nested_changed(state)) \
+                or (bool(self.absent) and self.filled(state))
         except KeyError:  # (deleted, or moved out of the dict to a property)
             return True
 
@@ -166,6 +180,9 @@ class Settings:
                 return f"{key} was removed"
             if now[key] != was:
                 return f"{key} was {was!r}, is {now[key]!r}"
+        for which, name in self.absent:
+            if now[which].get(name) is not None:
+                return f"{name} was None, is a tensor"
         for key, kept in self.nested:
             if key not in now:
                 return f"{key} was removed"

@@ -445,6 +445,13 @@ def _is_chunk(node: fx.Node) -> bool:
         (node.op == "call_function" and node.target in (torch.chunk, torch.split))
 
 
+def packed_half(packed: torch.Tensor, i: int) -> torch.Tensor:
+    """Half ``i`` of a packed gate/up weight or bias (rows), where ``chunk(2, dim=-1)`` of the linear's output
+    splits it at the packed tensor's size on this call: a width pruned after optimize moves the split."""
+    n = (packed.shape[0] + 1) // 2
+    return packed[:n] if i == 0 else packed[n:]
+
+
 def _split_packed(gm: fx.GraphModule, node: fx.Node) -> None:
     """``a, b = F.linear(x, W, bias).chunk(2, dim=-1)`` -> ``a = F.linear(x, W[:H], bias[:H])``, ``b = ...[H:]``.
 
@@ -475,8 +482,7 @@ def _split_packed(gm: fx.GraphModule, node: fx.Node) -> None:
     halves = []
     with graph.inserting_before(node):
         for i in range(2):
-            rows = slice(i * half, (i + 1) * half)
-            w_i = graph.call_function(operator.getitem, (w, rows))
+            w_i = graph.call_function(packed_half, (w, i))
             w_i.meta.update(fxfuse_helper=True, fxfuse_info=TensorInfo((half, k), w_info.dtype, w_info.device,
                                                                        w_info.requires_grad))
             b_i = None
@@ -487,7 +493,7 @@ def _split_packed(gm: fx.GraphModule, node: fx.Node) -> None:
                     for done in halves:
                         graph.erase_node(done)
                     return
-                b_i = graph.call_function(operator.getitem, (b, rows))
+                b_i = graph.call_function(packed_half, (b, i))
                 b_i.meta.update(fxfuse_helper=True, fxfuse_info=TensorInfo((half,), b_info.dtype, b_info.device,
                                                                            b_info.requires_grad))
             lin_i = graph.call_function(LINEAR, (lin.args[0], w_i, b_i))

@@ -140,6 +140,19 @@ class _StagePlan:
     gated: Optional[tuple[int, int, str]]  # (gate acc, up acc, activation) of a gated stage (gated_form)
 
 
+def _reference_added_biases(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                            operands: Sequence[Tensor], spec: str) -> Tensor:
+    """:func:`reference_mlp` for biases that are not ``[N]``: a ``F.linear(x, w) + b`` that normalize folded into
+    the linear, whose ``b`` was replaced since by a tensor that broadcasts beyond the output's rows (``[3, 1, N]``),
+    which ``F.linear`` does not take: added after the product, as the original code adds it."""
+    h = x
+    for stage in _plan(spec)[0]:
+        accs = [F.linear(h, weights[w]) if b is None else F.linear(h, weights[w]) + biases[b]
+                for w, b in stage.linears]
+        h = ep.evaluate(stage.expr, accs, operands[stage.operands])
+    return h
+
+
 @functools.cache
 def _reference(spec: str) -> Callable[[Tensor, Sequence[Tensor], Sequence[Tensor], Sequence[Tensor]], Tensor]:
     """:func:`reference_mlp`'s ops as closures built once per spec: ``(x, weights, biases, operands) -> out``.
@@ -384,6 +397,8 @@ def _dispatch(x, weights, biases, operands, spec):
         if reason not in _logged_fallbacks:
             _logged_fallbacks.add(reason)
             log.info("fxfuse.mlp falls back to the reference ops: %s", reason)
+        if any(b.dim() != 1 for b in biases):
+            return _reference_added_biases(x, weights, biases, operands, spec)
         return reference_mlp(x, weights, biases, operands, spec)
     args = (x, weights, biases, operands, spec)
     cast_input = x.dtype is not weights[0].dtype  # (an fp32 input under autocast: see _run_kernels)

@@ -148,14 +148,16 @@ _INPLACE_FUNCTIONS: dict[Any, str] = {torch.relu_: "relu", F.relu_: "relu", torc
                                       operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
                                       operator.itruediv: "div"}  # (x += y: how Dynamo and fxfuse's tracer record it)
 
+_GELU_FORMS = {"none": "gelu", "tanh": "gelu_tanh"}  # nn.GELU.approximate: any other value raises in eager
+
 _MODULES: dict[type, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
     nn.ReLU: lambda m, x, b: b.call("relu", x),
-    nn.GELU: lambda m, x, b: b.call("gelu_tanh" if m.approximate == "tanh" else "gelu", x),
+    nn.GELU: lambda m, x, b: b.call(_GELU_FORMS[m.approximate], x),  # (KeyError: eager raises, nothing fused)
     nn.SiLU: lambda m, x, b: b.call("silu", x),
     nn.Sigmoid: lambda m, x, b: b.call("sigmoid", x),
     nn.Tanh: lambda m, x, b: b.call("tanh", x),
     nn.LeakyReLU: lambda m, x, b: b.call("leaky_relu", x, float(m.negative_slope)),
-    nn.ReLU6: lambda m, x, b: _clamp(0.0, 6.0, x, b),
+    nn.ReLU6: lambda m, x, b: _clamp(float(m.min_val), float(m.max_val), x, b),  # (Hardtanh's: bounds settable)
     nn.Hardtanh: lambda m, x, b: _clamp(float(m.min_val), float(m.max_val), x, b),
 }
 

@@ -438,3 +438,102 @@ def test_a_class_attribute_changed_after_optimize_runs_the_original_method():
         finally:
             _ClassScaled.SCALE = 0.5
         assert fused_calls(fast, x)[0] == 1
+
+
+def _without_bias(model: nn.Module, name: str) -> nn.Module:
+    getattr(model, name).bias = None
+    return model
+
+
+@pytest.mark.parametrize("kind", ["host", "chain", "inline"])
+def test_a_bias_added_to_a_linear_built_without_one_runs_the_original_code(kind):
+    """The trace baked "no bias" in: a parameter slot that held None and holds a tensor now is a change."""
+    model, name = {"host": (GatedMLP(), "down_proj"), "chain": (nerf_mlp(bias=False), "2"),
+                   "inline": (_without_bias(InlineStyle(), "fc2"), "fc2")}[kind]
+    model = model.eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(5, next(model.parameters()).shape[1])
+    check(fast, model, x, 1)
+    linear = getattr(fast, name)
+    linear.bias = nn.Parameter(torch.randn(linear.out_features))  # (the parameter dict is shared: on both)
+    assert getattr(model, name).bias is linear.bias
+    check(fast, model, x, 0)
+    assert any("bias was None" in r for r in reasons(fast)) or kind == "inline"
+
+
+class _PackedGated(nn.Module):
+    """Phi-3's packed gate/up: ``gate_up_proj(x).chunk(2, dim=-1)``."""
+
+    def __init__(self, hidden: int = 48):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(32, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, 32, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)
+
+
+@pytest.mark.parametrize("hidden", [40, 56])
+def test_a_packed_gate_up_pruned_or_grown_after_optimize_splits_where_eager_does(hidden):
+    model = _PackedGated().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(5, 32)
+    check(fast, model, x, 1)
+    model.gate_up_proj.weight = nn.Parameter(torch.randn(2 * hidden, 32) * 0.2)  # structured pruning's way
+    model.down_proj.weight = nn.Parameter(torch.randn(32, hidden) * 0.2)
+    check(fast, model, x, 1)
+
+
+def test_a_model_with_uninitialized_lazy_modules_is_left_as_it_is_and_says_why():
+    model = nn.Sequential(nn.LazyLinear(64), nn.GELU(), nn.LazyLinear(32)).eval()
+    fast = fxfuse.optimize(model)
+    assert ["lazy module" in f.error for f in fxfuse.report(fast).capture_failures] == [True]
+    x = torch.randn(4, 16)
+    check(fast, model, x, 0)  # (its first call initializes the lazy layers, as eager's does)
+    check(fxfuse.optimize(model), model, x, 1)  # initialized: fused
+
+
+class _TiedChain(nn.Module):
+    """Two linears of one shared (tied) weight, or weights kept as buffers."""
+
+    def __init__(self, buffers: bool = False):
+        super().__init__()
+        w = torch.randn(32, 32) * 0.2
+        if buffers:
+            self.register_buffer("w1", w)
+            self.register_buffer("w2", torch.randn(32, 32) * 0.2)
+        else:
+            self.w1 = self.w2 = nn.Parameter(w)
+
+    def forward(self, x):
+        return F.linear(torch.relu(F.linear(x, self.w1)), self.w2)
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["tied", "buffers"])
+def test_a_chain_of_tied_weights_or_weight_buffers_is_captured(buffers):
+    model = _TiedChain(buffers).eval()
+    fast = fxfuse.optimize(model)
+    assert len(fxfuse.report(fast).regions) == 1
+    check(fast, model, torch.randn(5, 32), 1)
+
+
+class _SeparateBias(nn.Module):
+    """``F.linear(..) + self.b2``: normalize folds the bias into the linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(64, 32) * 0.2), nn.Parameter(torch.randn(32, 64) * 0.2)
+        self.b2 = nn.Parameter(torch.randn(32) * 0.1)
+
+    def forward(self, x):
+        return F.linear(torch.relu(F.linear(x, self.w1)), self.w2) + self.b2
+
+
+def test_a_folded_bias_replaced_by_one_that_broadcasts_over_more_dims_follows_eager():
+    model = _SeparateBias().eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(5, 32)
+    check(fast, model, x, 1)
+    model.b2 = nn.Parameter(torch.randn(3, 1, 32) * 0.1)  # eager broadcasts the sum to [3, 5, 32]
+    check(fast, model, x, 1)  # (the op's reference ops, adding it after the product)
