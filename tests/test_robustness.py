@@ -658,3 +658,26 @@ def test_the_inline_hand_off_only_takes_calls_it_proved(cls, fused):
             torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     cls.use_mlp = True
     assert len(fxfuse.report(fast).regions) == fused
+
+
+def _relu6_with(max_val: float) -> nn.Module:
+    act = nn.ReLU6()
+    act.max_val = max_val  # (ReLU6's forward is Hardtanh's: it reads the bounds)
+    return act
+
+
+@pytest.mark.parametrize("act", [_relu6_with(1.0), nn.GELU(approximate="Tanh"), nn.GELU(approximate="exact")],
+                         ids=["relu6 bounds changed", "gelu 'Tanh'", "gelu 'exact'"])
+def test_an_activation_configured_before_optimize_is_fused_as_eager_runs_it_or_raises_its_error(act):
+    model = nn.Sequential(nn.Linear(16, 32), act, nn.Linear(32, 16)).eval()
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 16) * 3
+    with torch.no_grad():
+        try:
+            ref = model(x)
+        except RuntimeError as eager:
+            with pytest.raises(RuntimeError, match=str(eager)):
+                fast(x)
+            return
+        torch.testing.assert_close(fast(x), ref)
+    assert fxfuse.report(fast).regions
