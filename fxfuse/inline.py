@@ -348,7 +348,7 @@ class _State:
         self.x = None
         self.stage = -1
         self.parent = None
-        self.callers: frozenset = frozenset()  # the code that may call the head: the method's, its groups' forwards
+        self.callers: tuple = (None, frozenset())  # the code that may call the head: the method's, groups' forwards
 
     def __deepcopy__(self, memo):
         new = _State(self.chain)
@@ -369,6 +369,9 @@ def _altered(m: nn.Module) -> bool:
 
 def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
+_ARMING = threading.Lock()
 
 
 def _parent_method(orig: Any, state_attr: str, owner: tuple[type, str]):
@@ -396,7 +399,12 @@ def _parent_method(orig: Any, state_attr: str, owner: tuple[type, str]):
         for parts, kept in st.settings:  # (an activation's setting changed in place: the fused op baked it in)
             if kept.changed(submodule(self, parts)):
                 return _original(orig, self, st, args, kwargs)
-        st.active, st.x, st.stage, st.parent = threading.get_ident(), None, -1, self
+        with _ARMING:  # (two threads calling one model: only one arms the hand-off, the other runs the original)
+            armed = not st.active
+            if armed:
+                st.active, st.x, st.stage, st.parent = threading.get_ident(), None, -1, self
+        if not armed:
+            return orig(self, *args, **kwargs)
         try:
             out = orig(self, *args, **kwargs)
             if st.x is not None:
@@ -443,13 +451,21 @@ def _code_of(fn: Any) -> Any:
     return inspect.unwrap(fn).__code__  # (the decorated method's own code: transformers wraps forwards)
 
 
-def _called_from(callers: frozenset) -> bool:
-    """Whether the module call in progress was made by the code the hand-off was proven on (the parent's method,
-    a group's forward), not by a hook or a helper function that calls the head module itself."""
+def _called_from(callers: tuple) -> bool:
+    """Whether the module call in progress was made by the code the hand-off was proven on: the parent's method,
+    or a group's forward (``self.intermediate(x)`` holding the head) called by the parent's method; not by a hook
+    or a helper function that calls the head, or its group, itself. ``callers``: (the method's code, the groups'
+    forwards' codes)."""
+    method, groups = callers
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
-        frame = frame.f_back
-    return frame is not None and frame.f_code in callers
+    while True:
+        while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
+            frame = frame.f_back
+        if frame is None or frame.f_code is method:
+            return frame is not None
+        if frame.f_code not in groups:
+            return False
+        frame = frame.f_back  # (a group's forward: who called the group?)
 
 
 def _role_forward(orig: Any, role: str):
@@ -499,7 +515,7 @@ def install_parts(model: nn.Module, chain: InlineChain) -> dict[str, tuple[dict,
     parts: dict[str, tuple[dict, dict]] = {}
     orig = getattr(type(parent), chain.method)
     groups = {p.rpartition(".")[0] for p in chain.modules if "." in p}
-    state.callers = frozenset(_code_of(f) for f in [orig, *(type(parent.get_submodule(g)).forward for g in groups)])
+    state.callers = (_code_of(orig), frozenset(_code_of(type(parent.get_submodule(g)).forward) for g in groups))
     method = _parent_method(orig, attr, (type(parent), chain.method))
     parts[chain.module_path] = ({chain.method: (("inline-parent", chain.method, attr), method)}, {attr: state})
     for index, name in enumerate(chain.modules):

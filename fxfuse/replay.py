@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -203,17 +204,25 @@ def _unchanged(x: Tensor) -> Tensor:
     return x
 
 
+class _Timed(threading.local):
+    key: Optional[tuple] = None  # the key whose calls :func:`path_us` is timing in this thread
+
+
+_timed = _Timed()
+
+
 def path_us(key: tuple, call: Callable[[], object]) -> float:
     """Host µs a replayed call spends besides its steps: ``call()`` (the op's dispatch for this call) timed while
-    a replay that does nothing is kept under ``key``. The planner adds it to every candidate's host time."""
+    a replay that does nothing stands under ``key`` for this thread (:func:`lookup`; another thread calling the
+    same region meanwhile must not get its input back). The planner adds it to every candidate's host time."""
     from .strategy import host_us
 
-    replays[key] = _unchanged
+    _timed.key = key
     try:
         call()  # warm
         return host_us(call, calls=20, bursts=3)
     finally:
-        replays.pop(key, None)
+        _timed.key = None
 
 
 def forget_all() -> None:
@@ -224,7 +233,7 @@ def forget_all() -> None:
 
 def lookup(key: tuple) -> Optional[Callable[[Tensor], Tensor]]:
     """The replay for ``key``, if recorded and nothing is being captured into a CUDA graph."""
-    run = replays.get(key)
+    run = replays.get(key) if _timed.key is None or _timed.key != key else _unchanged
     if run is None or torch.cuda.is_current_stream_capturing():
         return None
     return run

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,18 +136,24 @@ def test_replaying_runner_times_the_replay_once_recorded():
         torch.testing.assert_close(out, x @ w.T)
 
 
-def test_path_us_times_the_call_around_a_replay_that_does_nothing():
+def test_path_us_times_the_call_around_a_replay_that_does_nothing(monkeypatch):
     """The planner's estimate of a replayed call's own path: the call runs with a no-op replay under the key,
     which is gone afterwards (a real replay recorded later is not shadowed)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has no CUDA)
     key, x = ("path-test", 1), torch.randn(2, 3)
-    outs = []
+    outs, elsewhere = [], []
 
     def call():
-        outs.append(replay.replays[key](x))
+        outs.append(replay.lookup(key)(x))
+        if len(outs) == 2:  # another thread meanwhile (a server's pool calling the same region): no replay
+            seen = threading.Thread(target=lambda: elsewhere.append(replay.lookup(key)))
+            seen.start()
+            seen.join()
 
     us = replay.path_us(key, call)
-    assert us >= 0 and key not in replay.replays
+    assert us >= 0 and key not in replay.replays and replay.lookup(key) is None
     assert len(outs) == 61 and all(out is x for out in outs)  # one warm call, then 3 rounds of 20
+    assert elsewhere == [None]
 
 
 def test_library_step_holds_its_tensors_weakly():
@@ -377,3 +385,23 @@ def test_an_output_step_allocates_like_its_input_when_the_layouts_match():
     strided = torch.randn(8, 2).t()  # the output's shape, not its strides
     assert fastlaunch.output_step(bound, 2, 8, x.dtype, x.device, strided).__name__ == "step"
     assert fastlaunch.output_step(bound, 2, 8, torch.float16, x.device, x).__name__ == "step"
+
+
+def test_each_thread_records_its_own_launches():
+    """Two threads recording their first calls at once (a server's pool): neither takes the other's steps, and
+    each ends with no recording open."""
+    barrier, got = threading.Barrier(2), {}
+
+    def record(name):
+        with fastlaunch.recording() as steps:
+            barrier.wait()
+            fastlaunch.record(name)
+            barrier.wait()
+        got[name] = (steps, fastlaunch.recording_open())
+
+    threads = [threading.Thread(target=record, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {"a": (["a"], False), "b": (["b"], False)}

@@ -681,3 +681,132 @@ def test_an_activation_configured_before_optimize_is_fused_as_eager_runs_it_or_r
             return
         torch.testing.assert_close(fast(x), ref)
     assert fxfuse.report(fast).regions
+
+
+def test_threads_calling_one_model_through_the_inline_hand_off_get_eagers_answers(monkeypatch):
+    """A server's thread pool calling one model: one thread arms the hand-off at a time, the others run the
+    original code; none takes another's token. Two threads are held together right after the check that no
+    call is in progress (the race), then a pool runs with thread switches forced often."""
+    import sys
+    import threading
+
+    from fxfuse import inline
+
+    model = InlineStyle(16, 32).eval()
+    fast = fxfuse.optimize(model)
+    errors, together, held = [], threading.Barrier(2, timeout=10), threading.local()
+    tracing = inline._tracing
+
+    def hold_once():  # (called by the parent method after its "nothing in progress" check, before arming)
+        if getattr(held, "done", False) is False:
+            held.done = True
+            together.wait()
+        return tracing()
+
+    def worker(k, calls):
+        g = torch.Generator().manual_seed(k)
+        for i in range(calls):
+            x = torch.randn(1 + (k + i) % 5, 16, generator=g)
+            try:
+                with torch.no_grad():
+                    torch.testing.assert_close(fast(x), model(x))
+            except Exception as err:  # (kept for the assert: an exception in a thread is lost otherwise)
+                errors.append(f"{type(err).__name__}: {err}")
+
+    def run(n_threads, calls):
+        threads = [threading.Thread(target=worker, args=(k, calls)) for k in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    monkeypatch.setattr(inline, "_tracing", hold_once)
+    run(2, 1)
+    monkeypatch.setattr(inline, "_tracing", tracing)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        run(4, 100)
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    x = torch.randn(3, 16)
+    n, out = fused_calls(fast, x)
+    torch.testing.assert_close(out, model(x))
+    assert n == 1
+
+
+class _Intermediate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense, self.act = nn.Linear(16, 32), nn.GELU()
+
+    def forward(self, x):
+        x = self.dense(x)
+        x = self.act(x)
+        return x
+
+
+class _Output(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense, self.norm = nn.Linear(32, 16), nn.LayerNorm(16)
+
+    def forward(self, h, residual):
+        h = self.dense(h)
+        return self.norm(h + residual)
+
+
+def _intermediate_mean(layer, x):  # a helper that looks at the intermediate activations (a metric, a log)
+    return layer.intermediate(x).mean()
+
+
+class _GroupedLayer(nn.Module):
+    """BERT / MPNet style: the chain runs through two groups, ``output(intermediate(a), a)``; a hook may call the
+    first group on its own during the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.intermediate, self.output = nn.Linear(16, 16), _Intermediate(), _Output()
+
+    def forward(self, x):
+        if x.sum() > 1e9:  # data-dependent: not traced, the hand-off fuses it
+            x = x * 0
+        a = self.pre(x)
+        inter = self.intermediate(a)
+        out = self.output(inter, a)
+        return out
+
+
+class _GroupedLayerWithHelper(nn.Module):
+    """The same, with a helper function calling the first group on its own first."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.intermediate, self.output = nn.Linear(16, 16), _Intermediate(), _Output()
+
+    def forward(self, x):
+        if x.sum() > 1e9:
+            x = x * 0
+        a = self.pre(x)
+        s = _intermediate_mean(self, a)
+        inter = self.intermediate(a)
+        out = self.output(inter, a)
+        return out + s
+
+
+@pytest.mark.parametrize("caller", ["helper", "hook"])
+def test_a_group_of_the_hand_off_called_by_a_helper_or_a_hook_runs_its_own_code(caller):
+    model = (_GroupedLayerWithHelper() if caller == "helper" else _GroupedLayer()).eval()
+    fast = fxfuse.optimize(model)
+    assert len(fxfuse.report(fast).regions) == 1
+    seen, seen_eager = [], []
+    if caller == "hook":
+        fast.pre.register_forward_hook(lambda mod, inp, out: seen.append(fast.intermediate(out).sum()))
+        model.pre.register_forward_hook(lambda mod, inp, out: seen_eager.append(model.intermediate(out).sum()))
+    x = torch.randn(4, 16)
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(seen, seen_eager)
+    assert n == 1

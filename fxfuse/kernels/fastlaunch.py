@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -71,7 +72,12 @@ def launch(kernel: Any, grid: Callable[[dict], tuple], args: dict, varying: Sequ
     lean.launch(grid, args)
 
 
-_recording: Optional[list] = None
+class _Recording(threading.local):
+    steps: Optional[list] = None  # the active recording's steps, per thread
+
+
+# (per thread: two threads recording their first calls at once must not take each other's launches)
+_recording = _Recording()
 
 
 @contextlib.contextmanager
@@ -79,14 +85,13 @@ def recording():
     """Within it, each stage launcher that can be replayed appends one *step* (``h -> out``, the stage on a
     new input of the same layout; or None when it cannot be replayed) to the yielded list
     (:mod:`fxfuse.replay` records a region's stages this way). Recordings nest: an inner one takes the steps
-    made within it, and the outer one goes on after it."""
-    global _recording
-    outer = _recording  # a recording inside another (a stage timed while its region records) keeps its own steps
-    _recording = steps = []
+    made within it, and the outer one goes on after it. Each thread records its own launches."""
+    outer = _recording.steps  # a recording inside another (a stage timed while its region records) keeps its own
+    _recording.steps = steps = []
     try:
         yield steps
     finally:
-        _recording = outer
+        _recording.steps = outer
 
 
 _MAX_RECORDED = 64  # a recording that runs a timing loop (the first call at a shape) stops keeping steps here
@@ -95,16 +100,18 @@ _MAX_RECORDED = 64  # a recording that runs a timing loop (the first call at a s
 def recording_open() -> bool:
     """Whether :func:`record` would keep a step now (a recording is active and not full): check before
     building a step that costs host time."""
-    return _recording is not None and len(_recording) <= _MAX_RECORDED
+    steps = _recording.steps
+    return steps is not None and len(steps) <= _MAX_RECORDED
 
 
 def record(step: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
-    """Append ``step`` to the active :func:`recording`, if any (a no-op otherwise: one global read).
+    """Append ``step`` to the active :func:`recording`, if any (a no-op otherwise: one thread-local read).
 
     Past ``_MAX_RECORDED`` steps nothing more is kept: such a recording timed its stages (hundreds of launches)
     and cannot become a replay anyway, and its steps would only hold memory until it ends."""
-    if _recording is not None and len(_recording) <= _MAX_RECORDED:
-        _recording.append(step)
+    steps = _recording.steps
+    if steps is not None and len(steps) <= _MAX_RECORDED:
+        steps.append(step)
 
 
 def bound_key(tag: Any, x: torch.Tensor, *groups: Sequence[Optional[torch.Tensor]]) -> tuple:
