@@ -69,6 +69,7 @@ import inspect
 import itertools
 import logging
 import operator
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -418,6 +419,7 @@ class GraphedForward:
         self._tree: Optional[_TreeSnapshot] = None  # the module tree as the graphs were captured in (None: no graph)
         self._pool: Any = None
         self._logged: set = set()
+        self._busy = threading.Lock()  # held while a call copies into the static inputs, replays or captures
         self._name = type(module).__name__
         fn = plain if plain is not None else type(module).forward
         self.__name__ = getattr(fn, "__name__", "forward")
@@ -482,6 +484,16 @@ class GraphedForward:
             return self._plainly(module, args, kwargs, why)
         if torch.cuda.is_current_stream_capturing():
             return self._call(module, args, kwargs)  # inside a graph being captured (ours or the caller's)
+        # One call at a time uses the graphs' static buffers: another thread's call meanwhile (a server's pool)
+        # runs plainly instead of copying its inputs over them.
+        if not self._busy.acquire(blocking=False):
+            return self._call(module, args, kwargs)
+        try:
+            return self._replayed(module, key, tensors, args, kwargs)
+        finally:
+            self._busy.release()
+
+    def _replayed(self, module: nn.Module, key: tuple, tensors: list, args: tuple, kwargs: dict) -> Any:
         if self._watch.changed(module) and self._graphs:
             log.info("fxfuse: %s: parameters or buffers were replaced or moved; %d CUDA graph(s) dropped",
                      self._name, self.num_graphs)

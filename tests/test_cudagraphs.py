@@ -333,6 +333,39 @@ def test_fused_mlp_graphs_match_plain_and_eager_for_several_shapes():
 
 
 @pytest.mark.gpu
+def test_threads_calling_one_graphed_model_each_get_their_own_answer(monkeypatch):
+    """A server's thread pool on one graphed model: a call while another thread copies into the static inputs
+    and replays runs plainly, so no thread gets another's output."""
+    import threading
+
+    monkeypatch.setattr(cudagraphs, "keep_only_faster", False)  # (keep the graph: the replays are the point)
+    model = gelu_mlp()
+    plain = fxfuse.optimize(model)
+    fast = fxfuse.optimize(model, cuda_graphs=True)
+    errors = []
+
+    def worker(k):
+        torch.cuda.set_device(0)
+        with torch.no_grad():
+            for i in range(40):
+                x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16) * (1 + k)
+                err = rel_err(fast(x), plain(x))
+                if err > 1e-3:
+                    errors.append((k, i, err))
+
+    with torch.no_grad():
+        for _ in range(3):
+            fast(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16))
+    assert fast.forward.num_graphs == 1
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("replay_us, kept", [(10.0, True), (30.0, False), (20.0, False)])
 def test_a_graph_is_kept_only_if_its_replay_beats_the_plain_call(monkeypatch, caplog, replay_us, kept):
     """After the capture the replay and the plain call are timed (both run for real); a graph whose replay is not
