@@ -150,8 +150,9 @@ def place(model: nn.Module, discovery: Discovery, module_inputs: Optional[dict] 
         if isinstance(inline, Exception):
             inline = f"inline hand-off failed: {_short(inline)}"
         if isinstance(inline, InlineChain):
-            out.inline.append(inline)
-            out.inline_reports.append(report)
+            if not any(_same_chain(inline, kept) for kept in out.inline):  # (one layer reached by several calls)
+                out.inline.append(inline)
+                out.inline_reports.append(report)
             continue
         reasons.append(inline)
         if speculative is not None:
@@ -404,6 +405,10 @@ def _unnest(model: nn.Module, hosts: list[Host], module_inputs: dict, failing: d
             host = again
         kept.append(host)
     return kept
+
+
+def _same_chain(a: InlineChain, b: InlineChain) -> bool:
+    return (a.module_path, a.method, a.modules) == (b.module_path, b.method, b.modules)
 
 
 def _inside(path: str, outer: str) -> bool:

@@ -810,3 +810,27 @@ def test_a_group_of_the_hand_off_called_by_a_helper_or_a_hook_runs_its_own_code(
         torch.testing.assert_close(out, model(x))
     torch.testing.assert_close(seen, seen_eager)
     assert n == 1
+
+
+class _SharedInline(nn.Module):
+    """One hand-off layer called by every step of a loop (ALBERT / universal-transformer style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = InlineStyle(16, 32)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.layer(x)
+        return x
+
+
+def test_a_hand_off_layer_reached_by_several_calls_is_one_region():
+    model = _SharedInline().eval()
+    fast = fxfuse.optimize(model)
+    assert [r.module_path for r in fxfuse.report(fast).regions] == ["layer"]
+    x = torch.randn(4, 16)
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+    assert n == 3
