@@ -6,7 +6,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -23,7 +23,9 @@ __all__ = ["fused_graphs", "optimize", "report"]
 log = logging.getLogger(__name__)
 
 _REPORT_ATTR = "_fxfuse_report"
-_backend_reports: list[FusionReport] = []
+# The backend's reports, by the Dynamo frame whose graph they fused (a recompile of a frame, for new shapes or
+# another grad mode, merges into its frame's report instead of counting its regions again).
+_backend_reports: dict[Any, FusionReport] = {}
 
 
 def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] = None, *,
@@ -129,7 +131,8 @@ def report(model: Optional[nn.Module] = None) -> FusionReport:
     module, a module after ``model.compile(...)``, a compiled ``model.forward`` or function).
 
     For ``torch.compile(model, backend="fxfuse")`` the report covers every graph the backend has
-    compiled in this process (Dynamo does not tell a backend which module a graph came from).
+    compiled in this process since the last ``torch._dynamo.reset()`` (Dynamo does not tell a backend which module
+    a graph came from), a frame's recompiles (new shapes, another grad mode) counting its regions once.
 
     For a result of :func:`optimize`, each call sets the report's ``original_runs`` to the calls, as of now, that
     its fused methods' guards turned away to the original code (hooks, settings changed in place, arguments
@@ -143,8 +146,9 @@ def report(model: Optional[nn.Module] = None) -> FusionReport:
         found.original_runs = OriginalRuns.of(getattr(model, "_orig_mod", model))
         return found
     if model is None or _compiled(model):
+        _forget_if_dynamo_was_reset()
         merged = FusionReport()
-        for r in _backend_reports:
+        for r in _backend_reports.values():
             merged.extend(r)
         return merged
     raise ValueError("this module was not produced by fxfuse.optimize or the fxfuse backend")
@@ -157,5 +161,31 @@ def _compiled(model: object) -> bool:
             or hasattr(model, "_torchdynamo_orig_callable"))
 
 
+def _forget_if_dynamo_was_reset() -> None:
+    """Drop the backend's reports if Dynamo was reset since they were made: its frame counter, which only grows
+    otherwise, starts over at 0."""
+    from torch._dynamo import convert_frame
+
+    counter = getattr(convert_frame, "FRAME_COUNTER", None)
+    ids = [frame[1] for frame in _backend_reports if isinstance(frame, tuple) and isinstance(frame[1], int)]
+    if isinstance(counter, int) and ids and max(ids) >= counter:
+        _backend_reports.clear()
+
+
 def record_backend_report(r: FusionReport) -> None:
-    _backend_reports.append(r)
+    """Keep the backend's report of one graph: merged with the report of earlier graphs of the same Dynamo frame
+    (recompiles: each region and rejection once), beside those of other frames. After ``torch._dynamo.reset()``
+    (every compiled graph dropped) the reports of before are dropped too."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    frame = (compile_id.compiled_autograd_id, compile_id.frame_id) if compile_id is not None else object()
+    _forget_if_dynamo_was_reset()
+    kept = _backend_reports.get(frame)
+    if kept is None:
+        _backend_reports[frame] = r
+        return
+    seen = {(g.module_path, g.pattern, g.spec) for g in kept.regions}
+    kept.regions += [g for g in r.regions if (g.module_path, g.pattern, g.spec) not in seen]
+    said = {(j.module_path, j.pattern, j.reason) for j in kept.rejections}
+    kept.rejections += [j for j in r.rejections if (j.module_path, j.pattern, j.reason) not in said]
+    kept.graphs += r.graphs
+    kept.seconds += r.seconds

@@ -115,6 +115,8 @@ def fxfuse_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Optio
     pattern.compiled_with_backend = True  # (a pattern registered from now on resets Dynamo's caches)
     options = dict(options or {})
     inductor = options.pop("inductor", True)
+    if not isinstance(inductor, bool):
+        raise ValueError(f"fxfuse backend: options={{'inductor': ...}} takes True or False, not {inductor!r}")
     inductor_patches = _inductor_patches(options)
     if inductor_patches and not inductor:
         raise ValueError(f"fxfuse backend: Inductor options {sorted(inductor_patches)} given with "

@@ -382,6 +382,28 @@ def _is_leading_shape_plus(gm: fx.GraphModule, node, x: fx.Node, n: int) -> bool
             and lead.args[1] == slice(None, -1, None) and _is_shape_of(lead.args[0], x))
 
 
+def _is_guarded_leading_shape_plus(gm: fx.GraphModule, shape: tuple, x: fx.Node, n: int) -> bool:
+    """``shape`` (a view's shape arguments) is ``x``'s leading dims then ``n`` as Dynamo writes
+    ``x.size()[:-1] + (n,)``: the dims' values (``x.view((2, 7, 128))``), or for dynamic dims the graph's SymInt
+    inputs (``torch.Size([s77, s27, 128])``). Only in a graph whose input shapes are guarded (Dynamo's, export's:
+    ``x`` carries a fake value), where those numbers hold on every call."""
+    example = x.meta.get("example_value", x.meta.get("val"))
+    if len(shape) == 1 and isinstance(shape[0], fx.Node) and shape[0].op == "call_function" \
+            and shape[0].target is torch.Size and len(shape[0].args) == 1 and not shape[0].kwargs:
+        shape = tuple(shape[0].args[0])
+    if not isinstance(example, torch.Tensor) or len(shape) != example.dim() or _static_int(gm, shape[-1]) != n:
+        return False
+    for dim, entry in zip(example.shape[:-1], shape[:-1]):
+        if isinstance(dim, int):
+            if not (type(entry) is int and entry == dim):
+                return False
+        else:
+            value = entry.meta.get("example_value", entry.meta.get("val")) if isinstance(entry, fx.Node) else None
+            if not (isinstance(value, torch.SymInt) and value.node.expr == dim.node.expr):
+                return False
+    return True
+
+
 def _fold_flatten(gm: fx.GraphModule, node: fx.Node) -> None:
     """``linear(x.view(-1, K), w, b).view(x.size()[:-1] + (N,))`` -> ``F.linear(x, w, b)``.
 
@@ -403,7 +425,8 @@ def _fold_flatten(gm: fx.GraphModule, node: fx.Node) -> None:
     if len(flat_shape) != 2 or flat_shape[0] != -1 or not _is_last_dim_of(flat_shape[1], x, k):
         return
     out_shape = _view_shape(node)
-    if len(out_shape) != 1 or not _is_leading_shape_plus(gm, out_shape[0], x, n):
+    if not ((len(out_shape) == 1 and _is_leading_shape_plus(gm, out_shape[0], x, n))
+            or _is_guarded_leading_shape_plus(gm, out_shape, x, n)):
         return
     graph = gm.graph
     with graph.inserting_before(node):

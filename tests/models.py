@@ -38,6 +38,32 @@ class GatedMLP(nn.Module):
         return self.down_proj(u * g if self.up_first else g * u)
 
 
+class Conv1D(nn.Module):
+    """transformers' ``Conv1D`` (GPT-2): ``addmm`` over the flattened rows, a ``[in, out]`` weight."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx ** 0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class Conv1DMLP(nn.Module):
+    """transformers' ``GPT2MLP``: ``c_proj(gelu_tanh(c_fc(x)))`` over ``Conv1D``s (dropout left out)."""
+
+    def __init__(self, d: int = 32, hidden: int = 128):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(hidden, d), Conv1D(d, hidden)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
 def nerf_mlp(widths=(16, 32, 32, 32, 8), bias: bool = True) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths, widths[1:])):

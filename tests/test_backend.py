@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from models import GPT2MLP, Block, GatedMLP
+from models import GPT2MLP, Block, Conv1DMLP, GatedMLP
 
 import fxfuse
 
@@ -40,6 +40,41 @@ def test_backend_without_inductor_fuses_dynamo_graph(model):
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     assert fxfuse.report(compiled).num_fused == before + 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_backend_fuses_gpt2s_conv1d_mlp_whose_views_dynamo_writes_as_numbers(dynamic):
+    """HF Conv1D's ``x.size()[:-1] + (nf,)`` reaches the backend as ``view((2, 7, 128))`` or, with dynamic dims,
+    ``view(torch.Size([s0, s1, 128]))``: the guarded numbers restore x's leading dims, so the views fold."""
+    model = Conv1DMLP().eval()
+    before = fxfuse.report().num_fused
+    compiled = torch.compile(model, backend="fxfuse", options={"inductor": False}, dynamic=dynamic)
+    with torch.no_grad():
+        for shape in [(2, 7, 32), (3, 5, 32)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert fxfuse.report(compiled).num_fused > before
+
+
+def test_recompiles_of_one_frame_report_its_regions_once():
+    """New shapes (without dynamic dims) and another grad mode recompile the frame: its region is still one."""
+    model = GPT2MLP().eval()
+    before = fxfuse.report().num_fused
+    compiled = torch.compile(model, backend="fxfuse", options={"inductor": False}, dynamic=False)
+    with torch.no_grad():
+        for rows in (2, 3, 5):
+            compiled(torch.randn(rows, 32))
+    compiled(torch.randn(2, 32))  # (grad mode on: another graph)
+    assert fxfuse.report(compiled).num_fused == before + 1
+
+
+def test_a_reset_drops_the_reports_of_the_graphs_it_dropped():
+    compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductor": False})
+    with torch.no_grad():
+        compiled(torch.randn(2, 32))
+    assert fxfuse.report(compiled).num_fused >= 1
+    torch._dynamo.reset()
+    assert fxfuse.report(compiled).num_fused == 0
 
 
 def test_backend_with_inductor_default():
@@ -334,6 +369,12 @@ def test_inductor_options_reach_inductor(monkeypatch):
 def test_inductor_options_without_inductor_are_a_clear_error():
     compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductor": False, "max_autotune": True})
     with pytest.raises(Exception, match="max_autotune.*without Inductor"):
+        compiled(torch.randn(2, 32))
+
+
+def test_a_non_bool_inductor_option_is_a_clear_error():
+    compiled = torch.compile(GPT2MLP().eval(), backend="fxfuse", options={"inductor": "false"})
+    with pytest.raises(Exception, match="True or False"):
         compiled(torch.randn(2, 32))
 
 
