@@ -37,6 +37,7 @@ import itertools
 import logging
 import operator
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -308,7 +309,7 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
             log.debug("fxfuse: %s kept opaque in %s.%s: %s", culprit, module_path or "<root>", method, _short(err))
             continue
         finally:
-            constants = _take_new_attributes(module, before)
+            constants = _take_new_attributes(module, before, tracer)
             effects = _changes(state)
             _restore(state)
         used = _autocast_used(autocast)
@@ -384,6 +385,7 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
         return graph
 
     watched: dict[tuple[int, str], tuple[dict, str, Any]] = {}  # (globals, name) -> the value before
+    written: dict[int, tuple[Any, Any]] = {}  # id -> (a container kept outside the call, its items before)
 
     def profile(frame, event, arg):
         if event == "call":
@@ -412,6 +414,8 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                 owner = arg.__self__
                 if not any(v is owner for v in frame.f_locals.values()):
                     stores.append(f"{type(owner).__name__}.{name} on a {type(owner).__name__} kept outside the call")
+                    if id(owner) not in written:  # (before this first write: undone after the trace)
+                        written[id(owner)] = (owner, type(owner)(owner))
 
     # No garbage collection while watching: a finalizer of some earlier object (its __del__, a weakref callback)
     # would run inside the trace and read as the traced code's.
@@ -432,6 +436,12 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                     g.pop(name, None)
                 else:
                     g[name] = old
+        for owner, items in written.values():  # (``ACTIVATIONS.append(h)``: no proxy left in the user's list)
+            owner.clear()
+            if type(owner) is list:
+                owner.extend(items)
+            else:
+                owner.update(items)
 
 
 # Custom autograd.Functions whose backward is exactly the gradient of their forward: traced through (their ops
@@ -564,12 +574,19 @@ def _restore(state: _State) -> None:
                 live.update(saved)
 
 
-def _take_new_attributes(module: nn.Module, before: set[str]) -> dict[str, Any]:
-    """The tracer stores tensor constants on the traced module: move them off the user's module."""
-    created = {k: v for k, v in vars(module).items() if k not in before}
+def _take_new_attributes(module: nn.Module, before: set[str], tracer: fx.Tracer) -> dict[str, Any]:
+    """The tracer stores tensor constants on the traced module (``_tensor_constant0``): move them off the user's
+    module. Other new attributes are the traced code's own (``self.last_hidden = h``): left for :func:`_changes`
+    to see (a side effect) and :func:`_restore` to undo."""
+    constants = set(getattr(tracer, "tensor_attrs", {}).values())
+    created = {k: v for k, v in vars(module).items()
+               if k not in before and (k in constants or _TRACER_CONSTANT.fullmatch(k))}
     for k in created:
         delattr(module, k)
     return created
+
+
+_TRACER_CONSTANT = re.compile(r"_\w+_constant_?\d+")  # (fx's names for other constants it interns)
 
 
 # ------------------------------------------------------------------------------------------- discovery

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
-from .backward import fused_backward_reason
+from .backward import fused_backward_enabled, fused_backward_reason
 from .capture import leaving_unchanged
 from .gated_training import gated_form
 from .kernels.chain_backward_template import walks
@@ -115,7 +115,8 @@ def _training_note(gm: fx.GraphModule, region) -> str:
     if len({i.dtype for i in infos}) != 1:
         return _TRAINING_NOTE.format(reason="mixed weight dtypes")
     widths = _widths(infos)
-    reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize)
+    reason = fused_backward_reason(region.spec.dumps(), widths, infos[0].dtype.itemsize) \
+        if fused_backward_enabled() else "turned off by FXFUSE_FUSED_BACKWARD=0"
     if reason is not None:
         gated = any(s.num_linears == 2 and gated_form(s.expr) for s in region.spec.stages)
         return _TRAINING_NOTE.format(reason=reason) + (_GATED_NOTE if gated else "")

@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from .capture import CaptureFailure
-from .kernels.template import choice_bucket
+from .kernels.template import choice_bucket, interpreting
 from .meta import tensor_info
 from .module_state import original_runs
 from .records import FusionRegion, Rejection
@@ -273,6 +274,9 @@ class FusionReport:
             kernels = sorted({k for r in self.regions for k in r.kernels})
             if kernels:
                 lines.append("generated kernels: " + ", ".join(kernels))
+            if not torch.cuda.is_available() and not interpreting():
+                lines.append("  no CUDA device in this process: CPU calls run the regions' original ops "
+                             "(TRITON_INTERPRET=1 runs the kernels in Triton's interpreter)")
         if self.rejections:
             lines.append("not fused:")
             lines += _table(("module", "pattern", "reason"),

@@ -570,3 +570,22 @@ def test_the_report_counts_original_runs_per_module_and_keeps_an_optimized_model
     assert "1 call ran" not in text and text.count("ran the original code (see below)") == 1
     again = fxfuse.optimize(fast)  # (nothing new to fuse: the regions it runs are the first optimize's)
     assert [r.module_path for r in fxfuse.report(again).regions] == [r.module_path for r in fxfuse.report(fast).regions]
+
+
+def test_the_report_says_when_the_fused_backward_is_turned_off(monkeypatch):
+    model = nerf_mlp().train()
+    monkeypatch.setenv("FXFUSE_FUSED_BACKWARD", "0")
+    notes = [n for r in fxfuse.report(fxfuse.optimize(model)).regions for n in r.notes]
+    assert any("turned off by FXFUSE_FUSED_BACKWARD=0" in n for n in notes), notes
+    monkeypatch.delenv("FXFUSE_FUSED_BACKWARD")
+    notes = [n for r in fxfuse.report(fxfuse.optimize(model)).regions for n in r.notes]
+    assert not any("turned off" in n for n in notes), notes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what the report says without a CUDA device")
+def test_the_report_says_that_cpu_calls_run_the_original_ops_without_the_interpreter(monkeypatch):
+    fast = fxfuse.optimize(GPT2MLP().eval())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "CPU calls run the regions' original ops" in str(fxfuse.report(fast))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "CPU calls run" not in str(fxfuse.report(fast))

@@ -105,18 +105,9 @@ def _entry(kind: str, model: nn.Module):
     return torch.compile(model, backend="fxfuse", options={"inductor": False})
 
 
-def _report(kind: str, runner, before: tuple[int, int]) -> fxfuse.FusionReport:
-    """The report of ``runner``: for the compile backend (whose report covers every graph it compiled in this
-    process), only what came after ``before`` (the counts of regions and rejections then)."""
-    if kind == "optimize":
-        return fxfuse.report(runner)
-    r = fxfuse.report()
-    return fxfuse.FusionReport(regions=r.regions[before[0]:], rejections=r.rejections[before[1]:])
-
-
-def _counts() -> tuple[int, int]:
-    r = fxfuse.report()
-    return len(r.regions), len(r.rejections)
+def _report(kind: str, runner) -> fxfuse.FusionReport:
+    """The report of ``runner`` (for the compile backend, every graph compiled since ``_entry``'s reset)."""
+    return fxfuse.report(runner)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,7 +116,6 @@ def _counts() -> tuple[int, int]:
 def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why(kind, cls, device):
     model = cls().to(device).eval()
     ref = copy.deepcopy(model)
-    before = _counts()
     runner = _entry(kind, model)
     x = torch.randn(3, 16, device=device)
     x_fused, x_eager = x.clone(), x.clone()
@@ -136,7 +126,7 @@ def test_an_inplace_write_between_a_chains_ends_keeps_eagers_result_and_says_why
     torch.testing.assert_close(x_fused, x_eager)  # the caller's tensor is written as eager writes it
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
-    report = _report(kind, runner, before)
+    report = _report(kind, runner)
     assert not report.regions
     if kind == "compile" or cls is not WeightWritten:  # (optimize: that forward switches grad mode, said so)
         assert any("in-place op" in r.reason and "between the chain's first and last linear" in r.reason
@@ -197,7 +187,6 @@ def test_a_call_fxfuse_cannot_see_into_between_a_chains_ends_is_a_hazard(how, de
 def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls, device):
     model = cls().to(device)
     ref = copy.deepcopy(model)
-    before = _counts()
     runner = _entry(kind, model)
     x = torch.randn(4, 16, device=device)
     got, want = runner(x), ref(x)
@@ -208,7 +197,7 @@ def test_a_chain_across_a_grad_mode_switch_keeps_eagers_gradients(kind, cls, dev
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
-    report = _report(kind, runner, before)
+    report = _report(kind, runner)
     assert not report.regions
     reasons = " ".join(r.reason for r in report.rejections)
     optimize_says, compile_says = "switches or reads torch's global modes", "mode switch (_set_grad_enabled"
@@ -302,6 +291,8 @@ class KeepsActivation(nn.Module):
         h = F.gelu(self.fc1(x))
         if self.how == "attribute":
             self.cache = h
+        elif self.how == "new attribute":
+            self.last_hidden = h  # (not set in __init__: tracing creates it)
         elif self.how == "counter":
             self.calls += 1
         elif self.how == "global":
@@ -314,14 +305,15 @@ class KeepsActivation(nn.Module):
         return self.fc2(h)
 
 
-@pytest.mark.parametrize("how", ["attribute", "counter", "global", "item", "list"])
+@pytest.mark.parametrize("how", ["attribute", "new attribute", "counter", "global", "item", "list"])
 def test_a_method_that_changes_python_state_keeps_running_its_code(how):
     model = KeepsActivation(how).eval()
     calls_before = _CALLS
+    _LOG.clear()
     opt = fxfuse.optimize(model)
     assert _CALLS == calls_before  # tracing ran the code, and undid what it did to the module's globals
     assert model.store == {"h": None}  # and to the module's dict (a proxy had been stored in it)
-    _LOG.clear()
+    assert _LOG == [] and "last_hidden" not in vars(model)  # and to a list outside, and to the module
     x = torch.randn(3, 16)
     with torch.no_grad():
         want = model(x)
@@ -332,6 +324,8 @@ def test_a_method_that_changes_python_state_keeps_running_its_code(how):
     assert any("changes state a traced graph would not change" in r.reason for r in report.rejections)
     if how == "attribute":
         assert isinstance(opt.cache, torch.Tensor)
+    elif how == "new attribute":
+        assert isinstance(opt.last_hidden, torch.Tensor)
     elif how == "counter":
         assert opt.calls == calls + 1
     elif how == "global":
