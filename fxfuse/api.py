@@ -161,15 +161,22 @@ def _compiled(model: object) -> bool:
             or hasattr(model, "_torchdynamo_orig_callable"))
 
 
-def _forget_if_dynamo_was_reset() -> None:
-    """Drop the backend's reports if Dynamo was reset since they were made: its frame counter, which only grows
-    otherwise, starts over at 0."""
-    from torch._dynamo import convert_frame
+def _dynamo_reset_marker(args: Any) -> None:
+    """A compile-end callback that does nothing: ``torch._dynamo.reset()`` clears Dynamo's callbacks, so this one
+    missing means a reset came since the reports were made."""
 
-    counter = getattr(convert_frame, "FRAME_COUNTER", None)
-    ids = [frame[1] for frame in _backend_reports if isinstance(frame, tuple) and isinstance(frame[1], int)]
-    if isinstance(counter, int) and ids and max(ids) >= counter:
+
+def _forget_if_dynamo_was_reset() -> None:
+    """Drop the backend's reports if ``torch._dynamo.reset()`` ran since they were made (it drops the graphs)."""
+    from torch._dynamo.callback import callback_handler
+
+    callbacks = getattr(callback_handler, "end_callbacks", None)
+    if callbacks is None:
+        return
+    if _backend_reports and _dynamo_reset_marker not in callbacks:
         _backend_reports.clear()
+    if _dynamo_reset_marker not in callbacks:
+        callback_handler.register_end_callback(_dynamo_reset_marker)
 
 
 def record_backend_report(r: FusionReport) -> None:

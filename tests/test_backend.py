@@ -260,7 +260,7 @@ def test_backend_fuses_chains_under_no_grad_inside_a_graph_compiled_with_grad(in
     for g, p in zip(grads, model.student.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
     assert model.teacher.c_fc.weight.grad is None
-    assert fxfuse.report().num_fused == before + 2
+    assert fxfuse.report().num_fused == 1  # (the teacher's: the reset dropped the first graph and its report)
     assert inductor_graphs[-1].count(torch.ops.fxfuse.mlp_infer.default) == 1
     report = fxfuse.report(compiled)
     assert not [n for r in report.regions[-2:] for n in r.notes if n.startswith("training")]  # (nothing trains)
