@@ -54,6 +54,7 @@ from .meta import param_getter
 from .module_state import GLOBAL_HOOKS, Settings, original_because, runs_own_code, submodule
 from .ops import fused_mlp
 from .pointwise import is_identity_module, is_known_activation
+from .transforms import checkpointed
 
 __all__ = ["InlineChain", "prove", "install_parts"]
 
@@ -382,10 +383,12 @@ def _parent_method(orig: Any, state_attr: str, owner: tuple[type, str]):
             original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since the hand-off was proven")
             return getattr(owner_cls, name)(self, *args, **kwargs)
         st: _State = self.__dict__[state_attr]
-        if self.training or st.active or _tracing() or any(GLOBAL_HOOKS) or _any_autocast():
+        if self.training or st.active or _tracing() or any(GLOBAL_HOOKS) or _any_autocast() or checkpointed():
             if not (st.active or _tracing()):  # (another call in progress, recursion or another thread, is no news)
                 why = "it runs in training mode (the hand-off is for eval)" if self.training else \
-                    "a global module hook is registered" if any(GLOBAL_HOOKS) else "it runs under autocast"
+                    "a global module hook is registered" if any(GLOBAL_HOOKS) else \
+                    "it runs under autocast" if _any_autocast() else \
+                    "it records gradients inside activation checkpointing"
                 original_because(self, why)
             return orig(self, *args, **kwargs)
         for parts in st.roles:  # still the modules the roles were installed on (not replaced since)

@@ -58,6 +58,7 @@ from .lift import lift_params
 from .meta import param_getter
 from .module_state import GLOBAL_HOOKS, GlobalReads, Settings, original_because, runs_own_code, self_reads, submodule
 from .shortcut import Shortcut, region_call
+from .transforms import checkpointed
 
 if TYPE_CHECKING:
     from .hosts import Host
@@ -266,6 +267,9 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
         if getattr(owner_cls, name) is not orig:  # (patched on the class since)
             original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since it was fused")
             return getattr(owner_cls, name)(self, *args, **kwargs)
+        if checkpointed():  # (its recomputation must run what this forward runs: see transforms.checkpointed)
+            original_because(self, "it records gradients inside activation checkpointing")
+            return orig(self, *args, **kwargs)
         if (training is None or self.training is training) and (autocast_free or not _any_autocast()):
             if modules_attr is not None:
                 why = _changed(self, modules_attr)

@@ -589,3 +589,41 @@ def test_the_report_says_that_cpu_calls_run_the_original_ops_without_the_interpr
     assert "CPU calls run the regions' original ops" in str(fxfuse.report(fast))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "CPU calls run" not in str(fxfuse.report(fast))
+
+
+class _Checkpointed(torch.nn.Module):
+    """An MLP under non-reentrant activation checkpointing (as transformers' gradient_checkpointing_enable())."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = GPT2MLP().eval()  # (eval: no dropout; still trained)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=False)
+
+
+class _Watching(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["flop counter", "function mode"])
+def test_a_checkpointed_forward_under_a_mode_recomputes_what_it_ran(mode):
+    """The forward runs under a mode (FlopCounterMode's global module hooks, a TorchFunctionMode), the backward
+    and its recomputation outside it: both must run the same code (else checkpoint's saved tensors differ)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _Checkpointed()
+    eager = copy.deepcopy(model)
+    fast = fxfuse.optimize(model)
+    x = torch.randn(4, 5, 32)
+    for _ in range(2):  # (the second after a backward marked the region trained)
+        grads = []
+        for m in (fast, eager):
+            m.zero_grad()
+            with FlopCounterMode(display=False) if mode == "flop counter" else _Watching():
+                y = m(x)
+            y.square().sum().backward()
+            grads.append([p.grad for p in m.parameters()])
+        for g, want in zip(*grads):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
