@@ -303,6 +303,8 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
             if not culprit:
                 raise
             sub = module.get_submodule(culprit)
+            if id(sub) in forced:  # (kept opaque already, and still failing: its call's arguments are the cause)
+                raise
             failing[type(sub)] = True
             # Every module of that class (the same attention in each layer) is kept opaque at once.
             forced.update(id(m) for m in module.modules() if type(m) is type(sub) and m is not module)

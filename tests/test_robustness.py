@@ -834,3 +834,50 @@ def test_a_hand_off_layer_reached_by_several_calls_is_one_region():
     with torch.no_grad():
         torch.testing.assert_close(out, model(x))
     assert n == 3
+
+
+class _Cache:
+    """A plain object handed down to a submodule (a KV cache): FX cannot make it a graph argument."""
+
+
+class _UsesCache(nn.Module):
+    def forward(self, x, cache):
+        rows = [r for r in x]  # (iterates a tensor: kept opaque in its callers' traces, with the cache an argument)
+        return torch.stack(rows) * 2
+
+
+class _CachedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = _UsesCache(), GPT2MLP()
+
+    def forward(self, x, cache):
+        return self.mlp(self.attn(x, cache))
+
+
+class _CachedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_CachedLayer(), _CachedLayer()])
+
+    def forward(self, x):
+        cache = _Cache()
+        for layer in self.layers:
+            x = layer(x, cache)
+        return x
+
+
+def test_a_submodule_call_that_cannot_be_recorded_is_reported_as_such_and_the_mlps_below_fuse():
+    """Keeping the submodule opaque does not help when its call's arguments are the cause: the capture says so at
+    once (it retried the same submodule until a retry limit, and then named the limit) and goes into the layers."""
+    model = _CachedModel().eval()
+    fast = fxfuse.optimize(model)
+    report = fxfuse.report(fast)
+    assert report.capture_failures and all("argument of type" in f.error for f in report.capture_failures[:1])
+    assert not any("too many submodules" in f.error for f in report.capture_failures)
+    assert len(report.regions) == 2
+    x = torch.randn(3, 32)
+    n, out = fused_calls(fast, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+    assert n == 2
