@@ -116,7 +116,19 @@ def find_regions(gm: fx.GraphModule, patterns: Optional[Sequence[Pattern]] = Non
             continue
         reject(view, rejections, pat.name, reason, sorted_nodes(view, _region_nodes(key)), logged=True)
     near_misses(view, fused, rejections)
+    _drop_unknown_operands_a_near_miss_explains(rejections)
     return regions, list(rejections.values())
+
+
+def _drop_unknown_operands_a_near_miss_explains(rejections: dict[tuple[str, ...], Rejection]) -> None:
+    """A gated MLP whose activation fxfuse does not fuse (``nn.Hardswish``) also half-matches the plain pattern,
+    ``up → mul(·, act(gate)) → down``, with the activation's output as an operand of unknown shape: the near miss
+    over the same linears names the real cause, so that rejection goes."""
+    near = [set(r.nodes) for r in rejections.values() if r.pattern.endswith("(near miss)")]
+    for key, r in list(rejections.items()):
+        if r.reason.startswith("operand ") and "shape unknown" in r.reason \
+                and any(set(r.nodes) & nodes for nodes in near):
+            del rejections[key]
 
 
 # ------------------------------------------------------------------------------------------- checking

@@ -585,3 +585,18 @@ print(len(fxfuse.report(opt).regions))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
+
+
+def test_a_gated_mlp_with_an_activation_not_fused_is_rejected_for_that_activation_only():
+    class HardswishGated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+            self.act = nn.Hardswish()
+
+        def forward(self, x):
+            return self.down(self.act(self.gate(x)) * self.up(x))
+
+    report = fxfuse.report(fxfuse.optimize(HardswishGated().eval()))
+    assert not report.regions
+    assert [r.reason for r in report.rejections] == ["unsupported op in the middle: nn.Hardswish"]
