@@ -87,6 +87,8 @@ def _fused_widths(spec: str, x: Tensor, weights: Sequence[Tensor], biases: Seque
     if not (x.is_cuda or (interpreting() and x.device.type == "cpu")):
         return None
     dtype = x.dtype
+    if dtype is torch.bfloat16 and not x.is_cuda:
+        return None  # (the interpreter's tl.dot cannot multiply bf16: the forward takes the reference ops too)
     if dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(
             t is not None and (t.dtype != dtype or t.device != x.device) for t in (*weights, *biases, *extra)):
         return None

@@ -330,3 +330,25 @@ def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):
         assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == fused
     walked = dtype != torch.float32  # (fp32 nerf128 keeps the generic backward)
     assert (len(storing), len(launches)) == (int(walked), 1 + walked)
+
+
+@pytest.mark.parametrize("width", [48, 128], ids=["one kernel", "walk"])
+def test_bf16_chains_on_the_cpu_train_through_the_reference_ops(width):
+    """The interpreter's tl.dot cannot multiply bf16, so the forward runs the reference ops on the CPU: so must the
+    backward (its kernels, and the walk's storing forward from the second step, gave garbage)."""
+    torch.manual_seed(0)
+    model = nerf_mlp((16, width, width, width, 8)).to(torch.bfloat16).train()
+    eager = copy.deepcopy(model)
+    fast = fxfuse.optimize(model)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    for _ in range(2):  # (the second step after the first backward marked the region)
+        outs = []
+        for m in (fast, eager):
+            m.zero_grad()
+            y = m(x)
+            y.float().square().sum().backward()
+            outs.append((y, [p.grad for p in m.parameters()]))
+        (y, grads), (y_eager, grads_eager) = outs
+        torch.testing.assert_close(y, y_eager)
+        for g, want in zip(grads, grads_eager):
+            torch.testing.assert_close(g, want)
