@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .capture import leaving_unchanged
 from .ops import reference_mlp
 from .profile_moe import ExpertsSite, as_op, count_experts_call, experts_sites, intercept_experts
 from .profile_render import fmt_us, html_page, roofline_points, text_lines
@@ -193,7 +194,19 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
     """
     from .api import optimize, report
 
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(f"fxfuse.profile: example_inputs is the model's positional inputs as a tuple, such as (x,); "
+                        f"got {type(example_inputs).__name__}")
     inputs = tuple(example_inputs)
+    # (a model left in training mode: what its forwards update, BatchNorm's statistics, the RNG, is put back)
+    with leaving_unchanged(model, inputs):
+        return _profile(model, inputs, gpu, optimized, iters, warmup, optimize, report)
+
+
+def _profile(model: nn.Module, inputs: tuple, gpu: Optional[str], optimized: Optional[nn.Module], iters: int,
+             warmup: int, optimize: Callable, report: Callable) -> ProfileReport:
     device = _device_of(model, inputs)
     timed = device.type == "cuda" or (device.type == "cpu" and _HOST_TIMED)
     with torch.no_grad():
@@ -206,6 +219,8 @@ def profile(model: nn.Module, example_inputs: Sequence, *, gpu: Optional[str] = 
         experts_calls: dict[str, dict[str, Callable]] = {}  # an experts site's first call, each side, to time
 
         def record(site, x, weights, biases, operands, spec):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:  # (the original ops raise eager's error)
+                return reference_mlp(x, weights, biases, operands, spec)
             work[site.label].append(count_call(spec, x, weights, biases, operands, launches=site.launches))
             first_args.setdefault(site.label, (x, weights, biases, operands, spec))
             return reference_mlp(x, weights, biases, operands, spec)

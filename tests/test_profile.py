@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,31 @@ def test_gpt2_mlp_structure():
     assert r.before.gpu_us is None and r.after.gpu_us is None and r.speedup is None
     text = str(rep)
     assert NEED_GPU in text and "<root>" in text and "predicted" in text
+
+
+def test_inputs_as_a_bare_tensor_or_not_what_eager_takes():
+    model = GPT2MLP(32, 96).eval()
+    x = torch.randn(2, 5, 32)
+    assert len(profile(model, x).regions) == 1  # (a bare tensor: the one input)
+    with pytest.raises(TypeError, match="positional inputs as a tuple"):
+        profile(model, {"x": x})
+    for bad in (3.0, torch.tensor(1.0)):  # eager's error, not one from counting the call's work
+        with pytest.raises((TypeError, RuntimeError)) as eager:
+            model(bad)
+        with pytest.raises(type(eager.value), match=re.escape(str(eager.value))):
+            profile(model, (bad,))
+
+
+def test_a_model_left_in_training_mode_is_as_it_was_after_its_profile():
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 32)
+    rng = torch.get_rng_state()
+    profile(model, (x,))
+    assert model.training
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 def test_gated_mlp_structure():
