@@ -30,7 +30,7 @@ def _load(target: str):
     name = name or "factory"
     if where.endswith(".py") or os.sep in where:
         spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        if spec is None or spec.loader is None:
+        if not os.path.isfile(where) or spec is None or spec.loader is None:
             raise SystemExit(f"cannot load {where}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -38,11 +38,41 @@ def _load(target: str):
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise SystemExit(f"cannot import {where}: {err}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise SystemExit(f"{where} has no callable {name!r}")
     return factory
+
+
+def _check(parser: argparse.ArgumentParser, args) -> None:
+    """The arguments' own errors, said before anything is built (argparse's usage line and exit status 2)."""
+    if args.device:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            parser.error(f"--device {args.device!r} is not a device (cuda, cuda:1, cpu or meta)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error("CUDA is not available here: use --device cpu or meta for the structural report")
+    if args.shape:
+        try:
+            dims = tuple(int(s) for s in args.shape.split(","))
+        except ValueError:
+            dims = ()
+        if not dims or any(d < 0 for d in dims):
+            parser.error(f"--shape {args.shape!r} is not a shape: sizes separated by commas, such as 64,128,768")
+    if args.gpu:
+        from .roofline import named_ceilings
+
+        try:
+            named_ceilings(args.gpu)
+        except ValueError as err:
+            parser.error(f"--gpu: {err}")
+    if args.iters < 1:
+        parser.error("--iters must be at least 1")
 
 
 def _build(args):
@@ -55,7 +85,10 @@ def _build(args):
         kwargs["device"] = args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("CUDA is not available here: use --device cpu or meta for the structural report")
-    model, inputs = factory(**kwargs)
+    built = factory(**kwargs)
+    if not (isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
+        raise SystemExit(f"{args.target} returned {type(built).__name__}: a factory returns (model, example_inputs)")
+    model, inputs = built
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if shape and not takes_shape:  # a fresh first input of that shape
         x = inputs[0]
@@ -101,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10, help="profiled iterations per side (GPU)")
     p.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args(argv)
+    _check(parser, args)
 
     from .profile import profile
 

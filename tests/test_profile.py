@@ -235,6 +235,32 @@ def test_cli_shape_dtype_and_named_gpu(capsys):
     assert "float16" in out and "H100" in out and "  6  " in out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--device", "foo"], "is not a device"),
+    (["--shape", "3,x"], "is not a shape"),
+    (["--gpu", "B200"], "unknown GPU"),
+    (["--iters", "0"], "at least 1"),
+])
+def test_cli_bad_arguments_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", f"{HERE / 'test_profile.py'}:tiny_factory", "--no-save", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def returns_the_model_only():
+    return GPT2MLP(32, 96).eval()
+
+
+@pytest.mark.parametrize("target, message", [
+    ("no_such_module_here:factory", "cannot import no_such_module_here"),
+    (f"{HERE / 'no_such_file.py'}:factory", "cannot load"),
+    (f"{HERE / 'test_profile.py'}:returns_the_model_only", "a factory returns (model, example_inputs)"),
+])
+def test_cli_targets_that_cannot_be_profiled_say_why(target, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["profile", target, "--device", "cpu", "--no-save"])
+
+
 def test_cli_device_is_passed_to_a_factory_that_takes_it(capsys):
     # Weights built on meta have nothing to move: the factory is asked to build on the device instead.
     assert main(["profile", "test_profile:meta_factory", "--device", "cpu", "--no-save"]) == 0
