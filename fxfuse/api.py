@@ -173,9 +173,8 @@ def _forget_if_dynamo_was_reset() -> None:
     callbacks = getattr(callback_handler, "end_callbacks", None)
     if callbacks is None:
         return
-    if _backend_reports and _dynamo_reset_marker not in callbacks:
+    if _dynamo_reset_marker not in callbacks:  # (never registered, or cleared by a reset)
         _backend_reports.clear()
-    if _dynamo_reset_marker not in callbacks:
         callback_handler.register_end_callback(_dynamo_reset_marker)
 
 

@@ -301,9 +301,10 @@ class _TreeSnapshot:
         self.global_then = _hook_copies(GLOBAL_HOOKS)
         settings = self.settings = list(map(Settings.of, mods))
         kept = [(m.__dict__, s) for m, s in zip(mods, settings) if s is not None]
-        self.readers = tuple(s.read for _, s in kept)
-        self.setting_dicts = tuple(state for state, _ in kept)
-        self.values = [s.values for _, s in kept]
+        read = [(state, s) for state, s in kept if s.keys]  # (a bias-free Linear's has only its empty bias slot)
+        self.readers = tuple(s.read for _, s in read)
+        self.setting_dicts = tuple(state for state, _ in read)
+        self.values = [s.values for _, s in read]
         self.absent = tuple((state, s) for state, s in kept if s.absent)  # (parameter slots that held None)
         self.root_class, self.root_training = type(root), root.training
         self.root_children = dict(root._modules)

@@ -120,14 +120,16 @@ def find_regions(gm: fx.GraphModule, patterns: Optional[Sequence[Pattern]] = Non
     return regions, list(rejections.values())
 
 
+_UNKNOWN_OPERAND = "shape unknown (or not a tensor)"  # (the reason an operand is refused when it has no shape)
+
+
 def _drop_unknown_operands_a_near_miss_explains(rejections: dict[tuple[str, ...], Rejection]) -> None:
     """A gated MLP whose activation fxfuse does not fuse (``nn.Hardswish``) also half-matches the plain pattern,
     ``up → mul(·, act(gate)) → down``, with the activation's output as an operand of unknown shape: the near miss
     over the same linears names the real cause, so that rejection goes."""
     near = [set(r.nodes) for r in rejections.values() if r.pattern.endswith("(near miss)")]
     for key, r in list(rejections.items()):
-        if r.reason.startswith("operand ") and "shape unknown" in r.reason \
-                and any(set(r.nodes) & nodes for nodes in near):
+        if r.reason.endswith(_UNKNOWN_OPERAND) and any(set(r.nodes) & nodes for nodes in near):
             del rejections[key]
 
 
@@ -308,7 +310,7 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
             for v in s.epilogue.operands:
                 v_info = tensor_info(gm, v)
                 if v_info is None:
-                    return f"operand {v.name}: shape unknown (or not a tensor)"
+                    return f"operand {v.name}: {_UNKNOWN_OPERAND}"
                 # (input's rank unknown: leading 1s are taken; a call whose input has fewer dims, where eager's
                 # output would gain them, runs the original ops: ops.kernel_fallback_reason)
                 max_ndim = max(1, x_info.ndim) if x_info is not None else v_info.ndim
