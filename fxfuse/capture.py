@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import gc
 import inspect
 import itertools
@@ -56,8 +57,32 @@ __all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "Glob
 
 log = logging.getLogger(__name__)
 
-_FX_DIR = os.path.dirname(fx.__file__)
-_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _folder(path: str) -> str:
+    """``path`` as code objects' file names are compared with it: resolved (``..``, symlinks), with a final
+    separator (so that torch's folder does not hold torchvision's)."""
+    return os.path.normcase(os.path.realpath(path)) + os.sep
+
+
+_FX_DIR = _folder(os.path.dirname(fx.__file__))
+_TORCH_DIR = _folder(os.path.dirname(torch.__file__))
+_FXFUSE_DIR = _folder(os.path.dirname(__file__))
+_STDLIB_DIR = _folder(os.path.dirname(os.__file__))
+_SITE_FOLDERS = ("site-packages", "dist-packages")  # (inside the standard library's folder in conda and others)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_in(filename: str, folders: tuple[str, ...]) -> bool:
+    """Whether a code object's file is under one of ``folders`` (resolved paths: an import through a path such as
+    ``scripts/../fxfuse`` names its files that way). The standard library's folder holds no installed packages."""
+    if filename.startswith("<frozen "):  # (the standard library's frozen modules: os, codecs, importlib)
+        return _STDLIB_DIR in folders
+    path = os.path.normcase(os.path.realpath(filename))
+    for folder in folders:
+        if path.startswith(folder):
+            return folder != _STDLIB_DIR or path[len(folder):].split(os.sep, 1)[0] not in _SITE_FOLDERS
+    return False
 _MAX_LEAF_RETRIES = 24
 # Methods never traced during discovery (they change the model or are not computations).
 _LIFECYCLE_PREFIXES = ("_init", "init_", "reset", "tie_", "_tie", "load", "_load", "save", "_save", "set_", "_set",
@@ -240,7 +265,7 @@ class _Tracer(fx.Tracer):
             code = f.f_code
             if code is _TRACE_CODE:
                 break
-            if code.co_argcount and not code.co_filename.startswith(_FX_DIR):
+            if code.co_argcount and not _file_in(code.co_filename, (_FX_DIR,)):
                 first = code.co_varnames[0]  # (usually "self"; a method may name it otherwise)
                 owner = f.f_locals.get(first)
                 if isinstance(owner, nn.Module) and (first == "self" or _is_method(owner, code)):
@@ -366,7 +391,7 @@ class SideEffectError(RuntimeError):
 _CONTAINER_WRITES = {"append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem", "remove",
                      "discard", "clear", "appendleft", "extendleft"}
 # Code whose container writes are its own business (torch, fxfuse, the standard library), not the model's.
-_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.__file__))
+_LIBRARY_DIRS = (_TORCH_DIR, _FXFUSE_DIR, _STDLIB_DIR)
 
 
 def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: list, grad_modes: list,
@@ -415,7 +440,9 @@ def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: li
                     and _model_code(frame):
                 owner = arg.__self__
                 if not any(v is owner for v in frame.f_locals.values()):
-                    stores.append(f"{type(owner).__name__}.{name} on a {type(owner).__name__} kept outside the call")
+                    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+                    stores.append(f"{type(owner).__name__}.{name} on a {type(owner).__name__} kept outside the call"
+                                  f" ({where})")
                     if id(owner) not in written:  # (before this first write: undone after the trace)
                         written[id(owner)] = (owner, type(owner)(owner))
 
@@ -490,7 +517,7 @@ def _applier(cls: type) -> Any:
 
 def _model_code(frame: Any) -> bool:
     """Whether ``frame`` runs the model's code (not torch's, fxfuse's or the standard library's)."""
-    return frame is not None and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS)
+    return frame is not None and not _file_in(frame.f_code.co_filename, _LIBRARY_DIRS)
 
 
 _GLOBAL_STORES: dict[Any, tuple[str, ...]] = {}
@@ -500,7 +527,7 @@ def _stored_globals(code: Any) -> tuple[str, ...]:
     """The module globals a code object of the model's assigns or deletes (``global N; N += 1``)."""
     names = _GLOBAL_STORES.get(code)
     if names is None:
-        names = () if code.co_filename.startswith(_LIBRARY_DIRS) else tuple(
+        names = () if _file_in(code.co_filename, _LIBRARY_DIRS) else tuple(
             ins.argval for ins in dis.get_instructions(code) if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"))
         _GLOBAL_STORES[code] = names
     return names
@@ -511,7 +538,7 @@ _DROPOUT_TARGETS = {F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropo
 
 
 def _mode_dependent(gm: fx.GraphModule, codes: set) -> bool:
-    if None in codes or any(not c.co_filename.startswith(_TORCH_DIR) for c in codes):
+    if None in codes or any(not _file_in(c.co_filename, (_TORCH_DIR,)) for c in codes):
         return True
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.dropout._DropoutNd):

@@ -4,6 +4,7 @@ runs at the last op), through every entry point; tracing runs no code on the use
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -445,3 +446,39 @@ def test_a_custom_autograd_function_is_kept_under_another_profiler_too():
     assert not report.regions
     # (the method is still a host: the chain is left unfused at the Function's call, not the whole method)
     assert any("_GradReverse_apply" in r.reason for r in report.rejections), [r.reason for r in report.rejections]
+
+
+def test_fxfuse_imported_through_a_dotted_path_still_fuses(tmp_path):
+    # A script that puts ``scripts/..`` on sys.path imports fxfuse with such file names: its own code (the tracer's
+    # bookkeeping) must not read as the model's side effects (nothing fused at all, before).
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(fxfuse.__file__)))
+    code = f"""
+import os, sys
+sys.path.insert(0, os.path.join({os.path.join(repo, "tests")!r}, ".."))
+import torch, fxfuse
+from torch import nn
+assert ".." in fxfuse.__file__, fxfuse.__file__
+model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).eval()
+report = fxfuse.report(fxfuse.optimize(model))
+print(len(report.regions), [r.reason for r in report.rejections])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "1", out.stdout
+
+
+def test_only_torch_fxfuse_and_the_standard_library_are_library_code():
+    from fxfuse import capture
+
+    folders = capture._LIBRARY_DIRS
+    assert capture._file_in(os.path.join(capture._STDLIB_DIR, "json", "decoder.py"), folders)
+    assert capture._file_in("<frozen os>", folders)
+    assert capture._file_in(os.path.join(capture._TORCH_DIR, "nn", "modules", "linear.py"), folders)
+    # Installed packages inside the standard library's folder (conda's layout) are not: model code lives there.
+    assert not capture._file_in(os.path.join(capture._STDLIB_DIR, "site-packages", "transformers", "m.py"), folders)
+    assert not capture._file_in(capture._TORCH_DIR.rstrip(os.sep) + "vision" + os.sep + "ops.py", folders)
+    assert not capture._file_in(os.path.join(os.path.dirname(__file__), "models.py"), folders)

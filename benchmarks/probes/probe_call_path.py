@@ -54,7 +54,7 @@ SHORTCUT = "_fxfuse_shortcut_forward"  # the module's fxfuse.shortcut.Shortcut
 def probe(name: str, rows: Optional[int] = None) -> None:
     mod, x, opt, args, m = optimized_row(name, rows)
     torch.set_grad_enabled(False)
-    print(f"== {name}: planner chose {strategy.cached_choice(args)}; timed {m.times}", flush=True)
+    print(f"== {name}: planner chose {strategy.cached_choice(args)}; timed {m.times if m else None}", flush=True)
     print("pieces: " + ", ".join(f"{k} {v:.2f}" for k, v in pieces(x).items()) + " us", flush=True)
     method = type(opt).forward
     forced_ones = (strategy.GEMM_EPILOGUE, strategy.DECODE_GRID_SYNC) if x.shape[0] == 1 else ()

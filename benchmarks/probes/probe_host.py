@@ -33,13 +33,26 @@ def optimized_row(name: str, m: Optional[int] = None) -> tuple:
     the planner's measurement)`` for a benchmark row (``m`` rows instead of the row's), built without autograd."""
     w = next(w for w in WORKLOADS if w.name == name)
     mod, x = build_module(w), make_input(w, m=m)
+    seen, dispatch = [], ops._dispatch
+
+    def spy(*args):  # the region's op arguments, as its first call passes them
+        seen.append(args)
+        return dispatch(*args)
+
     with torch.no_grad():
         opt = fxfuse.optimize(mod)
-        opt(x)
-    m = strategy.measurements()[-1]
-    weights = [p for n, p in mod.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in mod.named_parameters() if n.endswith("bias")]
-    return mod, x, opt, (x, weights, biases, [], m.spec), m
+        ops._dispatch = spy
+        try:
+            opt(x)
+        finally:
+            ops._dispatch = dispatch
+    if not seen:
+        raise RuntimeError(f"{name}: the optimized module's first call did not reach fxfuse's op "
+                           f"(report: {fxfuse.report(opt)})")
+    args = seen[0]
+    # The planner's measurement of this region (none where a plain call made no choice)
+    m = next((r for r in reversed(strategy.measurements()) if r.spec == args[-1]), None)
+    return mod, x, opt, args, m
 
 
 def probe(name: str, profile: bool = False) -> None:
