@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -112,17 +113,36 @@ def _block_before(view: GraphView, last: fx.Node) -> Optional[tuple[list[fx.Node
     for node in sorted_nodes(view, cone):  # what is computed from the linears (the rest: operands)
         if any(a in linears or a in middle for a in node.all_input_nodes):
             middle.add(node)
-    if x not in middle or any(u not in middle and u is not last for n in (*linears, *middle) for u in n.users) or \
-            any(a is x for a in last.args[1:]):
+    if x not in middle or any(u not in middle and u is not last and not _unused_read(u)
+                              for n in (*linears, *middle) for u in n.users) or any(a is x for a in last.args[1:]):
         return None
     return sorted_nodes(view, linears), sorted_nodes(view, middle)
+
+
+def _size_read(node: fx.Node) -> bool:
+    """``h.shape``, ``h.size()``, ``h.dim()`` and items of those: what a block reads of its tensors' sizes."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _size_read(node.args[0])
+    return (node.op == "call_function" and node.target is getattr) or \
+        (node.op == "call_method" and node.target in ("size", "dim"))
+
+
+def _leaf_frames(target: str) -> list[tuple[str, None]]:
+    """A leaf module call's ``fxfuse_frames``-like list: the paths of the modules it runs inside, outermost first
+    (not its own: a leaf that is the block's own child is one of the block's ops)."""
+    parts = target.split(".")
+    return [(".".join(parts[:i]), None) for i in range(1, len(parts))]
+
+
+def _unused_read(node: fx.Node) -> bool:
+    """A size or item read whose value nobody uses (``b, _, c = h.shape``'s ``_``)."""
+    return not node.users and node.op == "call_function" and node.target in (operator.getitem, getattr)
 
 
 def _block_reason(view: GraphView, linears: list[fx.Node], middle: list[fx.Node], last: fx.Node) -> Optional[str]:
     """Why a block's middle cannot be fused: a submodule it calls whose ops are not pointwise (named, with its class
     and parameters), or, in a middle of a few nodes, the first op that is not; None when neither (not a near miss)."""
-    blockers = [n for n in middle if "fxfuse_pointwise" not in n.meta
-                and not (n.op == "call_function" and n.target is getattr) and n.target not in ("size", "dim")]
+    blockers = [n for n in middle if "fxfuse_pointwise" not in n.meta and not _size_read(n)]
     if not blockers:
         return None
     base = common_path([*linears, last])
@@ -130,12 +150,14 @@ def _block_reason(view: GraphView, linears: list[fx.Node], middle: list[fx.Node]
     by_module: dict[str, list[fx.Node]] = {}
     frame_of: dict[str, Any] = {}
     for n in blockers:  # the submodule (below the block's module, holding none of its linears) each op ran in
-        frames = n.meta.get("fxfuse_frames", ()) if n.op != "call_module" else ()  # (a leaf: an op of the block)
+        # (a leaf module: inside the submodules its path names)
+        frames = n.meta.get("fxfuse_frames", ()) if n.op != "call_module" else _leaf_frames(str(n.target))
         path = next((p for p, _ in frames if p != base and p.startswith(f"{base}." if base else "")
                      and not any(o.startswith(p + ".") for o in owned)), None)
         if path is not None:
             by_module.setdefault(path, []).append(n)
-            frame_of.setdefault(path, next((c for p, c in frames if p == path and c not in _MODULE_CALLS), None))
+            if frame_of.get(path) is None:
+                frame_of[path] = next((c for p, c in frames if p == path and c not in _MODULE_CALLS), None)
     if not by_module:
         if len(middle) > NEAR_MISS_MAX_NODES + 1:
             return None

@@ -457,6 +457,7 @@ def test_fxfuse_imported_through_a_dotted_path_still_fuses(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(fxfuse.__file__)))
     code = f"""
 import os, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # forget any install
 sys.path.insert(0, os.path.join({os.path.join(repo, "tests")!r}, ".."))
 import torch, fxfuse
 from torch import nn

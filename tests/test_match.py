@@ -600,3 +600,37 @@ def test_a_gated_mlp_with_an_activation_not_fused_is_rejected_for_that_activatio
     report = fxfuse.report(fxfuse.optimize(HardswishGated().eval()))
     assert not report.regions
     assert [r.reason for r in report.rejections] == ["unsupported op in the middle: nn.Hardswish"]
+
+
+class _DepthWiseConv(nn.Module):
+    """SegFormer's ``SegformerDepthWiseConv``: tokens back to an image, a 3x3 depthwise conv, back to tokens."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 3, 1, 1, groups=dim)
+
+    def forward(self, h, height, width):
+        batch_size, seq_len, num_channels = h.shape  # (seq_len unused: a read nobody uses)
+        h = h.transpose(1, 2).view(batch_size, num_channels, height, width)
+        return self.dwconv(h).flatten(2).transpose(1, 2)
+
+
+class _MixFFN(nn.Module):
+    """SegFormer's Mix-FFN: fc1 → depthwise conv → GELU → fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.dwconv, self.act, self.fc2 = nn.Linear(8, 32), _DepthWiseConv(32), nn.GELU(), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.dwconv(self.fc1(x), 4, 4)))
+
+
+def test_a_convolution_between_the_linears_is_named_in_the_reason():
+    fast = fxfuse.optimize(_MixFFN().eval(), example_inputs=(torch.randn(2, 16, 8),))
+    report = fxfuse.report(fast)
+    assert report.regions == []
+    (rejection,) = report.rejections
+    assert rejection.pattern == "mlp (near miss)"
+    assert rejection.reason.startswith("dwconv (")  # the submodule, and its class where Python names it
+    assert "nn.Conv2d" in rejection.reason and "getitem" not in rejection.reason, rejection.reason
