@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .meta import TensorInfo, tensor_info
-from .pointwise import PointwiseOp, Unsupported, classify, is_identity_module
+from .pointwise import PointwiseOp, Unsupported, classify, inplace_input, is_identity_module
 
 __all__ = ["normalize", "is_linear", "module_path_of", "DROPOUT_ACTIVE"]
 
@@ -108,6 +108,7 @@ def normalize(gm: fx.GraphModule) -> None:
     for node in list(graph.nodes):
         if node.graph is graph and _is_chunk(node):
             _split_packed(gm, node)
+    _read_writes_results(gm)
     for node in graph.nodes:
         node.meta.pop("fxfuse_pointwise", None)
         if is_linear(node) and "fxfuse_module_path" not in node.meta:
@@ -120,6 +121,21 @@ def normalize(gm: fx.GraphModule) -> None:
                 node.meta["fxfuse_unsupported"] = kind.reason
     graph.lint()
     gm.recompile()
+
+
+def _read_writes_results(gm: fx.GraphModule) -> None:
+    """After an in-place elementwise op written as a statement (``h.relu_()``, ``F.relu(h, inplace=True)``,
+    ``self.act(h)`` with ``inplace=True``), the graph's later readers of ``h`` read the op's result instead: the
+    same tensor (the op returns what it wrote), now linked to the write, so that ``fc2`` after ``h.relu_()`` is
+    seen reading ``relu(fc1(x))``. Readers before the write keep reading ``h``."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        written = inplace_input(gm, node)
+        if written is None or written.op not in ("call_function", "call_method", "call_module"):
+            continue
+        for user in list(written.users):
+            if order[user] > order[node]:
+                user.replace_input_with(written, node)
 
 
 # ----------------------------------------------------------------------------------------------- modules

@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
 from .backward import fused_backward_enabled, fused_backward_reason
 from .capture import leaving_unchanged
@@ -142,12 +143,34 @@ def _has_value_meta(gm: fx.GraphModule) -> bool:
     return any("val" in n.meta or "example_value" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
 
 
+class _ShapeProp(ShapeProp):
+    """:class:`ShapeProp` (no fake mode) recording the same ``tensor_meta`` and ``type``, but raising a failing node's
+    error as it is: torch's prints the traceback first, and wrong example inputs are the caller's to report."""
+
+    def run_node(self, n: fx.Node):
+        result = fx.Interpreter.run_node(self, n)
+        found = False
+
+        def meta_of(value):
+            nonlocal found
+            if isinstance(value, torch.Tensor):
+                found = True
+                return _extract_tensor_metadata(value)
+            return value
+
+        meta = map_aggregate(result, meta_of)
+        if found:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
+        return result
+
+
 def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> None:
     # (the graph runs the user's modules and buffers: a training-mode BatchNorm, a buffer written in place, a
     # dropout would change them or the random state; all is put back as it was)
     try:
         with leaving_unchanged(gm, example_inputs), torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
+            _ShapeProp(gm).propagate(*example_inputs)
     except Exception as err:  # shapes are a help, not a requirement
         log.info("fxfuse: shape propagation failed (%s: %s); planning from parameters only",
                  type(err).__name__, err)

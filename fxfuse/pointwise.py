@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from . import epilogue as ep
 
-__all__ = ["PointwiseOp", "Unsupported", "classify", "describe", "is_identity_module", "is_known_activation",
-           "INPLACE_UNSAFE"]
+__all__ = ["PointwiseOp", "Unsupported", "classify", "describe", "inplace_input", "is_identity_module",
+           "is_known_activation", "INPLACE_UNSAFE"]
 
 INPLACE_UNSAFE = "in-place op on a value that is used elsewhere"
 
@@ -236,10 +236,56 @@ def _arg_getter(node: fx.Node) -> Callable[[int, str, Any], Any]:
 
 
 def _inplace_safe(node: fx.Node) -> bool:
-    """An in-place op may be treated as out-of-place when nobody else can see the mutated tensor."""
+    """An in-place op may be treated as out-of-place when nobody else can see the mutated tensor: its other readers
+    are elementwise ops that ran before the write (``h.mul_(h.sigmoid())``), which read the value it replaces."""
     target = node.args[0] if node.args else None
-    return (isinstance(target, fx.Node) and target.op in ("call_function", "call_method", "call_module")
-            and len(target.users) == 1)
+    if not (isinstance(target, fx.Node) and target.op in ("call_function", "call_method", "call_module")):
+        return False
+    others = {u for u in target.users if u is not node}
+    if not others:
+        return True
+    before: set[fx.Node] = set()
+    n = target.next
+    while n is not node and n.op != "root":
+        before.add(n)
+        n = n.next
+    return n is node and all(u in before and "fxfuse_pointwise" in u.meta for u in others)
+
+
+_INPLACE_FLAG_AT = {"relu": 1, "silu": 1, "relu6": 1, "hardtanh": 3, "leaky_relu": 2}  # F.relu(x, inplace=...)'s place
+
+
+def _inplace_flag(node: fx.Node, name: str) -> bool:
+    """``F.relu(x, inplace=True)`` and the like: the flag, the last positional argument or a keyword."""
+    flag = _arg_getter(node)(_INPLACE_FLAG_AT[name], "inplace", False)
+    return isinstance(flag, bool) and flag
+
+
+def inplace_input(root: Optional[nn.Module], node: fx.Node) -> Optional[fx.Node]:
+    """The tensor an in-place elementwise op writes and returns (``h.relu_()``, ``F.relu(h, inplace=True)``,
+    ``nn.ReLU(inplace=True)(h)``, ``h += 1``); None for any other node.
+
+    Example:
+        >>> gm = fx.symbolic_trace(lambda h: h.relu_())
+        >>> relu_ = next(n for n in gm.graph.nodes if n.op == "call_method")
+        >>> inplace_input(gm, relu_).name
+        'h'
+    """
+    target = node.args[0] if node.args else None
+    if not isinstance(target, fx.Node):
+        return None
+    if node.op == "call_method":
+        name = str(node.target)
+        return target if name.endswith("_") and name[:-1] in _RULES else None
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCTIONS:
+            return target
+        name = _FUNCTIONS.get(node.target)
+        return target if name in _INPLACE_FLAG_AT and _inplace_flag(node, name) else None
+    if node.op == "call_module" and root is not None and len(node.args) == 1 and not node.kwargs:
+        mod = root.get_submodule(node.target)
+        return target if type(mod) in _MODULES and getattr(mod, "inplace", False) is True else None
+    return None
 
 
 def classify(root: Optional[nn.Module], node: fx.Node) -> Union[PointwiseOp, Unsupported, None]:
@@ -270,11 +316,10 @@ def classify(root: Optional[nn.Module], node: fx.Node) -> Union[PointwiseOp, Uns
             if name is None:
                 return None
             get = _arg_getter(node)
-            if name in ("relu", "silu", "relu6", "hardtanh", "leaky_relu") and node.target in _FUNCTIONS:
+            if name in _INPLACE_FLAG_AT and node.target in _FUNCTIONS:
                 # F.relu(x, inplace=True) etc.: the flag is the last positional or a keyword
-                n_pos = {"relu": 1, "silu": 1, "relu6": 1, "hardtanh": 3, "leaky_relu": 2}[name]
-                flag = get(n_pos, "inplace", False)
-                inplace = bool(flag) if isinstance(flag, bool) else inplace
+                n_pos = _INPLACE_FLAG_AT[name]
+                inplace = _inplace_flag(node, name)
                 node_args = node.args[:n_pos]
                 get = lambda i, k, d: node_args[i] if i < len(node_args) else (  # noqa: E731
                     node.kwargs.get(k, d) if k != "inplace" else d)

@@ -147,6 +147,17 @@ def test_example_inputs_leave_a_training_model_as_it_was(inline):
     assert model.steps.item() == 1 and model.bn.num_batches_tracked.item() == 1  # (state shared with the model)
 
 
+def test_example_inputs_that_do_not_fit_print_nothing_and_the_report_says_why(capfd):
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).eval()
+    fast = fxfuse.optimize(model, example_inputs=(torch.randn(4, 8),))  # 8 features: the model takes 16
+    assert capfd.readouterr().err == ""  # (torch's shape propagation printed the failing node's traceback)
+    (rejection,) = fxfuse.report(fast).rejections
+    assert "input has 8" in rejection.reason, rejection.reason
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
 def test_control_flow_outside_the_mlp_falls_back_to_submodules():
     model = ControlFlowModel().eval()
     fast = fxfuse.optimize(model, example_inputs=(torch.randn(3, 32),))

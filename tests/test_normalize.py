@@ -260,21 +260,42 @@ def test_unsupported_pointwise_is_not_classified(graph_form):
     assert "cast" in cast.meta["fxfuse_unsupported"]
 
 
-def test_unsafe_inplace_is_unsupported():
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
+class _OneLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
 
+
+def test_unsafe_inplace_is_unsupported():
+    class M(_OneLinear):
         def forward(self, x):
             h = self.fc(x)
-            r = h.relu_()  # h is also read below: the mutation is observable
-            return r + h
+            v = h.view(2, 8)  # a view taken before the write sees it
+            r = h.relu_()
+            return r + v
 
     gm = trace(M(), torch.randn(2, 8))
     normalize(gm)
     relu_ = next(n for n in gm.graph.nodes if n.target == "relu_")
     assert relu_.meta["fxfuse_unsupported"] == INPLACE_UNSAFE and "fxfuse_pointwise" not in relu_.meta
+
+
+def test_readers_after_an_inplace_write_read_its_result():
+    class M(_OneLinear):
+        def forward(self, x):
+            h = self.fc(x)
+            s = torch.sigmoid(h)  # read before the write: the value it replaces
+            h.mul_(s)
+            return h + h  # read after it: the result
+
+    model = M()
+    gm = trace(model, torch.randn(2, 8))
+    normalize(gm)
+    mul_ = next(n for n in gm.graph.nodes if n.target == "mul_")
+    add = next(n for n in gm.graph.nodes if n.target in (operator.add, "add"))
+    assert add.args == (mul_, mul_) and "fxfuse_pointwise" in mul_.meta
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(gm(x), model(x))
 
 
 # ----------------------------------------------------------------------------------------------- dropout
