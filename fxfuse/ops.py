@@ -601,13 +601,19 @@ def _mlp_fake(x, weights, biases, operands, spec):
 
 
 def _save_inputs(ctx, spec: str, sizes: tuple[int, ...], flat: Sequence[Tensor],
-                 stored: Sequence[Tensor] = ()) -> None:
+                 stored: Sequence[Tensor] = (), copy_frozen_input: bool = False) -> None:
     """What ``_backward`` reads: the spec, how ``flat`` splits into (x, weights, biases, operands), which of
     them want gradients, and the tensors themselves: the inputs, and ``stored`` (what the
     walk reads from the forward: :func:`fxfuse.backward.forward_for_walk`'s layer inputs, and its output where the
-    walk reads it)."""
+    walk reads it). ``copy_frozen_input``: keep a copy of x where the first stage's weights are frozen (not in a
+    compiled graph, whose functionalized x is never written in place)."""
     ctx.spec, ctx.sizes, ctx.num_stored = spec, sizes, len(stored)
     ctx.wanted = [i for i, t in enumerate(flat) if t.requires_grad]
+    if copy_frozen_input and not any(flat[1 + i].requires_grad for i in range(_plan(spec)[0][0].num_linears)):
+        # Eager's first linear keeps no x when its weights are frozen, so x may be written in place before the
+        # backward (``x += mlp(x)``, partial fine-tuning); this backward reads x (to recompute the chain, or as the
+        # original ops' input): a copy, which the write leaves alone.
+        flat = [flat[0].detach().clone(), *flat[1:]]
     # (the biases too, which eager's backward does not read: a bias written in place between the forward and the
     # backward raises autograd's error here, not in eager. Copies would cost a launch per step and new addresses,
     # which the backward's bound launches are keyed by: a new binding every step.)
@@ -623,7 +629,8 @@ def _saved(ctx) -> tuple[list[Tensor], list[Tensor]]:
 
 def _setup_context(ctx, inputs, output):
     x, weights, biases, operands, spec = inputs
-    _save_inputs(ctx, spec, (1, len(weights), len(biases), len(operands)), [x, *weights, *biases, *operands])
+    _save_inputs(ctx, spec, (1, len(weights), len(biases), len(operands)), [x, *weights, *biases, *operands],
+                 copy_frozen_input=not torch.compiler.is_compiling())
 
 
 def _split(flat: list, sizes: tuple[int, ...]) -> list[list]:
@@ -727,7 +734,7 @@ class _FusedMLPFunction(torch.autograd.Function):
         stored = output[1:]
         if stored and walk_reads_output(spec):  # saved only then: eager lets a user modify it in place
             stored = (*stored, output[0])
-        _save_inputs(ctx, spec, sizes, flat, stored)
+        _save_inputs(ctx, spec, sizes, flat, stored, copy_frozen_input=True)
         if len(output) > 1:
             ctx.mark_non_differentiable(*output[1:])
             ctx.set_materialize_grads(False)  # no [M, width] zeros for the stored tensors' "gradients"

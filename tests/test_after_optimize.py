@@ -537,3 +537,35 @@ def test_a_folded_bias_replaced_by_one_that_broadcasts_over_more_dims_follows_ea
     check(fast, model, x, 1)
     model.b2 = nn.Parameter(torch.randn(3, 1, 32) * 0.1)  # eager broadcasts the sum to [3, 5, 32]
     check(fast, model, x, 1)  # (the op's reference ops, adding it after the product)
+
+
+@pytest.mark.parametrize("make", [GPT2MLP, lambda: nerf_mlp((16, 32, 32, 16)), GatedMLP])
+def test_a_frozen_first_layer_lets_the_input_be_written_before_the_backward(make):
+    # Eager's first linear keeps no input when its weights are frozen, so an in-place residual (``x += mlp(x)``)
+    # may write the chain's input before the backward; fxfuse's backward reads a copy of it then.
+    mlp = make().eval()  # (eval: GPT2MLP's dropout draws nothing)
+    pre = nn.Linear(mlp_width(mlp), mlp_width(mlp))
+    model = nn.ModuleDict({"pre": pre, "mlp": mlp})
+
+    def run(m, inp):
+        x = m["pre"](inp)
+        x += m["mlp"](x)
+        return x
+
+    fast = nn.ModuleDict({"pre": pre, "mlp": fxfuse.optimize(mlp)})
+    assert len(fxfuse.report(fast["mlp"]).regions) == 1
+    first = [m for m in mlp.modules() if isinstance(m, nn.Linear)][:2 if isinstance(mlp, GatedMLP) else 1]
+    for lin in first:
+        lin.requires_grad_(False)
+    inp = torch.randn(5, mlp_width(mlp))
+    grads = []
+    for m in (fast, model):
+        m.zero_grad()
+        run(m, inp).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def mlp_width(mlp: nn.Module) -> int:
+    return next(m for m in mlp.modules() if isinstance(m, nn.Linear)).in_features
