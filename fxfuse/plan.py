@@ -102,6 +102,9 @@ def find_regions(gm: fx.GraphModule, patterns: Optional[Sequence[Pattern]] = Non
             if isinstance(result, _Candidate):
                 accepted_keys.add(key)
                 candidates.append(result)
+            elif result is None:
+                log.debug("dropped %s match %s: its linears run one after another", pat.name,
+                          _names(_region_nodes(key)))
             elif (rank, key) not in logged:
                 logged.add((rank, key))
                 failures.setdefault(key, (pat, result))
@@ -135,8 +138,15 @@ def _drop_unknown_operands_a_near_miss_explains(rejections: dict[tuple[str, ...]
 
 # ------------------------------------------------------------------------------------------- checking
 
-def _check(view: GraphView, pat: Pattern, rank: int, mapping: dict) -> _Candidate | str:
-    """Read the chain a match covers back from the model graph and check it; a reason if it is unsafe."""
+def _in_sequence(view: GraphView, linears: list[fx.Node]) -> bool:
+    """Whether one of ``linears`` reads what another computes (``blocks.1.mlp.fc2`` after ``blocks.0.mlp.fc2``)."""
+    first, *rest = sorted(linears, key=view.order.__getitem__)
+    return any(_depends_on(view, a, {first}, view.order[first]) for lin in rest for a in lin.all_input_nodes)
+
+
+def _check(view: GraphView, pat: Pattern, rank: int, mapping: dict) -> _Candidate | str | None:
+    """Read the chain a match covers back from the model graph and check it; a reason if it is unsafe, None if
+    the match is no instance of the pattern worth a reason."""
     mapped = set(mapping.values())
     stages = [_Stage([mapping[pat.sink]], None)]
     covered: set = {mapping[pat.sink]}
@@ -144,6 +154,8 @@ def _check(view: GraphView, pat: Pattern, rank: int, mapping: dict) -> _Candidat
     while True:
         x = lins[0].args[0]
         if any(lin.args[0] is not x for lin in lins):
+            if _in_sequence(view, lins):
+                return None  # (residual blocks' fc2s joined by the stream's adds: no gated MLP, nothing to report)
             if any(isinstance(lin.args[0], fx.Node) and is_linear(lin.args[0]) for lin in lins):
                 return ("linears of a gated stage read different inputs: one reads another linear's output (a "
                         "low-rank adapter such as LoRA? merged into its base weight, the MLP fuses)")

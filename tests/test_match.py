@@ -634,3 +634,19 @@ def test_a_convolution_between_the_linears_is_named_in_the_reason():
     assert rejection.pattern == "mlp (near miss)"
     assert rejection.reason.startswith("dwconv (")  # the submodule, and its class where Python names it
     assert "nn.Conv2d" in rejection.reason and "getitem" not in rejection.reason, rejection.reason
+
+
+def test_residual_blocks_of_mlps_report_no_gated_stage_across_them():
+    # x + mlp0(norm(x)), then + mlp1(norm(...)), then a head: fc2 of both blocks reach the head through the
+    # stream's adds, which reads like a gated stage whose linears read different inputs. It is none.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.mlp = nn.LayerNorm(8), MLP(nn.GELU())
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    model = nn.Sequential(Block(), Block(), nn.Linear(8, 4)).eval()
+    _, regions, rejections = plan(model, "symbolic", torch.randn(4, 8))
+    assert len(regions) == 2 and rejections == [], rejections
