@@ -120,6 +120,9 @@ OPS: dict[str, OpDef] = {
         OpDef("minimum", 2, "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.minimum, commutative=True),
         OpDef("clamp_min", 2, "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.clamp_min),
         OpDef("clamp_max", 2, "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", torch.clamp_max),
+        # ReLU6 / Hardtanh: clamp's values, but not its gradient (0 at the bounds, where clamp's passes)
+        OpDef("hardtanh", 3, "tl.minimum(tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL), {2}, "
+                             "propagate_nan=tl.PropagateNan.ALL)", F.hardtanh),
         # Only small integer powers (and 0.5) are allowed: see ``_check_pow``.
         OpDef("pow", 2, "<pow>", _pow),
     ]
@@ -400,5 +403,7 @@ def compiled_reference(expr: Expr) -> Callable:
     if len(children) == 1:
         (c0,) = children
         return lambda accs, ops: fn(c0(accs, ops))
-    c0, c1 = children
-    return lambda accs, ops: fn(c0(accs, ops), c1(accs, ops))
+    if len(children) == 2:
+        c0, c1 = children
+        return lambda accs, ops: fn(c0(accs, ops), c1(accs, ops))
+    return lambda accs, ops: fn(*[c(accs, ops) for c in children])

@@ -102,6 +102,13 @@ def _clamp(lo: Any, hi: Any, x: Any, b: _Builder, expr: Optional[ep.Expr] = None
     return e
 
 
+def _hardtanh(lo: Any, hi: Any, x: Any, b: _Builder) -> ep.Expr:
+    """``F.hardtanh`` (ReLU6's too): one op with numeric bounds (its gradient is 0 at them, clamp's is not)."""
+    if all(type(v) in (int, float) for v in (lo, hi)):
+        return b.call("hardtanh", x, float(lo), float(hi))
+    return _clamp(lo, hi, x, b)
+
+
 _UNARY = ["relu", "sigmoid", "tanh", "neg", "exp", "log", "abs", "sqrt", "rsqrt", "silu", "erf"]
 
 # (name of the op as spelled by torch / Tensor methods) -> rule over (builder, arg getter)
@@ -110,8 +117,8 @@ _RULES.update({
     "negative": _unary("neg"),
     "gelu": _gelu,
     "leaky_relu": lambda b, arg: b.call("leaky_relu", arg(0, "input", None), arg(1, "negative_slope", 0.01)),
-    "relu6": lambda b, arg: _clamp(0.0, 6.0, arg(0, "input", None), b),
-    "hardtanh": lambda b, arg: _clamp(arg(1, "min_val", -1.0), arg(2, "max_val", 1.0), arg(0, "input", None), b),
+    "relu6": lambda b, arg: _hardtanh(0.0, 6.0, arg(0, "input", None), b),
+    "hardtanh": lambda b, arg: _hardtanh(arg(1, "min_val", -1.0), arg(2, "max_val", 1.0), arg(0, "input", None), b),
     "clamp": lambda b, arg: _clamp(arg(1, "min", None), arg(2, "max", None), arg(0, "input", None), b),
     "clamp_min": lambda b, arg: b.call("clamp_min", arg(0, "input", None), arg(1, "min", None)),
     "clamp_max": lambda b, arg: b.call("clamp_max", arg(0, "input", None), arg(1, "max", None)),
@@ -157,8 +164,8 @@ _MODULES: dict[type, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
     nn.Sigmoid: lambda m, x, b: b.call("sigmoid", x),
     nn.Tanh: lambda m, x, b: b.call("tanh", x),
     nn.LeakyReLU: lambda m, x, b: b.call("leaky_relu", x, float(m.negative_slope)),
-    nn.ReLU6: lambda m, x, b: _clamp(float(m.min_val), float(m.max_val), x, b),  # (Hardtanh's: bounds settable)
-    nn.Hardtanh: lambda m, x, b: _clamp(float(m.min_val), float(m.max_val), x, b),
+    nn.ReLU6: lambda m, x, b: _hardtanh(float(m.min_val), float(m.max_val), x, b),  # (Hardtanh's: bounds settable)
+    nn.Hardtanh: lambda m, x, b: _hardtanh(float(m.min_val), float(m.max_val), x, b),
 }
 
 # Activation modules of other libraries, by class (``module.qualname``): they are kept as leaves when

@@ -352,3 +352,41 @@ def test_bf16_chains_on_the_cpu_train_through_the_reference_ops(width):
         torch.testing.assert_close(y, y_eager)
         for g, want in zip(grads, grads_eager):
             torch.testing.assert_close(g, want)
+
+
+def _eager_and_fused_grads(model, x):
+    """Gradients of ``model``'s parameters and ``x`` from eager, then from ``fxfuse.optimize(model)``."""
+    fast = fxfuse.optimize(model)
+    out = []
+    for m in (model, fast):
+        model.zero_grad()
+        xi = x.clone().requires_grad_()
+        m(xi).square().sum().backward()
+        out.append([xi.grad] + [p.grad.clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU6(), torch.nn.Hardtanh(-1.0, 2.0)])
+def test_clamping_activations_have_no_gradient_at_their_bounds(act, untrained_specs):
+    # ReLU6 / Hardtanh pass no gradient at exactly their bounds (clamp passes it): pre-activations of exactly 0 and
+    # 6 come from zero rows (zero-padded batches) and biases set at the bounds.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), act, torch.nn.Linear(6, 4))
+    with torch.no_grad():
+        model[0].bias.copy_(torch.tensor([0.0, 6.0, -1.0, 2.0, 0.5, 3.0]))
+    x = torch.randn(5, 8)
+    x[1:3] = 0.0
+    eager, fused = _eager_and_fused_grads(model, x)
+    for g, want in zip(fused, eager):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_through_relu_reaches_the_gradients_as_in_eager(untrained_specs):
+    # A NaN pre-activation passes ReLU's gradient in eager (threshold_backward: h <= 0 ? 0 : g, false for NaN), so
+    # a diverged step shows in the gradients; the fused backward must not make them finite.
+    model = nerf_mlp((8, 16, 16, 4))
+    x = torch.randn(6, 8)
+    x[2, 3] = float("nan")
+    eager, fused = _eager_and_fused_grads(model, x)
+    for g, want in zip(fused, eager):
+        assert torch.equal(g.isnan(), want.isnan())
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5, equal_nan=True)

@@ -56,6 +56,8 @@ def _op_epilogue(name: str) -> tuple[str, int]:
         return "leaky_relu(a0,0.1)", 0
     if name == "pow":
         return "pow(a0,3.0)", 0
+    if name == "hardtanh":
+        return "hardtanh(a0,-0.5,0.5)", 0
     if ep.OPS[name].arity == 1:
         return f"{name}(a0)", 0
     return f"{name}(a0,v0)", 1

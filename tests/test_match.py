@@ -90,7 +90,7 @@ ACTS = [
     ("leaky_relu", nn.LeakyReLU(0.1), "leaky_relu(a0,0.1)"),
     ("quick_gelu", lambda h: h * torch.sigmoid(1.702 * h), "mul(a0,sigmoid(mul(1.702,a0)))"),
     ("squared_relu", lambda h: torch.relu(h) ** 2, "pow(relu(a0),2.0)"),
-    ("relu6", nn.ReLU6(), "clamp_max(clamp_min(a0,0.0),6.0)"),
+    ("relu6", nn.ReLU6(), "hardtanh(a0,0.0,6.0)"),
 ]
 
 

@@ -44,13 +44,13 @@ from .template import interpreting as _interpreting
 __all__ = ["CHAIN_BACKWARD_TEMPLATE_VERSION", "DERIVATIVES", "MAX_BACKWARD_WIDTH", "backward_fits", "canonical",
            "chain_backward_configs", "gradient_layout", "render_chain_backward", "stores_gradient", "walks"]
 
-CHAIN_BACKWARD_TEMPLATE_VERSION = 3
+CHAIN_BACKWARD_TEMPLATE_VERSION = 4
 
 # act'(a) times the incoming gradient g, as Triton on fp32 values. "out": from the activation's output h
 # (the dtype-rounded value the next layer reads); "pre": from the pre-activation a rounded to the dtype.
 DERIVATIVES: dict[str, tuple[str, str]] = {
     "a0": ("out", "{g}"),
-    "relu(a0)": ("out", "tl.where({h} > 0.0, {g}, 0.0)"),
+    "relu(a0)": ("out", "tl.where({h} <= 0.0, 0.0, {g})"),  # (NaN passes the gradient, as in eager)
     "sigmoid(a0)": ("out", "{g} * {h} * (1.0 - {h})"),
     "tanh(a0)": ("out", "{g} * (1.0 - {h} * {h})"),
     "silu(a0)": ("pre", "{g} * tl.sigmoid({a}) * (1.0 + {a} * (1.0 - tl.sigmoid({a})))"),
