@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .module_state import runs_own_code
 from .pointwise import is_known_activation
 
 __all__ = ["ArgSpec", "AutocastStateError", "CaptureFailure", "Discovery", "GlobalModeError", "Scope",
@@ -191,8 +192,8 @@ class _Tracer(fx.Tracer):
 
     # --- what stays opaque
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if id(m) in self.forced_leaves or is_known_activation(m):
-            return True
+        if id(m) in self.forced_leaves or is_known_activation(m) or runs_own_code(m):
+            return True  # (hooks, an instance forward: a call of the module runs them, a trace through it would not)
         return super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):

@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .meta import TensorInfo, tensor_info
+from .module_state import runs_own_code
 from .pointwise import PointwiseOp, Unsupported, classify, inplace_input, is_identity_module
 
 __all__ = ["normalize", "is_linear", "module_path_of", "DROPOUT_ACTIVE"]
@@ -113,7 +114,8 @@ def normalize(gm: fx.GraphModule) -> None:
         node.meta.pop("fxfuse_pointwise", None)
         if is_linear(node) and "fxfuse_module_path" not in node.meta:
             node.meta["fxfuse_module_path"] = module_path_of(node)
-        if node.op in ("call_function", "call_method", "call_module") and not is_linear(node):
+        if node.op in ("call_function", "call_method", "call_module") and not is_linear(node) \
+                and not (node.op == "call_module" and runs_own_code(gm.get_submodule(node.target))):
             kind = classify(gm, node)
             if isinstance(kind, PointwiseOp):
                 node.meta["fxfuse_pointwise"] = kind
@@ -142,7 +144,9 @@ def _read_writes_results(gm: fx.GraphModule) -> None:
 
 def _rewrite_module(gm: fx.GraphModule, node: fx.Node) -> None:
     mod = gm.get_submodule(node.target)
-    if is_identity_module(mod):
+    if runs_own_code(mod):  # its call must stay a call
+        node.meta["fxfuse_unsupported"] = f"{node.target} has hooks or its own forward, which its call runs"
+    elif is_identity_module(mod):
         _bypass(node, node.args[0] if node.args else None)
     elif isinstance(mod, nn.modules.dropout._DropoutNd):
         if not mod.training or mod.p == 0:

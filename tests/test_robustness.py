@@ -881,3 +881,36 @@ def test_a_submodule_call_that_cannot_be_recorded_is_reported_as_such_and_the_ml
     with torch.no_grad():
         torch.testing.assert_close(out, model(x))
     assert n == 2
+
+
+def test_hooks_registered_before_optimize_run_and_the_report_says_what_they_keep_unfused():
+    # A hook on the activation: the chain cannot skip its call, so it is not fused, and the report says why. A hook on
+    # the whole MLP (capturing activations, a common probe): the block keeps calling it, and it fuses inside.
+    captured = []
+    model = Block().eval()
+    model.mlp.act.register_forward_hook(lambda m, args, out: out * 0.5)
+    model.mlp.register_forward_hook(lambda m, args, out: captured.append(out.detach().clone()))
+    fast = fxfuse.optimize(model)
+    report = fxfuse.report(fast)
+    assert report.regions == []
+    assert [(r.module_path, r.reason.split(" has ")[0]) for r in report.rejections] == [("mlp", "act")], str(report)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        n, out = fused_calls(fast, x)
+        want = model(x)
+    torch.testing.assert_close(out, want)
+    assert n == 0 and len(captured) == 2 and torch.equal(captured[0], captured[1])
+    assert not fxfuse.report(fast).original_runs  # nothing was fused that a call could not run
+
+    model = Block().eval()
+    model.mlp.register_forward_hook(lambda m, args, out: captured.append(out.detach().clone()))
+    fast = fxfuse.optimize(model)
+    assert [r.module_path for r in fxfuse.report(fast).regions] == ["mlp"]
+    captured.clear()
+    with torch.no_grad():
+        n, out = fused_calls(fast, x)
+        want = model(x)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert n == 1 and len(captured) == 2
+    torch.testing.assert_close(captured[0], captured[1], rtol=1e-5, atol=1e-5)
+    assert not fxfuse.report(fast).original_runs
