@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -481,6 +483,18 @@ def _traced_or_watched(x: Tensor) -> bool:
 _jit_tracing = torch._C._get_tracing_state  # not None while torch.jit.trace records: sizes are traced tensors
 
 
+def _eager_subclass(x) -> bool:
+    """A tensor subclass of the user's, called eagerly (no compile, mode or fake tensor): its
+    ``__torch_function__`` / ``__torch_dispatch__`` must see the region's original ops, as in eager (a subclass that
+    rounds each linear's output, or handles a fixed set of functions, knows no ``fxfuse::mlp``)."""
+    return isinstance(x, Tensor) and type(x) is not Tensor and not isinstance(x, _COMPILER_TENSORS) \
+        and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None \
+        and not torch._C._is_torch_function_mode_enabled()
+
+
+_COMPILER_TENSORS = (FakeTensor, FunctionalTensor)
+
+
 # Specs whose op backward has run: their regions are being trained (see ``fused_mlp``).
 _trained: set[str] = set()
 # Specs whose backward was the walk (wide narrow chains, fxfuse.backward): from then on their gradient-recording
@@ -545,7 +559,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     tie the ScriptModule to this process's registration of the op).
     """
     if _traced_or_watched(x):
-        if _jit_tracing() is not None:
+        if _jit_tracing() is not None or _eager_subclass(x):
             return reference_mlp(x, weights, biases, operands, spec)
         return torch.ops.fxfuse.mlp.default(x, weights, biases, operands, spec)
     if transformed():  # torch.func.vmap / grad, forward AD: batched or dual tensors, which only ops take

@@ -638,3 +638,36 @@ def test_a_checkpointed_forward_under_a_mode_recomputes_what_it_ran(mode):
             grads.append([p.grad for p in m.parameters()])
         for g, want in zip(*grads):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+
+
+class _RoundsLinears(torch.Tensor):
+    """A numerics-study subclass: each linear's output rounded to bf16."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.to(torch.bfloat16).to(out.dtype).as_subclass(cls) if func is F.linear else out
+
+
+class _KnowsSomeFunctions(torch.Tensor):
+    """A subclass handling a fixed set of functions (returns NotImplemented for others)."""
+
+    HANDLED = {F.linear, F.relu, torch.relu, F.gelu}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in cls.HANDLED and not getattr(func, "__name__", "").startswith("__"):
+            return NotImplemented
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("subclass", [_RoundsLinears, _KnowsSomeFunctions])
+def test_a_tensor_subclass_input_sees_the_original_ops(subclass):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    fast = fxfuse.optimize(model)
+    assert len(fxfuse.report(fast).regions) == 1
+    x = torch.randn(4, 16).as_subclass(subclass)
+    with torch.no_grad():
+        out, want = fast(x), model(x)
+    assert type(out) is type(want) is subclass
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor), rtol=0, atol=0)
