@@ -89,6 +89,8 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
             if host.method != "forward":
                 cls = type(model.get_submodule(host.module_path)).__name__
                 region.notes.append(f"runs from {cls}.{host.method}")
+            if host.scope.mode_dependent:
+                region.notes.append(_mode_note(model.get_submodule(host.module_path).training))
             full_report.regions.append(region)
         full_report.graphs += all(host.scope is not s for s in found.scopes)  # (a discovery graph reused)
     for chain, region in zip(placement.inline, placement.inline_reports):
@@ -124,6 +126,12 @@ def _summarize(failures: list[CaptureFailure]) -> list[CaptureFailure]:
         groups.setdefault(key, []).append(f.module_path)
     return [CaptureFailure(paths[0] if len(paths) == 1 else f"{path} (x{len(paths)})", err)
             for (path, err), paths in groups.items()]
+
+
+def _mode_note(training: bool) -> str:
+    mode, other = ("training", "eval") if training else ("eval", "training")
+    return (f"fused for {mode} mode (the traced code depends on it: dropout): calls in {other} mode run the original "
+            f"code; for both, optimize the model in each mode (the copies share its parameters)")
 
 
 def report(model: Optional[nn.Module] = None) -> FusionReport:

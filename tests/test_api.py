@@ -671,3 +671,12 @@ def test_a_tensor_subclass_input_sees_the_original_ops(subclass):
         out, want = fast(x), model(x)
     assert type(out) is type(want) is subclass
     torch.testing.assert_close(out.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor), rtol=0, atol=0)
+
+
+def test_a_mode_dependent_region_says_which_mode_it_was_fused_for():
+    for mode, other in (("train", "eval"), ("eval", "training")):
+        fast = fxfuse.optimize(getattr(Block(), mode)())
+        (region,) = fxfuse.report(fast).regions
+        assert any(f"calls in {other} mode run the original code" in n for n in region.notes), region.notes
+    fast = fxfuse.optimize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).train())
+    assert not any("mode run the original" in n for n in fxfuse.report(fast).regions[0].notes)
