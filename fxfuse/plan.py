@@ -267,7 +267,8 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
     for s in stages:
         for v in s.epilogue.operands if s.epilogue else ():
             if _depends_on(view, v, inside, first):  # (say which op: the name alone reads like a bug)
-                return f"operand {v.name} depends on the chain itself ({describe(v, gm)} is not a supported " \
+                blocker = _first_unfusable(view, v, inside, first)
+                return f"operand {v.name} depends on the chain itself ({describe(blocker, gm)} is not a supported " \
                     "pointwise op)"
     # 2. Nothing between the chain's first op and its last may write in place or switch a mode: the fused call
     #    runs at the last op, reading what the first op read (fxfuse.hazards).
@@ -347,6 +348,21 @@ def _check_safety(view: GraphView, stages: list[_Stage]) -> Optional[str]:
     if len(devices) > 1:
         return "devices disagree: " + ", ".join(sorted(str(d) for d in devices))
     return None
+
+
+def _first_unfusable(view: GraphView, operand: fx.Node, inside: set[fx.Node], first: int) -> fx.Node:
+    """The earliest op between the chain and ``operand`` (computed from it) that is not pointwise: what keeps the
+    operand out of the epilogue (ConvNeXt-V2's GRN: the norm over the hidden activation, not the addcmul after)."""
+    found, stack, seen = [], [operand], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n in inside or view.order[n] < first:
+            continue
+        seen.add(n)
+        if "fxfuse_pointwise" not in n.meta and _depends_on(view, n, inside, first):
+            found.append(n)
+        stack.extend(n.all_input_nodes)
+    return min(found, key=view.order.__getitem__, default=operand)
 
 
 def _depends_on(view: GraphView, node: fx.Node, inside: set[fx.Node], first: int) -> bool:

@@ -508,6 +508,18 @@ def test_operand_depending_on_the_chain():
         "operand amax depends on the chain itself (Tensor.amax is not a supported pointwise op)"
 
 
+def test_an_operand_computed_from_the_chain_names_the_reduction_not_the_op_after_it():
+    class GRN(MLP):  # ConvNeXt-V2's global response norm, timm's form: pointwise ops after a norm and a mean
+        def forward(self, x):
+            h = self.act(self.fc1(x))
+            g = h.norm(p=2, dim=0, keepdim=True)
+            n = g / (g.mean(dim=-1, keepdim=True) + 1e-6)
+            return self.fc2(h + torch.addcmul(torch.ones(32), torch.ones(32), h * n))
+
+    _, regions, (rej,) = plan(GRN(nn.GELU()), "symbolic", torch.randn(4, 8))
+    assert regions == [] and "(Tensor.norm is not a supported pointwise op)" in rej.reason, rej.reason
+
+
 def test_dynamic_shapes_and_size_constants():
     class M(MLP):
         def __init__(self):
