@@ -487,11 +487,12 @@ def _eager_subclass(x) -> bool:
     """A tensor subclass of the user's, called eagerly (no compile, mode or fake tensor): its
     ``__torch_function__`` / ``__torch_dispatch__`` must see the region's original ops, as in eager (a subclass that
     rounds each linear's output, or handles a fixed set of functions, knows no ``fxfuse::mlp``)."""
-    return isinstance(x, Tensor) and type(x) is not Tensor and not isinstance(x, _COMPILER_TENSORS) \
+    return isinstance(x, Tensor) and type(x) not in _PLAIN_TYPES and not isinstance(x, _COMPILER_TENSORS) \
         and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None \
         and not torch._C._is_torch_function_mode_enabled()
 
 
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)  # (a Parameter fed to a region: a learned query table)
 _COMPILER_TENSORS = (FakeTensor, FunctionalTensor)
 
 

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import epilogue as ep
+from .module_state import runs_own_code
 
 __all__ = ["PointwiseOp", "Unsupported", "classify", "describe", "inplace_input", "is_identity_module",
            "is_known_activation", "INPLACE_UNSAFE"]
@@ -104,7 +106,7 @@ def _clamp(lo: Any, hi: Any, x: Any, b: _Builder, expr: Optional[ep.Expr] = None
 
 def _hardtanh(lo: Any, hi: Any, x: Any, b: _Builder) -> ep.Expr:
     """``F.hardtanh`` (ReLU6's too): one op with numeric bounds (its gradient is 0 at them, clamp's is not)."""
-    if all(type(v) in (int, float) for v in (lo, hi)):
+    if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (lo, hi)):  # (numpy's floats too)
         return b.call("hardtanh", x, float(lo), float(hi))
     return _clamp(lo, hi, x, b)
 
@@ -291,7 +293,9 @@ def inplace_input(root: Optional[nn.Module], node: fx.Node) -> Optional[fx.Node]
         return target if name in _INPLACE_FLAG_AT and _inplace_flag(node, name) else None
     if node.op == "call_module" and root is not None and len(node.args) == 1 and not node.kwargs:
         mod = root.get_submodule(node.target)
-        return target if type(mod) in _MODULES and getattr(mod, "inplace", False) is True else None
+        # (a call that runs hooks or an instance forward may return, or write, another tensor)
+        return target if type(mod) in _MODULES and getattr(mod, "inplace", False) is True \
+            and not runs_own_code(mod) else None
     return None
 
 

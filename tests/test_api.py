@@ -680,3 +680,24 @@ def test_a_mode_dependent_region_says_which_mode_it_was_fused_for():
         assert any(f"calls in {other} mode run the original code" in n for n in region.notes), region.notes
     fast = fxfuse.optimize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).train())
     assert not any("mode run the original" in n for n in fxfuse.report(fast).regions[0].notes)
+
+
+def test_a_parameter_fed_to_a_region_runs_the_kernels(monkeypatch):
+    # (a learned query table through an MLP: a Parameter is no user subclass)
+    class Queries(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.queries = nn.Parameter(torch.randn(6, 16))
+            self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+        def forward(self):
+            return self.mlp(self.queries)
+
+    model = Queries().eval()
+    fast = fxfuse.optimize(model)
+    dispatched = []
+    dispatch = fxfuse.ops._dispatch
+    monkeypatch.setattr(fxfuse.ops, "_dispatch", lambda *args: dispatched.append(type(args[0])) or dispatch(*args))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(), model(), rtol=1e-5, atol=1e-5)
+    assert dispatched == [nn.Parameter]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -366,7 +367,12 @@ def _eager_and_fused_grads(model, x):
     return out
 
 
-@pytest.mark.parametrize("act", [torch.nn.ReLU6(), torch.nn.Hardtanh(-1.0, 2.0)])
+class _NumpyBounds(torch.nn.Module):
+    def forward(self, h):
+        return torch.nn.functional.hardtanh(h, np.float64(0.0), np.float64(6.0))  # (bounds read from an array)
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU6(), torch.nn.Hardtanh(-1.0, 2.0), _NumpyBounds()])
 def test_clamping_activations_have_no_gradient_at_their_bounds(act, untrained_specs):
     # ReLU6 / Hardtanh pass no gradient at exactly their bounds (clamp passes it): pre-activations of exactly 0 and
     # 6 come from zero rows (zero-padded batches) and biases set at the bounds.

@@ -528,3 +528,36 @@ def test_an_inplace_activation_written_as_a_statement_fuses(form, device):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+class _HookedInplaceStatement(nn.Module):
+    """``self.act(h)`` as a statement, ``act`` in place with hooks of its own; a plain MLP after it fuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 16)
+        self.up, self.gelu, self.down = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.act(h)
+        y = self.fc2(h)
+        return y + self.down(self.gelu(self.up(y)))
+
+
+@pytest.mark.parametrize("kind", ["forward hook", "pre-hook", "instance forward"])
+def test_an_inplace_statement_whose_module_runs_hooks_is_read_as_written(kind):
+    # The call's result may be another tensor (a hook's), and the write may go elsewhere (a pre-hook's clone): fc2
+    # reads h, as in eager.
+    model = _HookedInplaceStatement().eval()
+    if kind == "forward hook":
+        model.act.register_forward_hook(lambda mod, args, out: out * 2)
+    elif kind == "pre-hook":
+        model.act.register_forward_pre_hook(lambda mod, args: (args[0].clone(),))
+    else:
+        model.act.forward = lambda h: torch.relu(h) * 3
+    x = torch.randn(8, 16)
+    fast = fxfuse.optimize(model, example_inputs=(x,))
+    assert len(fxfuse.report(fast).regions) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
