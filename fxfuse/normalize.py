@@ -146,6 +146,7 @@ def _rewrite_module(gm: fx.GraphModule, node: fx.Node) -> None:
     mod = gm.get_submodule(node.target)
     if runs_own_code(mod):  # its call must stay a call
         node.meta["fxfuse_unsupported"] = f"{node.target} has hooks or its own forward, which its call runs"
+        node.meta.setdefault("fxfuse_module_path", module_path_of(node) or str(node.target))
     elif is_identity_module(mod):
         _bypass(node, node.args[0] if node.args else None)
     elif isinstance(mod, nn.modules.dropout._DropoutNd):

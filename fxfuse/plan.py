@@ -103,7 +103,7 @@ def find_regions(gm: fx.GraphModule, patterns: Optional[Sequence[Pattern]] = Non
                 accepted_keys.add(key)
                 candidates.append(result)
             elif result is None:
-                log.debug("dropped %s match %s: its linears run one after another", pat.name,
+                log.debug("dropped %s match %s: its linears do not compute the pattern", pat.name,
                           _names(_region_nodes(key)))
             elif (rank, key) not in logged:
                 logged.add((rank, key))
@@ -178,8 +178,8 @@ def _check(view: GraphView, pat: Pattern, rank: int, mapping: dict) -> _Candidat
         else:
             break
         lins = stages[0].linears
-    if covered != mapped:
-        return "the matched linears do not form one chain"
+    if covered != mapped:  # (the pattern's shape, not its data flow: no instance of it, nothing to report)
+        return None
     reason = _check_concrete(view, pat, mapping)
     if reason:
         return reason

@@ -59,14 +59,16 @@ def near_misses(view: GraphView, fused: set[fx.Node], out: dict[tuple[str, ...],
             blocked.add(last)
             reject(view, out, "gated_mlp (near miss)" if len(block[0]) == 2 else "mlp (near miss)", reason,
                     sorted_nodes(view, {*block[0], *block[1], last}))
-    for first in view.linears:
+    kept = _kept_linears(view)
+    for first in [*view.linears, *kept]:
         path: list[fx.Node] = []
         node = first
         while len(node.users) == 1 and len(path) <= NEAR_MISS_MAX_NODES:
             (user,) = node.users
-            if is_linear(user):
+            if is_linear(user) or user in kept:
                 if user.args[0] is node and path:
-                    blocker = next((n for n in path if "fxfuse_pointwise" not in n.meta), None)
+                    blocker = next((n for n in (first, *path, user) if n in kept or
+                                    (n is not first and n is not user and "fxfuse_pointwise" not in n.meta)), None)
                     if blocker is not None and not (first in fused and user in fused) and user not in blocked:
                         reason = blocker.meta.get("fxfuse_unsupported") or \
                             f"unsupported op in the middle: {describe(blocker, view.gm)}"
@@ -76,6 +78,12 @@ def near_misses(view: GraphView, fused: set[fx.Node], out: dict[tuple[str, ...],
                 break
             path.append(user)
             node = user
+
+
+def _kept_linears(view: GraphView) -> set[fx.Node]:
+    """``nn.Linear`` calls normalize kept as calls (hooks or an instance ``forward`` of their own), with that reason."""
+    return {n for n in view.gm.graph.nodes if n.op == "call_module" and "fxfuse_unsupported" in n.meta
+            and isinstance(view.gm.get_submodule(n.target), nn.Linear)}
 
 
 def _block_before(view: GraphView, last: fx.Node) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
@@ -194,7 +202,8 @@ def reject(view: GraphView, out: dict, pattern: str, reason: str, nodes: list[fx
     key = tuple(n.name for n in nodes)
     if key in out:
         return
-    path = common_path([n for n in nodes if is_linear(n)])
+    path = common_path([n for n in nodes if is_linear(n) or (n.op == "call_module" and
+                                                            isinstance(view.gm.get_submodule(n.target), nn.Linear))])
     if not logged:
         log.debug("dropped %s match at %r %s: %s", pattern, path, list(key), reason)
     out[key] = Rejection(pattern=pattern, module_path=path, reason=reason, nodes=list(key))

@@ -914,3 +914,30 @@ def test_hooks_registered_before_optimize_run_and_the_report_says_what_they_keep
     assert n == 1 and len(captured) == 2
     torch.testing.assert_close(captured[0], captured[1], rtol=1e-5, atol=1e-5)
     assert not fxfuse.report(fast).original_runs
+
+
+def test_a_linear_hooked_before_optimize_is_named_as_what_keeps_its_mlp_unfused():
+    # A forward hook recording fc1's activations (a common probe): the MLP is not fused, its hook runs, and the
+    # report says why, with no other rejection.
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.mlp2 = GPT2MLP(), GPT2MLP()
+
+        def forward(self, x):
+            x = x + self.mlp(x)
+            return x + self.mlp2(x)
+
+    model = Residual().eval()
+    seen = []
+    model.mlp.c_fc.register_forward_hook(lambda m, args, out: seen.append(out))
+    fast = fxfuse.optimize(model, example_inputs=(torch.randn(4, 32),))
+    report = fxfuse.report(fast)
+    assert [r.module_path for r in report.regions] == ["mlp2"]
+    assert [(r.module_path, r.reason) for r in report.rejections] == \
+        [("mlp", "mlp.c_fc has hooks or its own forward, which its call runs")], str(report)
+    x = torch.randn(3, 32)
+    seen.clear()  # (the example inputs ran the model's modules)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(seen) == 2
