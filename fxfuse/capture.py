@@ -160,17 +160,40 @@ class _Proxy(fx.Proxy):
     proxy has none, so Python runs ``x = x + y``, which leaves alone a tensor the caller or a buffer still holds."""
 
 
-def _inplace_operator(op: Any) -> Any:
+def _inplace_operator(op: Any, plain: Any) -> Any:
     def method(self: _Proxy, other: Any) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
+        # A number's ``n += 1`` makes a new number: FX writes an in-place op as ``n += 1`` on the variable of its
+        # first argument, which would change what other readers of that value (``m = n`` before) see.
+        return self.tracer.create_proxy("call_function", plain if _a_number(self.node) else op, (self, other), {})
     method.__name__ = f"__{op.__name__}__"
     return method
 
 
-for _op in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-            operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-            operator.irshift):
-    setattr(_Proxy, f"__{_op.__name__}__", _inplace_operator(_op))
+_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+             operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+             operator.ipow: operator.pow, operator.imatmul: operator.matmul, operator.iand: operator.and_,
+             operator.ior: operator.or_, operator.ixor: operator.xor, operator.ilshift: operator.lshift,
+             operator.irshift: operator.rshift}
+for _op, _plain in _IN_PLACE.items():
+    setattr(_Proxy, f"__{_op.__name__}__", _inplace_operator(_op, _plain))
+
+_SIZE_ATTRS = ("shape", "ndim", "is_cuda", "dtype", "device")
+_SIZE_METHODS = ("size", "dim", "numel", "item", "tolist", "stride", "element_size", "nelement")
+
+
+def _a_number(node: fx.Node) -> bool:
+    """Whether a traced value is a number (or a size) rather than a tensor: read from a tensor's sizes, or computed
+    by Python's operators from such values alone."""
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _SIZE_ATTRS
+    if node.op == "call_method":
+        return node.target in _SIZE_METHODS
+    if node.op == "call_function" and node.target in (len, operator.getitem):
+        return node.target is len or (isinstance(node.args[0], fx.Node) and _a_number(node.args[0]))
+    if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
+        args = [a for a in node.args if isinstance(a, fx.Node)]
+        return bool(args) and all(_a_number(a) for a in args)
+    return False
 
 
 class _Tracer(fx.Tracer):

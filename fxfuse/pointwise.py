@@ -157,6 +157,8 @@ _INPLACE_FUNCTIONS: dict[Any, str] = {torch.relu_: "relu", F.relu_: "relu", torc
                                       operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
                                       operator.itruediv: "div"}  # (x += y: how Dynamo and fxfuse's tracer record it)
 
+_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
 _GELU_FORMS = {"none": "gelu", "tanh": "gelu_tanh"}  # nn.GELU.approximate: any other value raises in eager
 
 _MODULES: dict[type, Callable[[nn.Module, Any, _Builder], ep.Expr]] = {
@@ -287,8 +289,8 @@ def inplace_input(root: Optional[nn.Module], node: fx.Node) -> Optional[fx.Node]
         name = str(node.target)
         return target if name.endswith("_") and name[:-1] in _RULES else None
     if node.op == "call_function":
-        if node.target in _INPLACE_FUNCTIONS:
-            return target
+        if node.target in _INPLACE_FUNCTIONS:  # (not ``x += y``: on a number it makes a new one)
+            return target if node.target not in _AUGMENTED else None
         name = _FUNCTIONS.get(node.target)
         return target if name in _INPLACE_FLAG_AT and _inplace_flag(node, name) else None
     if node.op == "call_module" and root is not None and len(node.args) == 1 and not node.kwargs:

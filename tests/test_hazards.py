@@ -561,3 +561,25 @@ def test_an_inplace_statement_whose_module_runs_hooks_is_read_as_written(kind):
     assert len(fxfuse.report(fast).regions) == 1
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_number_updated_in_place_leaves_its_earlier_readers_alone():
+    # ``m = n; n += 1`` on a size: FX writes an in-place operator as ``n += 1`` on the variable of its argument,
+    # which made ``m`` read n + 1 in the traced graph (a traced host's output off by a whole row's scale).
+    class SizeScaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            n = x.shape[0]
+            m = n
+            n += 1
+            return self.fc2(F.relu(self.fc1(x))) * m + n
+
+    model = SizeScaled().eval()
+    fast = fxfuse.optimize(model)
+    assert len(fxfuse.report(fast).regions) == 1
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
