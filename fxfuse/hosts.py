@@ -295,7 +295,13 @@ def _inline_chain(model: nn.Module, scope: Scope, region: Any, candidates: list[
     chain = InlineChain(path, method, chain_mods, linears, weights, biases, spec, region.pattern,
                         checked=chain_mods + passthrough)
     report = RegionReport(path or "<root>", region.pattern, spec, _strategy(parent, region, weights),
-                          [f"runs as a hand-off between {', '.join(chain_mods)} in {type(parent).__name__}.{method}"])
+                          [f"runs as a hand-off between {', '.join(chain_mods)} in {type(parent).__name__}.{method}",
+                           "fused for eval mode (the hand-off's): calls in training mode run the original code"])
+    # (as the op's measurements are keyed: the report shows what the first GPU call chose)
+    shapes = [parent.get_submodule(name).weight for name in linears]
+    report.widths = (shapes[0].shape[1], *(w.shape[0] for w in shapes))
+    report.dtype = str(shapes[0].dtype).replace("torch.", "")
+    report.stages = len(region.spec.stages)
     return chain, report
 
 

@@ -109,7 +109,9 @@ def _block_before(view: GraphView, last: fx.Node) -> Optional[tuple[list[fx.Node
         if len(cone) == BLOCK_MAX_NODES:
             return None
         cone.add(node)
-        stack.extend(node.all_input_nodes)
+        # (a size read of a tensor other than a linear's output is a number the block reads, not a path back to
+        # other linears: SegFormer's later stages take height and width from tensors computed after earlier blocks)
+        stack.extend(a for a in node.all_input_nodes if not _size_read(node) or _size_read(a) or is_linear(a))
     if not 1 <= len(linears) <= 2 or len({lin.args[0] for lin in linears}) != 1:
         return None
     width = tensor_info(view.gm, last.args[1]) if isinstance(last.args[1], fx.Node) else None

@@ -662,3 +662,23 @@ def test_residual_blocks_of_mlps_report_no_gated_stage_across_them():
     model = nn.Sequential(Block(), Block(), nn.Linear(8, 4)).eval()
     _, regions, rejections = plan(model, "symbolic", torch.randn(4, 8))
     assert len(regions) == 2 and rejections == [], rejections
+
+
+def test_mix_ffns_of_later_stages_are_near_misses_too():
+    # SegFormer's later stages take height and width from tensors computed after earlier blocks: a size read is a
+    # number the block reads, not a path back to the earlier blocks' linears.
+    class TwoStages(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block0, self.block1 = _MixFFN(), _MixFFN()
+
+        def forward(self, x):
+            x = x + self.block0(x)
+            width = x.shape[1] // 4
+            return x + self.block1.fc2(self.block1.act(self.block1.dwconv(self.block1.fc1(x), 4, width)))
+
+    fast = fxfuse.optimize(TwoStages().eval(), example_inputs=(torch.randn(2, 16, 8),))
+    report = fxfuse.report(fast)
+    assert report.regions == []
+    assert sorted(r.module_path for r in report.rejections if r.pattern == "mlp (near miss)") == \
+        ["block0", "block1"], str(report)

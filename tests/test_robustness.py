@@ -941,3 +941,12 @@ def test_a_linear_hooked_before_optimize_is_named_as_what_keeps_its_mlp_unfused(
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
     assert len(seen) == 2
+
+
+def test_a_hand_off_region_reports_its_shape_and_mode():
+    # (its widths and dtype key the GPU measurements the report shows; the hand-off runs in eval mode only)
+    fast = fxfuse.optimize(InlineStyle().eval())
+    (region,) = fxfuse.report(fast).regions
+    assert any("hand-off" in n for n in region.notes)
+    assert region.widths == (32, 64, 32) and region.dtype == "float32" and region.stages == 2
+    assert any("calls in training mode run the original code" in n for n in region.notes), region.notes
