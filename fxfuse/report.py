@@ -267,7 +267,8 @@ class FusionReport:
                              | {ceilings_for(m.device).name for r in self.regions for m in r.measurements
                                 if m.predicted_us is not None})
             predicted = (f"cost model on {', '.join(devices)} ceilings (fxfuse.cost)" if devices
-                         else "none yet (no example inputs, no GPU call)")
+                         else "none yet (M unknown: no example inputs, or none recorded for a method other than "
+                              "forward that runs a region; and no GPU call)")
             lines.append(f"  predicted: {predicted}; measured: on the first GPU call at each M bucket")
             for r in self.regions:
                 lines += [f"  note ({r.module_path}): {n}" for n in r.notes]
