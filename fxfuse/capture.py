@@ -38,9 +38,10 @@ import itertools
 import logging
 import operator
 import os
+import random
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -420,6 +421,39 @@ _LIBRARY_DIRS = (_TORCH_DIR, _FXFUSE_DIR, _STDLIB_DIR)
 
 def _trace_watching(tracer: _Tracer, module: nn.Module, codes: set, autocast: list, grad_modes: list,
                     stores: list) -> fx.Graph:
+    """:func:`_trace_watched`, and whether the code drew from Python's or NumPy's global random generators
+    (``random.random() < self.layerdrop``: the trace would keep that one draw's branch for every call), which are
+    put back as they were."""
+    generators = _python_generators()
+    states = [get() for _, get, _ in generators]
+    try:
+        return _trace_watched(tracer, module, codes, autocast, grad_modes, stores)
+    finally:
+        for (name, get, put), before in zip(generators, states):
+            if not _same_state(get(), before):
+                stores.append(f"a draw from {name} random generator")
+                put(before)
+
+
+def _python_generators() -> list[tuple[str, Callable, Callable]]:
+    """``(name, get_state, set_state)`` of Python's global random generator, and NumPy's where it is imported."""
+    out = [("Python's", random.getstate, random.setstate)]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        out.append(("NumPy's global", numpy.random.get_state, numpy.random.set_state))
+    return out
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # (NumPy's key array)
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b
+
+
+def _trace_watched(tracer: _Tracer, module: nn.Module, codes: set, autocast: list, grad_modes: list,
+                   stores: list) -> fx.Graph:
     """``tracer.trace(module)``, collecting the code objects that ran and read a ``training`` attribute, the
     names of the autocast functions and contexts the code used (``None`` in ``codes`` and ``autocast`` when
     that cannot be watched: another profiler is installed), the grad-mode switches it made (seen by the

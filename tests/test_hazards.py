@@ -583,3 +583,41 @@ def test_a_number_updated_in_place_leaves_its_earlier_readers_alone():
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("draw", ["random", "numpy"])
+def test_a_method_drawing_from_python_random_generators_keeps_running_its_code(draw):
+    # Stochastic depth written with Python's random (or NumPy's): a trace would keep one draw's branch for every
+    # call, and optimize() would advance the user's generator.
+    import random
+
+    import numpy as np
+
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            u = random.random() if draw == "random" else np.random.uniform()
+            if self.training and u < 0.5:
+                return x
+            return x + self.fc2(F.relu(self.fc1(x)))
+
+    model = LayerDrop().train()
+    random.seed(0)
+    np.random.seed(0)
+    states = random.getstate(), np.random.get_state()[1].copy()
+    fast = fxfuse.optimize(model)
+    assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
+    report = fxfuse.report(fast)
+    assert not report.regions and any("random generator" in r.reason for r in report.rejections), str(report)
+    x = torch.randn(4, 16)
+    outs = []
+    for m in (model, fast):
+        random.seed(1)
+        np.random.seed(1)
+        with torch.no_grad():
+            outs.append([m(x) for _ in range(8)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
