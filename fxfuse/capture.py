@@ -831,10 +831,14 @@ def leaving_unchanged(module: nn.Module, inputs: Any = ()) -> Iterator[None]:
                *(t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor))]
     devices = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                       for t in tensors if t.device.type == "cuda"})
+    generators = _python_generators()  # (Python's and NumPy's draws: LayerDrop written with random.uniform)
+    states = [get() for _, get, _ in generators]
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        for (_, _, put), before in zip(generators, states):
+            put(before)
         _restore(state)
         with torch.no_grad():
             for t, copy in saved.values():

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from .autocast import any_autocast as _any_autocast
+from .kernels.template import kernels_run
 from .meta import param_getter
 from .module_state import GLOBAL_HOOKS, Settings, original_because, runs_own_code, submodule
 from .ops import fused_mlp
@@ -382,6 +383,8 @@ def _parent_method(orig: Any, state_attr: str, owner: tuple[type, str]):
         if getattr(owner_cls, name) is not orig:  # (the class's method patched since)
             original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since the hand-off was proven")
             return getattr(owner_cls, name)(self, *args, **kwargs)
+        if not kernels_run():  # (a CPU-only process: the chain would run its original ops)
+            return orig(self, *args, **kwargs)
         st: _State = self.__dict__[state_attr]
         if self.training or st.active or _tracing() or any(GLOBAL_HOOKS) or _any_autocast() or checkpointed():
             if not (st.active or _tracing()):  # (another call in progress, recursion or another thread, is no news)

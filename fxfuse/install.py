@@ -54,6 +54,7 @@ from torch import nn
 from .autocast import any_autocast as _any_autocast
 from .capture import ArgSpec, Scope
 from .inline import InlineChain, install_parts
+from .kernels.template import kernels_run
 from .lift import lift_params
 from .meta import param_getter
 from .module_state import GLOBAL_HOOKS, GlobalReads, Settings, original_because, runs_own_code, self_reads, submodule
@@ -267,6 +268,8 @@ def _make_method(orig: Any, specs: list[ArgSpec], fused: Any, training: Optional
         if getattr(owner_cls, name) is not orig:  # (patched on the class since)
             original_because(self, f"{owner_cls.__qualname__}.{name} was replaced since it was fused")
             return getattr(owner_cls, name)(self, *args, **kwargs)
+        if not kernels_run():  # (a CPU-only process: every region would run its original ops)
+            return orig(self, *args, **kwargs)
         if checkpointed():  # (its recomputation must run what this forward runs: see transforms.checkpointed)
             original_because(self, "it records gradients inside activation checkpointing")
             return orig(self, *args, **kwargs)

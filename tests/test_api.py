@@ -701,3 +701,45 @@ def test_a_parameter_fed_to_a_region_runs_the_kernels(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(fast(), model(), rtol=1e-5, atol=1e-5)
     assert dispatched == [nn.Parameter]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a process without a CUDA device")
+def test_without_cuda_or_the_interpreter_a_fused_method_runs_its_original_code(tmp_path):
+    # Nothing can run the kernels: the original code runs (eager's bits, eager's host cost; the regions' reference
+    # ops differ in rounding: GPT-2's written-out GELU is F.gelu(approximate="tanh") there), and optimize()
+    # leaves Python's and NumPy's random generators as they were with example inputs too.
+    import subprocess
+    import sys
+
+    code = """
+import math, random, numpy as np, torch, torch.nn as nn, fxfuse
+class NewGELU(nn.Module):
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+class LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(32, 128), NewGELU(), nn.Linear(128, 32))
+    def forward(self, x):
+        if random.uniform(0, 1) < 0.0 or np.random.random() < 0.0:
+            return x
+        return x + self.mlp(x)
+model = LayerDrop().eval().to(torch.bfloat16)
+x = torch.randn(4, 32, dtype=torch.bfloat16)
+random.seed(0); np.random.seed(0)
+states = random.getstate(), np.random.get_state()[1].copy()
+fast = fxfuse.optimize(model, example_inputs=(x,))
+assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
+assert len(fxfuse.report(fast).regions) == 1
+calls = []
+dispatch = fxfuse.ops._dispatch
+fxfuse.ops._dispatch = lambda *a: calls.append(1) or dispatch(*a)
+for grad in (False, True):
+    with torch.set_grad_enabled(grad):
+        assert torch.equal(fast(x), model(x))
+print("ok", len(calls))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", "0"], out.stdout

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 
+import torch
 import triton
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ KERNEL_TEMPLATE = '''\
 #   epilogue: $EPILOGUE
 #
 # out[m, n] = epilogue(a0[m, n], ..., v0[n], ...)  with  a_i = x @ W_i^T + b_i  accumulated in fp32.
+import torch
 import triton
 import triton.language as tl
 
@@ -159,6 +161,15 @@ def fused_stage_kernel(
 def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET``), i.e. on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def kernels_run() -> bool:
+    """Whether this process can run the kernels at all: a CUDA device, or the interpreter. Without either, a fused
+    method runs its original code (what its regions would fall back to), at eager's cost and with eager's bits.
+    Asked once per process (Triton reads ``TRITON_INTERPRET`` as its kernels are defined; torch's CUDA check and
+    an environment read cost microseconds, on every call of a fused method)."""
+    return torch.cuda.is_available() or interpreting()
 
 
 def autotune_enabled() -> bool:
