@@ -355,7 +355,7 @@ def trace_scope(module: nn.Module, module_path: str = "", method: str = "forward
             sub = module.get_submodule(culprit)
             if id(sub) in forced:  # (kept opaque already, and still failing: its call's arguments are the cause)
                 raise
-            failing[type(sub)] = True
+            failing[type(sub)] = err
             # Every module of that class (the same attention in each layer) is kept opaque at once.
             forced.update(id(m) for m in module.modules() if type(m) is type(sub) and m is not module)
             log.debug("fxfuse: %s kept opaque in %s.%s: %s", culprit, module_path or "<root>", method, _short(err))
@@ -709,6 +709,12 @@ def _visit(module: nn.Module, path: str, out: Discovery, failing: dict, seen: se
         if experts or _holds_stacked_experts(module):  # say why a mixture of experts stays as it is
             seen.add(id(module))
             out.failures.append(CaptureFailure(path, MOE_NOTE))
+        elif weight_count(module) == 1 and isinstance(failing.get(type(module)), Exception):
+            # (kept opaque in its parent's trace, with a linear a chain may run through: DeBERTa's ContextPooler,
+            # whose forward builds its activation module on each call, then the classifier)
+            seen.add(id(module))
+            out.failures.append(CaptureFailure(path, f"{_short(failing[type(module)])} (kept opaque: a chain "
+                                                     "through its linear is not seen)"))
         return
     seen.add(id(module))
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward:

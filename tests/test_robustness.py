@@ -950,3 +950,31 @@ def test_a_hand_off_region_reports_its_shape_and_mode():
     assert any("hand-off" in n for n in region.notes)
     assert region.widths == (32, 64, 32) and region.dtype == "float32" and region.stages == 2
     assert any("calls in training mode run the original code" in n for n in region.notes), region.notes
+
+
+def test_a_submodule_kept_opaque_with_a_linear_of_a_chain_is_listed_with_why():
+    # DeBERTa's ContextPooler builds its activation module on each call (not traceable): kept opaque in its parent's
+    # trace, so the chain pooler.dense -> act -> classifier is not seen; the report lists the pooler and why.
+    class Pooler(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Linear(32, 32)
+
+        def forward(self, h):
+            return nn.GELU()(self.dense(h[:, 0]))
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.pooler, self.classifier = nn.Linear(32, 32), Pooler(), nn.Linear(32, 4)
+
+        def forward(self, h):
+            return self.classifier(self.pooler(torch.tanh(self.mix(h))))
+
+    model = Classifier().eval()
+    fast = fxfuse.optimize(model)
+    failures = {f.module_path: f.error for f in fxfuse.report(fast).capture_failures}
+    assert "kept opaque" in failures.get("pooler", ""), failures
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
