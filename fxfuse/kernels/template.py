@@ -45,7 +45,6 @@ KERNEL_TEMPLATE = '''\
 #   epilogue: $EPILOGUE
 #
 # out[m, n] = epilogue(a0[m, n], ..., v0[n], ...)  with  a_i = x @ W_i^T + b_i  accumulated in fp32.
-import torch
 import triton
 import triton.language as tl
 
