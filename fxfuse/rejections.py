@@ -80,10 +80,14 @@ def near_misses(view: GraphView, fused: set[fx.Node], out: dict[tuple[str, ...],
             node = user
 
 
+def _linear_call(view: GraphView, node: fx.Node) -> bool:
+    """A call of an ``nn.Linear`` module that normalize left a call (hooks or an instance ``forward`` of its own)."""
+    return node.op == "call_module" and isinstance(view.gm.get_submodule(node.target), nn.Linear)
+
+
 def _kept_linears(view: GraphView) -> set[fx.Node]:
-    """``nn.Linear`` calls normalize kept as calls (hooks or an instance ``forward`` of their own), with that reason."""
-    return {n for n in view.gm.graph.nodes if n.op == "call_module" and "fxfuse_unsupported" in n.meta
-            and isinstance(view.gm.get_submodule(n.target), nn.Linear)}
+    """Those :func:`_linear_call` nodes, which normalize marked with why they stay calls."""
+    return {n for n in view.gm.graph.nodes if "fxfuse_unsupported" in n.meta and _linear_call(view, n)}
 
 
 def _block_before(view: GraphView, last: fx.Node) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
@@ -204,8 +208,7 @@ def reject(view: GraphView, out: dict, pattern: str, reason: str, nodes: list[fx
     key = tuple(n.name for n in nodes)
     if key in out:
         return
-    path = common_path([n for n in nodes if is_linear(n) or (n.op == "call_module" and
-                                                            isinstance(view.gm.get_submodule(n.target), nn.Linear))])
+    path = common_path([n for n in nodes if is_linear(n) or _linear_call(view, n)])
     if not logged:
         log.debug("dropped %s match at %r %s: %s", pattern, path, list(key), reason)
     out[key] = Rejection(pattern=pattern, module_path=path, reason=reason, nodes=list(key))
