@@ -16,6 +16,7 @@ from .cudagraphs import cuda_graphed
 from .hosts import place
 from .install import assemble, fused_graphs
 from .moe import MOE_PATTERN, experts_installs
+from .pointwise_convs import pointwise_conv_mlps
 from .report import FusionReport, OriginalRuns, RegionReport
 
 __all__ = ["fused_graphs", "optimize", "report"]
@@ -66,6 +67,7 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     example_inputs = tuple(example_inputs) if example_inputs is not None else None
     module_inputs = record_inputs(model, example_inputs) if example_inputs is not None else {}
     found = discover(model)
+    found.failures += pointwise_conv_mlps(model)
     placement = place(model, found, module_inputs)  # (adds the graphs it could not analyze to found.failures)
     experts, experts_acts = experts_installs(model)  # MoE experts: the grouped kernels (fxfuse.moe)
     found.failures = [f for f in found.failures if not (f.error == MOE_NOTE and f.module_path in experts)]

@@ -66,7 +66,8 @@ any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or \
 # Epilogue ops that run in their input's dtype under CUDA autocast (none is on its fp32 or lower-precision lists;
 # ``div`` is left out: ``c / x`` is ``__rtruediv__``, which CUDA autocast runs in fp32).
 AUTOCAST_NEUTRAL_OPS = frozenset({"abs", "add", "clamp_max", "clamp_min", "gelu", "gelu_tanh", "hardtanh", "leaky_relu",
-                                  "maximum", "minimum", "mul", "neg", "relu", "sigmoid", "silu", "sub", "tanh"})
+                                  "maximum", "minimum", "mul", "neg", "relu", "sigmoid", "silu", "sin", "cos", "sub",
+                                  "tanh"})
 # Device types whose autocast may run a region fused (tests add "cpu" to run the interpreter under it).
 FUSED_AUTOCAST_DEVICES = {"cuda"}
 _CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

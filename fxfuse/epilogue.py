@@ -111,6 +111,8 @@ OPS: dict[str, OpDef] = {
         OpDef("sqrt", 1, "tl.sqrt({0})", torch.sqrt),
         OpDef("rsqrt", 1, "tl.rsqrt({0})", torch.rsqrt),
         OpDef("erf", 1, "tl.erf({0})", torch.erf),  # a written-out erf GELU (ESM's): x * 0.5 * (1 + erf(x / sqrt(2)))
+        OpDef("sin", 1, "tl.sin({0})", torch.sin),  # SIREN's sin(omega_0 * linear(x))
+        OpDef("cos", 1, "tl.cos({0})", torch.cos),
         OpDef("leaky_relu", 2, "tl.where({0} >= 0.0, {0}, {0} * {1})", F.leaky_relu),
         OpDef("add", 2, "({0} + {1})", torch.add, commutative=True),
         OpDef("sub", 2, "({0} - {1})", torch.sub),

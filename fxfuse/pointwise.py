@@ -111,7 +111,7 @@ def _hardtanh(lo: Any, hi: Any, x: Any, b: _Builder) -> ep.Expr:
     return _clamp(lo, hi, x, b)
 
 
-_UNARY = ["relu", "sigmoid", "tanh", "neg", "exp", "log", "abs", "sqrt", "rsqrt", "silu", "erf"]
+_UNARY = ["relu", "sigmoid", "tanh", "neg", "exp", "log", "abs", "sqrt", "rsqrt", "silu", "erf", "sin", "cos"]
 
 # (name of the op as spelled by torch / Tensor methods) -> rule over (builder, arg getter)
 _RULES: dict[str, _Rule] = {name: _unary(name) for name in _UNARY}
@@ -148,12 +148,13 @@ _FUNCTIONS: dict[Any, str] = {
     F.hardtanh: "hardtanh", F.sigmoid: "sigmoid", F.tanh: "tanh", torch._C._nn.leaky_relu: "leaky_relu",
     torch._C._nn.hardtanh: "hardtanh", torch._C._nn.silu: "silu",
 }
-for _name in ["relu", "sigmoid", "tanh", "neg", "negative", "exp", "log", "abs", "sqrt", "rsqrt", "erf", "add", "sub",
-              "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide", "maximum", "minimum", "pow",
-              "clamp", "clip", "clamp_min", "clamp_max", "square"]:
+for _name in ["relu", "sigmoid", "tanh", "neg", "negative", "exp", "log", "abs", "sqrt", "rsqrt", "erf", "sin", "cos",
+              "add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide", "maximum", "minimum",
+              "pow", "clamp", "clip", "clamp_min", "clamp_max", "square"]:
     _FUNCTIONS[getattr(torch, _name)] = _name
 _INPLACE_FUNCTIONS: dict[Any, str] = {torch.relu_: "relu", F.relu_: "relu", torch.sigmoid_: "sigmoid",
                                       torch.tanh_: "tanh", F.leaky_relu_: "leaky_relu", F.hardtanh_: "hardtanh",
+                                      torch.sin_: "sin", torch.cos_: "cos",
                                       operator.iadd: "add", operator.isub: "sub", operator.imul: "mul",
                                       operator.itruediv: "div"}  # (x += y: how Dynamo and fxfuse's tracer record it)
 

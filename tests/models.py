@@ -73,6 +73,25 @@ def nerf_mlp(widths=(16, 32, 32, 32, 8), bias: bool = True) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class SineLayer(nn.Module):
+    """SIREN's layer (Sitzmann et al. 2020): sin(omega_0 * linear(x)), weights initialised as the paper does."""
+
+    def __init__(self, d_in, d_out, first=False, omega_0=30.0):
+        super().__init__()
+        self.omega_0, self.linear = omega_0, nn.Linear(d_in, d_out)
+        bound = 1 / d_in if first else (6 / d_in) ** 0.5 / omega_0
+        nn.init.uniform_(self.linear.weight, -bound, bound)
+
+    def forward(self, x):
+        return torch.sin(self.omega_0 * self.linear(x))
+
+
+def siren(widths=(2, 32, 32, 3)) -> nn.Sequential:
+    """SIREN: sine layers, then a last linear."""
+    layers = [SineLayer(a, b, first=i == 0) for i, (a, b) in enumerate(zip(widths[:-2], widths[1:-1]))]
+    return nn.Sequential(*layers, nn.Linear(widths[-2], widths[-1]))
+
+
 class Block(nn.Module):
     """A transformer-ish block: norm, a token mix that is not an MLP, and a GPT-2 MLP with residuals."""
 

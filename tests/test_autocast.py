@@ -351,3 +351,19 @@ def test_the_backend_under_autocast_gives_eagers_result(make):
         out, ref = compiled(x), f(x)
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(fx_autocast.AUTOCAST_NEUTRAL_OPS))
+def test_neutral_ops_keep_their_input_dtype_under_cuda_autocast(op):
+    # What AUTOCAST_NEUTRAL_OPS claims, asked of CUDA autocast itself: the op is on neither of its cast lists (an
+    # fp16 input stays fp16, an fp32 input stays fp32), so the fused epilogue may run it in the region's dtype.
+    from fxfuse import epilogue as ep
+
+    fn = ep.OPS[op].torch
+    extra = {"leaky_relu": (0.1,), "hardtanh": (-1.0, 1.0), "clamp_min": (0.0,), "clamp_max": (1.0,)}
+    for dtype in (torch.float16, torch.float32):
+        x = torch.rand(8, device="cuda", dtype=dtype) + 0.5
+        args = (x, x) if ep.OPS[op].arity == 2 and op not in extra else (x, *extra.get(op, ()))
+        with torch.autocast("cuda", dtype=torch.float16):
+            assert fn(*args).dtype == dtype, (op, dtype)

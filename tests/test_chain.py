@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_ops import TOL, f64, make_args, mlp, rel_err
@@ -337,3 +339,37 @@ def test_chain_first_config_fits_the_gpu_without_autotuning(monkeypatch, dims, d
     assert not failed, failed[0]
     assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
     assert fxfuse.report(fast).regions[0].running == "fused_chain (1 launch)"
+
+
+def _siren_errors(widths, dtype, m, device="cpu"):
+    """Relative errors against the float64 model of fxfuse's SIREN and eager's, in ``dtype``, and whether the
+    fused op ran."""
+    from models import siren
+    from test_api import _runs_fused_op
+
+    import fxfuse
+
+    model = siren(widths).eval().to(device)
+    ref = copy.deepcopy(model).double()
+    eager = copy.deepcopy(model).to(dtype)
+    fast = fxfuse.optimize(copy.deepcopy(model).to(dtype))
+    coords = torch.rand(m, widths[0], device=device) * 2 - 1
+    out = fast(coords.to(dtype))  # (recording gradients: the autograd node says which op ran)
+    with torch.no_grad():
+        expected = ref(coords.double())
+        return rel_err(out.detach(), expected), rel_err(eager(coords.to(dtype)), expected), _runs_fused_op(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_siren_runs_as_one_chain_with_eager_accuracy(dtype):
+    # sin(30 linear(x)) in every layer: the whole network is one fused chain (the sines on the fp32 accumulator).
+    fused, eager, ran = _siren_errors((2, 32, 32, 3), dtype, 37)
+    assert ran and fused < max(TOL[dtype], 1.5 * eager), (fused, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("widths", [(2, 256, 256, 256, 3), (3, 64, 64, 1)])
+def test_siren_on_gpu(widths, dtype):
+    fused, eager, ran = _siren_errors(widths, dtype, 70000, device="cuda")
+    assert ran and fused < max(1e-4 if dtype == torch.float32 else 1e-2, 1.5 * eager), (fused, eager)

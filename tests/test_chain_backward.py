@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import triton
-from models import GatedMLP, nerf_mlp
+from models import GatedMLP, nerf_mlp, siren
 from test_api import _runs_fused_op
 from test_ops import TOL, rel_err
 
@@ -26,6 +26,9 @@ CHAINS = [
     (("relu(a0)", "relu(a0)", "relu(a0)", "a0"), (16, 32, 32, 32, 8), (True,) * 4),  # NeRF-style
     (("gelu_tanh(a0)", "silu(a0)", "sigmoid(a0)"), (12, 40, 24, 20), (True, False, True)),  # odd widths
     (("tanh(a0)", "gelu(a0)"), (3, 17, 5), (False, True)),
+    # derivatives written by fxfuse.derivative: SIREN's sine, QuickGELU, a Gaussian (INRs)
+    (("sin(mul(3.0,a0))", "mul(a0,sigmoid(mul(1.702,a0)))", "exp(neg(pow(a0,2.0)))", "a0"), (2, 24, 20, 16, 3),
+     (True, True, False, True)),
 ]
 
 
@@ -97,7 +100,11 @@ def test_which_chains_take_the_fused_backward():
     assert fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0", (32, 64, 64, 64, 16)) is None
     assert fused_backward_reason("2--:mul(a0,silu(a1));1-:a0", (32, 64, 32)) == "a gated stage"
     assert fused_backward_reason("1b:mul(relu(a0),v0);1b:a0", (8, 16, 8)).startswith("epilogue operands")
-    assert fused_backward_reason("1b:exp(a0);1b:a0", (8, 16, 8)) == "no derivative for exp(a0)"
+    assert fused_backward_reason("1b:abs(a0);1b:a0", (8, 16, 8)) == "no derivative for abs(a0)"
+    assert fused_backward_reason("1b:pow(relu(a0),2.0);1b:a0", (8, 16, 8)) == "no derivative for pow(relu(a0),2.0)"
+    # smooth epilogues beyond the table: their derivative is written by fxfuse.derivative (SIREN, QuickGELU)
+    assert fused_backward_reason("1b:sin(mul(30.0,a0));1b:sin(mul(30.0,a0));1b:a0", (2, 64, 64, 3)) is None
+    assert fused_backward_reason("1b:mul(a0,sigmoid(mul(1.702,a0)));1b:a0", (8, 16, 8)) is None
     # nerf128's 128-wide gradients (49152 fp32 accumulators) go through memory; 256-wide layers keep the generic path.
     assert fused_backward_reason("1b:relu(a0);1b:relu(a0);1b:relu(a0);1b:a0", (64, 128, 128, 128, 64)) is None
     assert "wider than 128" in fused_backward_reason("1b:relu(a0);1b:a0", (64, 256, 64))
@@ -137,7 +144,8 @@ def _train_steps(model, steps, x_requires_grad=True, device="cpu", dtype=torch.f
     eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
     runs_op = []
     for _ in range(steps):
-        x = torch.randn(45, model[0].in_features, device=device, dtype=dtype, requires_grad=x_requires_grad)
+        width = next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).in_features
+        x = torch.randn(45, width, device=device, dtype=dtype, requires_grad=x_requires_grad)
         inputs = [x] + [x.detach().clone().to(t).requires_grad_(x_requires_grad) for t in (dtype, torch.float64)]
         out = fast(x)
         runs_op.append(_runs_fused_op(out))
@@ -163,6 +171,36 @@ def test_a_trained_chain_stays_fused_with_eager_gradients(untrained_specs):
     model = nerf_mlp((16, 32, 32, 32, 8)).train()
     assert _train_steps(model, 3) == [True, True, True]
     assert not fxfuse.ops._trained
+
+
+def test_a_trained_siren_stays_fused_with_eager_gradients(untrained_specs):
+    # sin(30 a) has no entry in the backward's table: fxfuse.derivative writes 30 cos(30 a), so the region keeps
+    # its fused forward and backward in every step (the generic backward would run the original ops from step 2).
+    model = siren().train()
+    assert _train_steps(model, 3) == [True, True, True]
+    assert not fxfuse.ops._trained
+    notes = [n for r in fxfuse.report(fxfuse.optimize(siren().train())).regions for n in r.notes]
+    assert any("backward is one fused kernel" in n for n in notes), notes
+
+
+def test_siren_gradient_penalty_through_the_fused_region():
+    # SIREN fits derivatives too (Poisson, SDF eikonal losses): the gradient of the output with respect to the
+    # coordinates, kept differentiable (create_graph=True), then a loss on it. The second-order terms come from
+    # the original ops' differentiable backward; the parameters' gradients match eager's within fp32 rounding.
+    model = siren((2, 32, 32, 1)).train()
+    fast, eager, ref = fxfuse.optimize(model), copy.deepcopy(model), copy.deepcopy(model).double()
+    coords = torch.rand(40, 2) * 2 - 1
+    grads, fused = [], []
+    for net, dtype in ((fast, torch.float32), (eager, torch.float32), (ref, torch.float64)):
+        c = coords.to(dtype).requires_grad_()
+        out = net(c)
+        fused.append(_runs_fused_op(out))
+        (dc,) = torch.autograd.grad(out.sum(), c, create_graph=True)
+        (out.pow(2).mean() + (dc.norm(dim=-1) - 1).pow(2).mean()).backward()
+        grads.append([p.grad for p in net.parameters()])
+    assert fused == [True, False, False]
+    for got, e, r in zip(*grads):
+        assert rel_err(got, r) < max(1e-5, 1.5 * rel_err(e, r))
 
 
 @pytest.mark.parametrize("last", ["a0", "sigmoid(a0)"])
@@ -331,6 +369,16 @@ def test_chain_training_on_gpu(dtype, untrained_specs, no_tf32):
         assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == fused
     walked = dtype != torch.float32  # (fp32 nerf128 keeps the generic backward)
     assert (len(storing), len(launches)) == (int(walked), 1 + walked)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths,dtype", [((2, 64, 64, 3), torch.float32), ((2, 128, 128, 3), torch.float16),
+                                          ((2, 128, 128, 3), torch.bfloat16)], ids=["one kernel", "walk", "walk bf16"])
+def test_siren_training_on_gpu(widths, dtype, untrained_specs, no_tf32):
+    # The sines' derivative written by fxfuse.derivative, in the one-kernel backward and in the walk.
+    model = siren(widths).cuda().to(dtype).train()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert _train_steps(model, 3, device="cuda", dtype=dtype, tol=tol) == [True] * 3
 
 
 @pytest.mark.parametrize("width", [48, 128], ids=["one kernel", "walk"])

@@ -90,6 +90,18 @@ def test_tanh_keeps_fp32_relative_precision_near_zero():
     assert out[:, :2].tolist() == [[1.0, -1.0]] * 2 and out[:, 2].isnan().all()
 
 
+@pytest.mark.parametrize("op", ["sin", "cos"])
+def test_sin_and_cos_keep_fp32_precision_at_siren_arguments(op):
+    """SIREN's sin(30 a) reaches arguments of a few hundred: elementwise against float64, within a few fp32 ulp
+    of the result's magnitude 1 (a hardware approximation without range reduction is far off out there). Zero
+    weights and the values as the bias make the accumulator exactly those values."""
+    values = torch.cat([torch.linspace(-400.0, 400.0, 4001), torch.tensor([0.0, -0.0, 1e-30, 3.1415927, 1e4])]).to(DEV)
+    out = run_stage(rand(3, 16), [torch.zeros(values.numel(), 16, device=DEV)], [values], [], f"{op}(a0)")
+    ref = getattr(torch, op)(values.double()).expand(3, -1)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2e-6, f"{op}: absolute error {err:.2e}"
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1e-5])
 def test_tanh_of_small_pre_activations_in_a_stage(scale):
     # A layer whose pre-activations are ~scale (small weights): the fp32 tolerance against float64 still holds

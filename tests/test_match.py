@@ -91,6 +91,7 @@ ACTS = [
     ("quick_gelu", lambda h: h * torch.sigmoid(1.702 * h), "mul(a0,sigmoid(mul(1.702,a0)))"),
     ("squared_relu", lambda h: torch.relu(h) ** 2, "pow(relu(a0),2.0)"),
     ("relu6", nn.ReLU6(), "hardtanh(a0,0.0,6.0)"),
+    ("siren", lambda h: torch.sin(30 * h), "sin(mul(30.0,a0))"),
 ]
 
 

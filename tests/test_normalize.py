@@ -232,6 +232,8 @@ ACTIVATIONS = [
     ("quick gelu", lambda h: h * torch.sigmoid(1.702 * h), ["mul(1.702,v0)", "sigmoid(v0)", "mul(v0,v1)"]),
     ("squared relu", lambda h: torch.relu(h) ** 2, ["relu(v0)", "pow(v0,2.0)"]),
     ("clamp", lambda h: h.clamp(min=-1.0), ["clamp_min(v0,-1.0)"]),
+    ("siren sin", lambda h: torch.sin(30 * h), ["mul(30.0,v0)", "sin(v0)"]),
+    ("method cos", lambda h: h.cos(), ["cos(v0)"]),
 ]
 
 

@@ -46,7 +46,7 @@ def run_chain_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], biases:
     Args:
         x: ``[M, D0]``, any strides; dy: ``[M, D_last]``, any strides, x's dtype.
         weights: one ``[D_{i+1}, D_i]`` weight per stage; biases: ``[D_{i+1}]`` or None per stage.
-        epilogues: one canonical epilogue per stage, each a key of ``DERIVATIVES`` (see ``backward_fits``).
+        epilogues: one canonical epilogue per stage, each with a derivative (see ``backward_fits``).
         config: run this variant (one of ``chain_backward_configs()``, or of ``chain_walk_configs()`` for the
             walk) instead of the autotuned choice.
         walk: take the walk (True) or the one kernel (False) whatever the widths (tests and probes).

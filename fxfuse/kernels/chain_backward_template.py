@@ -21,7 +21,9 @@ one dW GEMM per layer, as eager computes dW (and as tiny-cuda-nn's fully fused M
 
 Activations with a derivative here (:data:`DERIVATIVES`): identity, relu (from its output, like eager's
 ``threshold_backward``), silu, sigmoid, tanh, gelu (erf and tanh forms; from the pre-activation rounded to
-the dtype, like eager's saved linear output). Other epilogues keep the op's generic backward.
+the dtype, like eager's saved linear output); any other epilogue over one accumulator built from smooth ops
+(SIREN's sin, QuickGELU) from the pre-activation, its derivative written by :mod:`fxfuse.derivative`. Epilogues
+with a kink inside a larger expression, or with operands, keep the op's generic backward.
 
 Example:
     >>> src = render_chain_backward(["relu(a0)", "a0"])
@@ -33,16 +35,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Optional
 
 import triton
 
 from .. import epilogue as ep
+from ..derivative import derivative_text
 from .chain_template import MAX_CHAIN_WIDTH, pad_width
 from .template import autotune_enabled
 from .template import interpreting as _interpreting
 
 __all__ = ["CHAIN_BACKWARD_TEMPLATE_VERSION", "DERIVATIVES", "MAX_BACKWARD_WIDTH", "backward_fits", "canonical",
-           "chain_backward_configs", "gradient_layout", "render_chain_backward", "stores_gradient", "walks"]
+           "chain_backward_configs", "derivative_kind", "gradient_layout", "gradient_lines", "render_chain_backward",
+           "stores_gradient", "walks"]
 
 CHAIN_BACKWARD_TEMPLATE_VERSION = 4
 
@@ -59,6 +64,35 @@ DERIVATIVES: dict[str, tuple[str, str]] = {
     # u = c (a + 0.044715 a^3), t = tanh(u): 0.5 (1 + t) + 0.5 a (1 - t^2) c (1 + 3 * 0.044715 a^2)
     "gelu_tanh(a0)": ("pre", "{g} * _gelu_tanh_grad({a})"),
 }
+
+
+
+def derivative_kind(epilogue: str) -> Optional[str]:
+    """How the backward gets act'(a) for this canonical epilogue: "out" (from the activation's output), "pre" (from
+    the pre-activation rounded to the dtype: :data:`DERIVATIVES`'s GELU and SiLU, and every epilogue whose
+    derivative :func:`fxfuse.derivative.derivative_text` writes), or None (no derivative: the generic backward).
+
+    Example:
+        >>> derivative_kind("relu(a0)"), derivative_kind("sin(mul(30.0,a0))"), derivative_kind("abs(a0)")
+        ('out', 'pre', None)
+    """
+    if epilogue in DERIVATIVES:
+        return DERIVATIVES[epilogue][0]
+    return "pre" if derivative_text(epilogue) is not None else None
+
+
+def gradient_lines(epilogue: str, g: str, h: str, a: str, prefix: str) -> tuple[list[str], str]:
+    """Triton lines and the expression of act'(a) * g for this canonical epilogue, on fp32 values ``g`` (the
+    incoming gradient), ``h`` (the activation's output) and ``a`` (the pre-activation); ``prefix`` names the
+    lines' temporaries."""
+    if epilogue in DERIVATIVES:
+        return [], DERIVATIVES[epilogue][1].format(g=g, h=h, a=a)
+    text = derivative_text(epilogue)
+    if text is None:
+        raise ValueError(f"no derivative for {epilogue}")
+    lines, result = ep.to_triton(ep.parse(text), acc_names=[a], operand_names=[], indent="", prefix=prefix)
+    return lines, f"{g} * {result}"
+
 
 _HELPERS = '''\
 @triton.jit
@@ -130,10 +164,10 @@ def backward_fits(epilogues: Sequence[str], widths: Sequence[int], elem_size: in
         True
         >>> backward_fits(["relu(a0)"] * 3 + ["a0"], [64, 128, 128, 128, 64], 4)
         False
-        >>> backward_fits(["relu(a0)", "a0"], [64, 256, 64]), backward_fits(["exp(a0)"], [16, 16])
+        >>> backward_fits(["relu(a0)", "a0"], [64, 256, 64]), backward_fits(["abs(a0)"], [16, 16])
         (False, False)
     """
-    if len(widths) != len(epilogues) + 1 or any(e not in DERIVATIVES for e in epilogues):
+    if len(widths) != len(epilogues) + 1 or any(derivative_kind(canonical(e)) is None for e in epilogues):
         return False
     pads = [pad_width(d) for d in widths]
     return max(widths) <= min(MAX_BACKWARD_WIDTH, MAX_CHAIN_WIDTH) and \
@@ -206,12 +240,12 @@ def backward_texts(epilogues: Sequence[str]) -> list[str]:
     """The canonical epilogue texts of a chain both backward kernels take.
 
     Raises:
-        ValueError: an epilogue without a derivative in :data:`DERIVATIVES`.
+        ValueError: an epilogue without a derivative (:func:`derivative_kind`).
     """
     texts = [canonical(e) for e in epilogues]
-    missing = [t for t in texts if t not in DERIVATIVES]
+    missing = [t for t in texts if derivative_kind(t) is None]
     if missing:
-        raise ValueError(f"no fused backward for epilogue(s) {missing}; supported: {sorted(DERIVATIVES)}")
+        raise ValueError(f"no fused backward for epilogue(s) {missing}: an op with a kink or an operand")
     return texts
 
 
@@ -246,7 +280,7 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
     """The backward kernel module source for a chain whose stage ``i`` applies ``epilogues[i]``.
 
     Raises:
-        ValueError: an epilogue without a derivative in :data:`DERIVATIVES`.
+        ValueError: an epilogue without a derivative (:func:`derivative_kind`).
     """
     texts = backward_texts(epilogues)
     layers = len(texts)
@@ -287,7 +321,7 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
         "# Forward, recomputed as the chain kernel runs it. Rows past M read x as 0 and dy as 0 below, so",
         "# every gradient they produce is 0.",
     ]
-    kinds = [DERIVATIVES[t][0] for t in texts]
+    kinds = [derivative_kind(t) for t in texts]
     for i, text in enumerate(texts):
         lines, result = ep.to_triton(ep.parse(text), acc_names=[f"a{i}"], operand_names=[], indent="",
                                      prefix=f"_f{i}_")
@@ -305,9 +339,8 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
         f"            mask=m_mask[:, None] & (n{layers - 1}[None, :] < D{layers}), other=0.0).to(tl.float32)",
     ]
     for i in reversed(range(layers)):
-        grad = DERIVATIVES[texts[i]][1].format(g="g", h=f"h{i + 1}.to(tl.float32)", a=f"a{i}")
-        loop += [
-            f"# layer {i}: {texts[i]}",
+        lines, grad = gradient_lines(texts[i], g="g", h=f"h{i + 1}.to(tl.float32)", a=f"a{i}", prefix=f"_d{i}_")
+        loop += [f"# layer {i}: {texts[i]}", *lines,
             f"d = ({grad}).to(dtype)  # eager's gradient of the activation, in the dtype",
         ]
         loop.append(f"dw{i} += tl.dot(tl.trans(d), h{i}, input_precision=INPUT_PRECISION)")

@@ -29,12 +29,13 @@ from collections.abc import Sequence
 import triton
 
 from .chain_backward_template import (
-    DERIVATIVES,
     DX_LINES,
     backward_head,
     backward_params,
     backward_texts,
     canonical,
+    derivative_kind,
+    gradient_lines,
     stores_gradient,
 )
 from .template import autotune_enabled
@@ -98,7 +99,7 @@ def walk_inputs(epilogues: Sequence[str]) -> tuple[int, ...]:
     """
     needed = set()
     for i, text in enumerate(epilogues):
-        kind = DERIVATIVES[canonical(text)][0]
+        kind = derivative_kind(canonical(text))
         if kind == "pre":
             needed.add(i)
         elif canonical(text) != "a0":
@@ -110,13 +111,13 @@ def render_chain_walk(epilogues: Sequence[str]) -> str:
     """The walk kernel module source for a chain whose stage ``i`` applies ``epilogues[i]``.
 
     Raises:
-        ValueError: an epilogue without a derivative in :data:`~fxfuse.kernels.chain_backward_template.DERIVATIVES`.
+        ValueError: an epilogue without a derivative (:func:`~fxfuse.kernels.chain_backward_template.derivative_kind`).
     """
     texts = backward_texts(epilogues)
     layers = len(texts)
     reads = [i for i in walk_inputs(texts) if i > 0]
     store_d = [i for i in range(layers) if stores_gradient(texts, i)]
-    kinds = [DERIVATIVES[t][0] for t in texts]
+    kinds = [derivative_kind(t) for t in texts]
     params = backward_params(layers, [*(f"hs{i}_ptr" for i in reads), *(f"ds{i}_ptr" for i in store_d)])
     params += [f"OFF_B{i}: tl.constexpr" for i in range(layers)]
     params += ["TOTAL: tl.constexpr", "NEED_DX: tl.constexpr", "INPUT_PRECISION: tl.constexpr",
@@ -164,10 +165,11 @@ def render_chain_walk(epilogues: Sequence[str]) -> str:
         elif texts[i] != "a0":
             loop.append(f"h_out = tl.load(hs{i + 1}_ptr + {at}, mask={mask}, other=0.0)")
         if texts[i] in SELECTIONS:  # g and h_out stay in the dtype: half the registers, the same values
-            grad = DERIVATIVES[texts[i]][1].format(g="g", h="h_out", a="a")
+            lines, grad = gradient_lines(texts[i], g="g", h="h_out", a="a", prefix=f"_d{i}_")
         else:
-            grad = DERIVATIVES[texts[i]][1].format(g="g.to(tl.float32)", h="h_out.to(tl.float32)", a="a")
-        loop.append(f"d = ({grad}).to(dtype)  # eager's gradient of the activation, in the dtype")
+            lines, grad = gradient_lines(texts[i], g="g.to(tl.float32)", h="h_out.to(tl.float32)", a="a",
+                                         prefix=f"_d{i}_")
+        loop += [*lines, f"d = ({grad}).to(dtype)  # eager's gradient of the activation, in the dtype"]
         if i in store_d:
             loop.append(f"tl.store(ds{i}_ptr + {at}, d, mask={mask})")
         loop.append(f"db{i} += tl.sum(d.to(tl.float32), axis=0)")
