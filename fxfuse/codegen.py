@@ -26,8 +26,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 from . import epilogue as ep
+from .kernels.fast_math import IMPORT_LINE, epilogue_lines, uses_trig
 from .kernels.template import KERNEL_TEMPLATE, TEMPLATE_VERSION
 
 logger = logging.getLogger(__name__)
@@ -56,11 +58,14 @@ def _canonical(num_linears: int, epilogue: str) -> tuple[ep.Expr, str]:
 
 
 def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
-           version: int = TEMPLATE_VERSION) -> str:
+           version: int = TEMPLATE_VERSION, is_fp32: Optional[str] = "out_ptr.dtype.element_ty == tl.float32") -> str:
     """The kernel module source for one stage (see :mod:`fxfuse.kernels.template` for the rules).
 
     ``template`` / ``version``: another stage template written with the same line rules (the TMA one, which
-    also tags lines ``# [not gated]``: kept only for one linear).
+    also tags lines ``# [not gated]``: kept only for one linear). ``is_fp32``: the template's compile-time
+    condition that the output is fp32 (an epilogue with sin or cos takes the hardware's for 16-bit outputs:
+    :mod:`fxfuse.kernels.fast_math`), or None: libdevice's for every dtype (the TMA template: inline assembly
+    would abort its warp-specialized configs, which its pruning keeps for any epilogue without fast forms).
 
     Example:
         >>> src = render(2, "mul(a0,silu(a1))")
@@ -74,8 +79,12 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
 
     def body(line: str, fast: bool) -> list[str]:  # at the marker line's indentation
         indent = line[: len(line) - len(line.lstrip())]
-        lines, results[fast] = ep.to_triton(expr, **names, indent=indent, prefix="_f" if fast else "_e", fast=fast)
-        return lines
+        if fast or is_fp32 is None:
+            lines, results[fast] = ep.to_triton(expr, **names, indent=indent, prefix="_f" if fast else "_e",
+                                                fast=fast)
+            return lines
+        lines, results[False] = epilogue_lines(expr, names["acc_names"], names["operand_names"], "_e", is_fp32)
+        return [indent + line for line in lines]
 
     lines: list[str] = []
     for line in template.splitlines():
@@ -94,6 +103,9 @@ def render(num_linears: int, epilogue: str, *, template: str = KERNEL_TEMPLATE,
         else:
             lines.append(line)
     src = "\n".join(lines) + "\n"
+    if is_fp32 is not None and uses_trig(expr):
+        anchor = "from fxfuse.kernels.tuning import autotune\n"
+        src = src.replace(anchor, anchor + IMPORT_LINE + "\n", 1)
     for key, value in (("$TEMPLATE_VERSION", str(version)), ("$NUM_LINEARS", str(num_linears)),
                        ("$EPILOGUE", text), ("$HAS_FAST_FORMS", str(ep.has_fast_forms(expr))),
                        ("$RESULT_FAST", results.get(True, "")), ("$RESULT", results.get(False, ""))):
@@ -304,7 +316,7 @@ def generated_tma_kernel(num_linears: int, epilogue: str) -> ModuleType:
     with _lock:
         module = _modules.get(("tma", num_linears, text))
         if module is None:
-            src = render(num_linears, text, template=TMA_TEMPLATE, version=TMA_TEMPLATE_VERSION)
+            src = render(num_linears, text, template=TMA_TEMPLATE, version=TMA_TEMPLATE_VERSION, is_fp32=None)
             module = _write_and_import(src, "fxfuse_tma")
             logger.debug("fxfuse: loaded TMA stage kernel %s for %d:%s", module.__file__, num_linears, text)
         _modules[("tma", num_linears, text)] = _modules[("tma", num_linears, epilogue)] = module

@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -332,12 +332,14 @@ def has_fast_forms(expr: Expr) -> bool:
 
 
 def to_triton(expr: Expr, *, acc_names: Sequence[str], operand_names: Sequence[str], indent: str = "    ",
-              prefix: str = "_e", fast: bool = False) -> tuple[list[str], str]:
+              prefix: str = "_e", fast: bool = False, forms: Optional[Mapping[str, str]] = None) \
+        -> tuple[list[str], str]:
     """Render ``expr`` as Triton statements on fp32 values.
 
     ``acc_names[i]`` / ``operand_names[i]`` are the Triton variables holding ``a_i`` / ``v_i`` (already
     fp32 and broadcastable). Returns ``(lines, result_variable)``; shared subtrees are computed once.
-    ``fast``: ops with a hardware form use it (:data:`FAST_FORMS`).
+    ``fast``: ops with a hardware form use it (:data:`FAST_FORMS`). ``forms``: other forms of some ops, which
+    take precedence (the 16-bit sine and cosine of :mod:`fxfuse.kernels.fast_math`).
 
     Example:
         >>> to_triton(parse("silu(a0)"), acc_names=["acc0"], operand_names=[], fast=True)
@@ -360,7 +362,8 @@ def to_triton(expr: Expr, *, acc_names: Sequence[str], operand_names: Sequence[s
             template = _ALLOWED_POWERS[e.args[1].value]  # type: ignore[union-attr]
             code = template.format(args[0])
         else:
-            code = (FAST_FORMS[e.op] if fast and e.op in FAST_FORMS else OPS[e.op].triton).format(*args)
+            code = (forms[e.op] if forms and e.op in forms else
+                    FAST_FORMS[e.op] if fast and e.op in FAST_FORMS else OPS[e.op].triton).format(*args)
         name = f"{prefix}{len(memo)}"
         lines.append(f"{indent}{name} = {code}")
         memo[e] = name

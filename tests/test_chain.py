@@ -361,7 +361,7 @@ def _siren_errors(widths, dtype, m, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_siren_runs_as_one_chain_with_eager_accuracy(dtype):
+def test_siren_runs_as_one_chain_with_eager_accuracy(dtype, untrained_specs):
     # sin(30 linear(x)) in every layer: the whole network is one fused chain (the sines on the fp32 accumulator).
     fused, eager, ran = _siren_errors((2, 32, 32, 3), dtype, 37)
     assert ran and fused < max(TOL[dtype], 1.5 * eager), (fused, eager)
@@ -370,6 +370,26 @@ def test_siren_runs_as_one_chain_with_eager_accuracy(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("widths", [(2, 256, 256, 256, 3), (3, 64, 64, 1)])
-def test_siren_on_gpu(widths, dtype):
+def test_siren_on_gpu(widths, dtype, untrained_specs):
     fused, eager, ran = _siren_errors(widths, dtype, 70000, device="cuda")
     assert ran and fused < max(1e-4 if dtype == torch.float32 else 1e-2, 1.5 * eager), (fused, eager)
+
+
+@pytest.mark.parametrize("dtype,device", [
+    (torch.float16, "cpu"),  # the interpreter: the reduction, then tl.sin / tl.cos (fxfuse/kernels/fast_math.py)
+    pytest.param(torch.float16, "cuda", marks=pytest.mark.gpu),
+    pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu),
+    pytest.param(torch.float32, "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("op", ["sin", "cos"])
+def test_chain_sine_and_cosine_round_as_the_dtype_does(op, dtype, device):
+    # 16-bit outputs take the hardware's sine / cosine after a reduction to [-pi, pi]: elementwise, within an ulp
+    # of the output's dtype (plus 2e-6) of float64 over SIREN's arguments and beyond; fp32 keeps libdevice's.
+    # Zero weights and the values as the bias make the accumulator exactly those values.
+    values = torch.cat([torch.linspace(-400.0, 400.0, 2001), torch.tensor([0.0, 1e-3, -2.5e-4, 3.1415927, 1e4])])
+    values = values.to(device, dtype)
+    x = torch.randn(5, 16, device=device, dtype=dtype)
+    out = run_chain(x, [torch.zeros(values.numel(), 16, device=device, dtype=dtype)], [values], [[]], (f"{op}(a0)",))
+    ref = getattr(torch, op)(values.double()).expand(5, -1)
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 2e-6
+    bound = eps * ref.abs() + 2e-6
+    assert ((out.double() - ref).abs() <= bound).all(), ((out.double() - ref).abs() - bound).max().item()

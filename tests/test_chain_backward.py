@@ -183,7 +183,7 @@ def test_a_trained_siren_stays_fused_with_eager_gradients(untrained_specs):
     assert any("backward is one fused kernel" in n for n in notes), notes
 
 
-def test_siren_gradient_penalty_through_the_fused_region():
+def test_siren_gradient_penalty_through_the_fused_region(untrained_specs):
     # SIREN fits derivatives too (Poisson, SDF eikonal losses): the gradient of the output with respect to the
     # coordinates, kept differentiable (create_graph=True), then a loss on it. The second-order terms come from
     # the original ops' differentiable backward; the parameters' gradients match eager's within fp32 rounding.

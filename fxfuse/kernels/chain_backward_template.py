@@ -42,6 +42,7 @@ import triton
 from .. import epilogue as ep
 from ..derivative import derivative_text
 from .chain_template import MAX_CHAIN_WIDTH, pad_width
+from .fast_math import IMPORT_LINE, epilogue_lines, uses_trig
 from .template import autotune_enabled
 from .template import interpreting as _interpreting
 
@@ -81,16 +82,17 @@ def derivative_kind(epilogue: str) -> Optional[str]:
     return "pre" if derivative_text(epilogue) is not None else None
 
 
-def gradient_lines(epilogue: str, g: str, h: str, a: str, prefix: str) -> tuple[list[str], str]:
+def gradient_lines(epilogue: str, g: str, h: str, a: str, prefix: str, is_fp32: str) -> tuple[list[str], str]:
     """Triton lines and the expression of act'(a) * g for this canonical epilogue, on fp32 values ``g`` (the
     incoming gradient), ``h`` (the activation's output) and ``a`` (the pre-activation); ``prefix`` names the
-    lines' temporaries."""
+    lines' temporaries; ``is_fp32``: a compile-time Triton condition, the gradients are fp32 (16-bit ones take the
+    hardware's sine and cosine: :mod:`fxfuse.kernels.fast_math`)."""
     if epilogue in DERIVATIVES:
         return [], DERIVATIVES[epilogue][1].format(g=g, h=h, a=a)
     text = derivative_text(epilogue)
     if text is None:
         raise ValueError(f"no derivative for {epilogue}")
-    lines, result = ep.to_triton(ep.parse(text), acc_names=[a], operand_names=[], indent="", prefix=prefix)
+    lines, result = epilogue_lines(ep.parse(text), [a], [], prefix, is_fp32)
     return lines, f"{g} * {result}"
 
 
@@ -269,6 +271,8 @@ def backward_head(header: str, version: int, texts: Sequence[str], tuner: str, n
     layers = len(texts)
     src = header.format(version=version, layers=layers, epilogues=" ; ".join(texts), last=layers - 1,
                         epilogue_list=list(texts))
+    if any(uses_trig(ep.parse(t)) or uses_trig(ep.parse(derivative_text(t) or "a0")) for t in texts):
+        src = src.replace("\nEPILOGUES =", f"\n{IMPORT_LINE}\n\nEPILOGUES =", 1)
     src += _HELPERS
     src += (f'@autotune(configs={tuner}_configs(), key=["M_BUCKET", "NEED_DX", '
             + ", ".join(f'"D{i}"' for i in range(layers + 1))
@@ -323,8 +327,8 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
     ]
     kinds = [derivative_kind(t) for t in texts]
     for i, text in enumerate(texts):
-        lines, result = ep.to_triton(ep.parse(text), acc_names=[f"a{i}"], operand_names=[], indent="",
-                                     prefix=f"_f{i}_")
+        lines, result = epilogue_lines(ep.parse(text), [f"a{i}"], [], f"_f{i}_",
+                                       "x_ptr.dtype.element_ty == tl.float32")
         if i == layers - 1 and text == "a0":
             break  # the last layer's output is not needed: an identity passes dy through
         loop += [f"a{i} = tl.dot(h{i}, wt{i}, input_precision=INPUT_PRECISION)",
@@ -339,7 +343,8 @@ def render_chain_backward(epilogues: Sequence[str]) -> str:
         f"            mask=m_mask[:, None] & (n{layers - 1}[None, :] < D{layers}), other=0.0).to(tl.float32)",
     ]
     for i in reversed(range(layers)):
-        lines, grad = gradient_lines(texts[i], g="g", h=f"h{i + 1}.to(tl.float32)", a=f"a{i}", prefix=f"_d{i}_")
+        lines, grad = gradient_lines(texts[i], g="g", h=f"h{i + 1}.to(tl.float32)", a=f"a{i}", prefix=f"_d{i}_",
+                                     is_fp32="x_ptr.dtype.element_ty == tl.float32")
         loop += [f"# layer {i}: {texts[i]}", *lines,
             f"d = ({grad}).to(dtype)  # eager's gradient of the activation, in the dtype",
         ]

@@ -26,6 +26,7 @@ from typing import Optional
 import triton
 
 from .. import epilogue as ep
+from .fast_math import IMPORT_LINE, epilogue_lines, uses_trig
 from .template import autotune_enabled, next_pow2
 from .template import interpreting as _interpreting
 
@@ -127,6 +128,8 @@ def render_chain(epilogues: Sequence[str]) -> str:
     src = _HEADER.format(version=CHAIN_TEMPLATE_VERSION, layers=layers, epilogues=" ; ".join(texts),
                          last=layers - 1, epilogue_list=texts,
                          dim_keys=", ".join(f'"D{i}"' for i in range(layers + 1)))
+    if any(uses_trig(e) for e in exprs):
+        src = src.replace("\nEPILOGUES =", f"\n{IMPORT_LINE}\n\nEPILOGUES =", 1)
     src += "".join(f"    {p},\n" for p in params) + "):\n" + _DOC.format(layers=layers, last=layers - 1)
     weights = _weight_loads(exprs)
     body = ["pid = tl.program_id(0)"]
@@ -187,8 +190,8 @@ def _tile(exprs: Sequence[ep.Expr], texts: Sequence[str], tile: str, preloaded) 
         for j in range(n_ops):
             body.append(f"v{j} = tl.load(v{i}_{j}_ptr + n * stride_v{i}_{j}, mask=n_mask, other=1.0)"
                         f".to(tl.float32)[None, :]")
-        lines, result = ep.to_triton(e, acc_names=["acc"], operand_names=[f"v{j}" for j in range(n_ops)],
-                                     indent="", prefix=f"_e{i}_")
+        lines, result = epilogue_lines(e, ["acc"], [f"v{j}" for j in range(n_ops)], f"_e{i}_",
+                                       "out_ptr.dtype.element_ty == tl.float32")
         body += lines
         if i < layers - 1:
             body += [f"h = {result}.to(out_ptr.dtype.element_ty)  # eager rounds every intermediate",

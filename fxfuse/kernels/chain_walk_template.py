@@ -165,10 +165,11 @@ def render_chain_walk(epilogues: Sequence[str]) -> str:
         elif texts[i] != "a0":
             loop.append(f"h_out = tl.load(hs{i + 1}_ptr + {at}, mask={mask}, other=0.0)")
         if texts[i] in SELECTIONS:  # g and h_out stay in the dtype: half the registers, the same values
-            lines, grad = gradient_lines(texts[i], g="g", h="h_out", a="a", prefix=f"_d{i}_")
+            lines, grad = gradient_lines(texts[i], g="g", h="h_out", a="a", prefix=f"_d{i}_",
+                                         is_fp32="dy_ptr.dtype.element_ty == tl.float32")
         else:
             lines, grad = gradient_lines(texts[i], g="g.to(tl.float32)", h="h_out.to(tl.float32)", a="a",
-                                         prefix=f"_d{i}_")
+                                         prefix=f"_d{i}_", is_fp32="dy_ptr.dtype.element_ty == tl.float32")
         loop += [*lines, f"d = ({grad}).to(dtype)  # eager's gradient of the activation, in the dtype"]
         if i in store_d:
             loop.append(f"tl.store(ds{i}_ptr + {at}, d, mask={mask})")
