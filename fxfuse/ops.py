@@ -496,35 +496,42 @@ _PLAIN_TYPES = (Tensor, torch.nn.Parameter)  # (a Parameter fed to a region: a l
 _COMPILER_TENSORS = (FakeTensor, FunctionalTensor)
 
 
-# Specs whose op backward has run: their regions are being trained (see ``fused_mlp``).
-_trained: set[str] = set()
-# Specs whose backward was the walk (wide narrow chains, fxfuse.backward): from then on their gradient-recording
+# Regions (:func:`region_key`: the spec and the widths) whose op backward has run: they are being trained (see
+# ``fused_mlp``). By widths too: a 256-wide SIREN (generic backward) must not send a 64-wide one of the same spec,
+# whose backward is the fused kernel, to the original ops.
+_trained: set[tuple] = set()
+# Regions whose backward was the walk (wide narrow chains, fxfuse.backward): from then on their gradient-recording
 # forwards store the layer inputs the walk reads, so its backward does not run the forward again. (Not before:
 # a forward whose gradients nobody asks for would pay the stores for nothing.)
-_walked: set[str] = set()
+_walked: set[tuple] = set()
+
+
+def region_key(spec: str, x: Tensor, weights: Sequence[Tensor]) -> tuple:
+    """A region's key in :data:`_trained` / :data:`_walked`: its spec, input width and each weight's rows."""
+    return (spec, x.shape[-1], *[w.shape[0] for w in weights])
 
 
 _queued: set[tuple[int, str]] = set()  # (id of the marks, spec) waiting for their backward pass to end
 
 
-def _mark_after_backward(marks: set[str], spec: str) -> bool:
-    """Add ``spec`` to ``marks`` when the backward pass in progress ends (at once outside one): under activation
-    checkpointing each layer's forward runs again inside the backward, and must save what its first run saved, so
-    no mark may change a forward's path before the step's backward is over. Returns whether this call marked or
-    queued it (False: marked or queued already)."""
-    key = (id(marks), spec)
-    if spec in marks or key in _queued:
+def _mark_after_backward(marks: set[tuple], region: tuple) -> bool:
+    """Add ``region`` (:func:`region_key`) to ``marks`` when the backward pass in progress ends (at once outside
+    one): under activation checkpointing each layer's forward runs again inside the backward, and must save what
+    its first run saved, so no mark may change a forward's path before the step's backward is over. Returns
+    whether this call marked or queued it (False: marked or queued already)."""
+    key = (id(marks), region)
+    if region in marks or key in _queued:
         return False
 
     def mark() -> None:
-        marks.add(spec)
+        marks.add(region)
         _queued.discard(key)
 
     try:
         torch.autograd.Variable._execution_engine.queue_callback(mark)
         _queued.add(key)
     except RuntimeError:  # ("Final callbacks can only be installed during backward pass")
-        marks.add(spec)
+        marks.add(region)
     return True
 
 
@@ -569,7 +576,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         with torch.cuda.device(x.device):
             return fused_mlp(x, weights, biases, operands, spec)
     if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on cast tensors, or eager's ops
-        if spec in _trained and records_grad(x, weights, biases, operands):
+        if records_grad(x, weights, biases, operands) and region_key(spec, x, weights) in _trained:
             # A trained region runs its original ops (see below): autocast casts their inputs itself, in C++ and
             # with its per-context cache, which costs the host less than casting them here first.
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
@@ -581,7 +588,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     elif weight_casts:  # the first call after autocast: its weight casts go, as autocast's own do at its exit
         weight_casts.clear()
     if records_grad(x, weights, biases, operands):
-        if spec in _trained:
+        if region_key(spec, x, weights) in _trained:
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
         if x.is_inference():  # autograd cannot save it (the op saves its inputs); eager's ops may not need it saved
             return reference_mlp(x, weights, biases, operands, spec)
@@ -667,13 +674,18 @@ def _fused_backward(ctx, grad, flat: list[Tensor], stored: list[Tensor]) -> Opti
     if result is None:
         return None
     if not stored and not torch.compiler.is_compiling() and walks((x.shape[-1], *(w.shape[0] for w in weights))):
-        _mark_after_backward(_walked, ctx.spec)
+        _mark_after_backward(_walked, region_key(ctx.spec, x, weights))
     dx, grad_w, grad_b = result
     wanted = set(ctx.wanted)
     gw = [g if 1 + i in wanted else None for i, g in enumerate(grad_w)]
     present = [g for g in grad_b if g is not None]  # the op's biases are the ones that exist
     gb = [g if 1 + len(weights) + i in wanted else None for i, g in enumerate(present)]
     return dx, gw, gb, [], None
+
+
+def _saved_region(ctx, flat: list[Tensor]) -> tuple:
+    (x,), weights, _, _ = _split(flat, ctx.sizes)
+    return region_key(ctx.spec, x, weights)
 
 
 def _backward(ctx, grad):
@@ -684,7 +696,7 @@ def _backward(ctx, grad):
     fused = _fused_backward(ctx, grad, flat, stored)
     if fused is not None:
         return fused
-    if not torch.compiler.is_compiling() and _mark_after_backward(_trained, ctx.spec):
+    if not torch.compiler.is_compiling() and _mark_after_backward(_trained, _saved_region(ctx, flat)):
         log.info("fxfuse: a region %s is being trained; from now on its calls that record gradients run the "
                  "original ops, which keep the intermediates the backward needs (calls without gradients stay "
                  "fused)", ctx.spec)
@@ -737,7 +749,7 @@ class _FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: str, sizes: tuple[int, ...], *flat: Tensor) -> tuple[Tensor, ...]:
         (x,), weights, biases, operands = _split(list(flat), sizes)
-        if spec in _walked and not operands:
+        if not operands and region_key(spec, x, weights) in _walked:
             stored = forward_for_walk(spec, x, weights, expand_biases(biases, MLPSpec.loads(spec)))
             if stored is not None:
                 return (_not_a_view(stored[0]), *stored[1])

@@ -183,6 +183,18 @@ def test_a_trained_siren_stays_fused_with_eager_gradients(untrained_specs):
     assert any("backward is one fused kernel" in n for n in notes), notes
 
 
+def test_a_wider_region_of_the_same_spec_trained_first_leaves_a_narrow_one_fused(untrained_specs):
+    # The 256-wide chain's backward is the generic one (it marks its region trained: the original ops from then
+    # on); the 32-wide chain of the same spec keeps its fused backward, and its fused forward, in every step
+    # (before: the mark was per spec, so the narrow SIREN ran the original ops too).
+    wide, narrow = siren((2, 256, 3)).train(), siren((2, 32, 3)).train()
+    fast_wide = fxfuse.optimize(wide)
+    fast_wide(torch.rand(8, 2)).sum().backward()
+    assert _train_steps(narrow, 3) == [True, True, True]
+    assert fxfuse.ops._trained == {("1b:sin(mul(30.0,a0));1b:a0", 2, 256, 3)}
+    assert not _runs_fused_op(fast_wide(torch.rand(8, 2)))  # (the trained wide one: the original ops)
+
+
 def test_siren_gradient_penalty_through_the_fused_region(untrained_specs):
     # SIREN fits derivatives too (Poisson, SDF eikonal losses): the gradient of the output with respect to the
     # coordinates, kept differentiable (create_graph=True), then a loss on it. The second-order terms come from
@@ -230,7 +242,7 @@ def test_a_walk_chain_stores_its_layer_inputs_once_it_has_trained(untrained_spec
     # saved: x, 3 weights, 3 biases; then the two hidden layer inputs, and the output where the walk reads it
     stored = 2 + (last != "a0")
     assert steps == [(1, 7), (0, 7 + stored), (0, 7 + stored)]
-    assert fxfuse.ops._walked == {spec} and not fxfuse.ops._trained
+    assert fxfuse.ops._walked == {(spec, *widths)} and not fxfuse.ops._trained
     if last == "a0":
         out = fxfuse.ops.fused_mlp(x, ws, bs, [], spec)
         out.mul_(2)  # as in eager, the output of a last linear may be modified in place before the backward
