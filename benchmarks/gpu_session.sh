@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests-core    # kernel/op/API GPU tests + demo      -> tests_core.log, demo.log
 #   bash benchmarks/gpu_session.sh tests-models  # real models, properties, robustness -> tests_models.log
 #   bash benchmarks/gpu_session.sh tests         # both shards in one call (only if they fit together)
-#   bash benchmarks/gpu_session.sh tests-parallel # every GPU test in 7 parallel pytest processes -> tests_<n>.log
+#   bash benchmarks/gpu_session.sh tests-parallel # every GPU test in 8 parallel pytest processes -> tests_<n>.log
 #   bash benchmarks/gpu_session.sh bench         # full benchmark, max-autotune bounded to ~420 s
 #                                                #   -> results.md, results.json, log.txt (+ profile demo if time left)
 #   bash benchmarks/gpu_session.sh bench-quick   # benchmark without max-autotune + profile report/PNG
@@ -125,12 +125,13 @@ case "$mode" in
     demo
     ;;
   tests-parallel)
-    # Every GPU test, core and models, in seven pytest processes at once (compilation is CPU-bound and the
+    # Every GPU test, core and models, in eight pytest processes at once (compilation is CPU-bound and the
     # machine has 16 cores): one call instead of three. Each group's log is tests_<n>.log. (Session 17: group 3
     # took 280 of 300 s with test_gemv and test_autocast, group 2 66 s: those two moved to group 2. Session 29:
     # test_moe.py in group 3 took it past 330 s; it ran beside test_chain_backward, 291-377 s together in session 31,
-    # and has its own group since its training tests came.)
-    groups=("tests/test_kernels.py" "tests/test_ops.py tests/test_chain.py"
+    # and has its own group since its training tests came. Session 52: test_ops with test_chain passed 340 s with
+    # the SIREN tests: each has its own group.)
+    groups=("tests/test_kernels.py" "tests/test_ops.py" "tests/test_chain.py"
             "$(existing tests/test_tma_stage.py tests/test_decode.py tests/test_planner.py tests/test_tuning_cache.py tests/test_cost.py tests/test_gemv.py tests/test_autocast.py | xargs)"
             "$(echo $CORE_TESTS | tr ' ' '\n' | grep -vE 'test_(kernels|ops|chain|chain_backward|tma_stage|decode|planner|tuning_cache|cost|gemv|autocast|moe)\.py' | xargs)"
             "$(echo $MODEL_TESTS | xargs)" "$(existing tests/test_chain_backward.py | xargs)"

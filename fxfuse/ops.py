@@ -506,21 +506,23 @@ _trained: set[tuple] = set()
 _walked: set[tuple] = set()
 
 
-def region_key(spec: str, x: Tensor, weights: Sequence[Tensor]) -> tuple:
-    """A region's key in :data:`_trained` / :data:`_walked`: its spec, input width and each weight's rows."""
-    return (spec, x.shape[-1], *[w.shape[0] for w in weights])
+def region_key(spec: str, x: Tensor, weights: Sequence[Tensor]) -> Optional[tuple]:
+    """A region's key in :data:`_trained` / :data:`_walked`: its spec, input width and each weight's rows; None
+    for symbolic sizes (fake tensors under ``torch.library.opcheck`` or a trace: nothing to mark there)."""
+    key = (spec, x.shape[-1], *[w.shape[0] for w in weights])
+    return key if all(type(d) is int for d in key[1:]) else None
 
 
 _queued: set[tuple[int, str]] = set()  # (id of the marks, spec) waiting for their backward pass to end
 
 
-def _mark_after_backward(marks: set[tuple], region: tuple) -> bool:
+def _mark_after_backward(marks: set[tuple], region: Optional[tuple]) -> bool:
     """Add ``region`` (:func:`region_key`) to ``marks`` when the backward pass in progress ends (at once outside
     one): under activation checkpointing each layer's forward runs again inside the backward, and must save what
     its first run saved, so no mark may change a forward's path before the step's backward is over. Returns
     whether this call marked or queued it (False: marked or queued already)."""
     key = (id(marks), region)
-    if region in marks or key in _queued:
+    if region is None or region in marks or key in _queued:
         return False
 
     def mark() -> None:
@@ -683,7 +685,7 @@ def _fused_backward(ctx, grad, flat: list[Tensor], stored: list[Tensor]) -> Opti
     return dx, gw, gb, [], None
 
 
-def _saved_region(ctx, flat: list[Tensor]) -> tuple:
+def _saved_region(ctx, flat: list[Tensor]) -> Optional[tuple]:
     (x,), weights, _, _ = _split(flat, ctx.sizes)
     return region_key(ctx.spec, x, weights)
 

@@ -171,6 +171,8 @@ def test_backend_runs_a_graph_of_regions_only_without_inductor(model, inductor_g
 
 
 def test_opaque_ops_match_the_op_and_pass_opcheck():
+    import fxfuse.extern  # noqa: F401  (registers the ops: the backend imports it when it compiles)
+
     x = torch.randn(3, 8, requires_grad=True)
     w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
     b1 = torch.randn(16, requires_grad=True)

@@ -368,10 +368,10 @@ def test_siren_runs_as_one_chain_with_eager_accuracy(dtype, untrained_specs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("widths", [(2, 256, 256, 256, 3), (3, 64, 64, 1)])
+@pytest.mark.parametrize("widths,dtype", [((2, 256, 256, 256, 3), torch.float16), ((3, 64, 64, 1), torch.float32),
+                                          ((3, 64, 64, 1), torch.float16), ((3, 64, 64, 1), torch.bfloat16)])
 def test_siren_on_gpu(widths, dtype, untrained_specs):
-    fused, eager, ran = _siren_errors(widths, dtype, 70000, device="cuda")
+    fused, eager, ran = _siren_errors(widths, dtype, 20000, device="cuda")
     assert ran and fused < max(1e-4 if dtype == torch.float32 else 1e-2, 1.5 * eager), (fused, eager)
 
 
@@ -388,7 +388,10 @@ def test_chain_sine_and_cosine_round_as_the_dtype_does(op, dtype, device):
     values = torch.cat([torch.linspace(-400.0, 400.0, 2001), torch.tensor([0.0, 1e-3, -2.5e-4, 3.1415927, 1e4])])
     values = values.to(device, dtype)
     x = torch.randn(5, 16, device=device, dtype=dtype)
-    out = run_chain(x, [torch.zeros(values.numel(), 16, device=device, dtype=dtype)], [values], [[]], (f"{op}(a0)",))
+    from fxfuse.kernels.chain_template import _config
+
+    out = run_chain(x, [torch.zeros(values.numel(), 16, device=device, dtype=dtype)], [values], [[]], (f"{op}(a0)",),
+                    config=_config(16 if device == "cpu" else 64, 4))  # (one config: autotuning all takes ~40 s)
     ref = getattr(torch, op)(values.double()).expand(5, -1)
     eps = torch.finfo(dtype).eps if dtype != torch.float32 else 2e-6
     bound = eps * ref.abs() + 2e-6
