@@ -39,8 +39,9 @@ def optimize(model: nn.Module, example_inputs: Optional[Sequence[torch.Tensor]] 
     switch the other.
     Each chain runs from the smallest method that contains it (``LlamaMLP.forward``,
     ``BertLayer.feed_forward_chunk``...), so models that cannot be traced whole are fused too; a call
-    that is not one the fused graph stands for (another training mode, autocast, other arguments) runs
-    the original method. ``model`` itself is not modified.
+    that is not one the fused graph stands for (another training mode, other arguments) runs the original
+    method; under autocast the fused graph runs, each region fused on autocast's casts or as its original ops
+    (see the README's Autocast section). ``model`` itself is not modified.
 
     ``example_inputs``, if given, are run once so that every shape and dtype is known when deciding what
     to fuse. ``fxfuse.report(result)`` says what was fused, what was not and why.
