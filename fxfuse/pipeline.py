@@ -17,7 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
 from .backward import fused_backward_enabled, fused_backward_reason
 from .capture import leaving_unchanged
-from .gated_training import gated_form
+from .gated_training import gated_form, gated_training_enabled
 from .kernels.chain_backward_template import walks
 from .meta import records_grad, tensor_info
 from .normalize import normalize
@@ -40,6 +40,10 @@ _WALK_BACKWARD_NOTE = ("training: the backward is fused too (the forward kernel 
 _GATED_NOTE = ("; FXFUSE_GATED_TRAINING=1 runs its act(g) * u as one kernel each way, saving g and u only (a "
                "whole gated MLP as one autograd node): less GPU work and memory (fxfuse/gated_mlp_training.py, "
                "fxfuse/gated_training.py)")
+_GATED_ON_NOTE = ("training: calls without gradients run fused; once a backward has run, calls that record gradients "
+                  "run the linears as eager's and act(g) * u as one kernel each way, saving g and u only (a whole "
+                  "gated MLP as one autograd node; FXFUSE_GATED_TRAINING=1: fxfuse/gated_mlp_training.py, "
+                  "fxfuse/gated_training.py)")
 _TRAINED_REASON = ("gradients are recorded through its weights: left to the compiler, whose backward keeps the "
                    "intermediates (fxfuse's op would recompute the forward); for inference, call the compiled model "
                    "under torch.no_grad() or torch.inference_mode(), or freeze its weights, and the chain is fused")
@@ -120,6 +124,8 @@ def _training_note(gm: fx.GraphModule, region) -> str:
         if fused_backward_enabled() else "turned off by FXFUSE_FUSED_BACKWARD=0"
     if reason is not None:
         gated = any(s.num_linears == 2 and gated_form(s.expr) for s in region.spec.stages)
+        if gated and gated_training_enabled():  # (read at optimize time; the op reads it on every call)
+            return _GATED_ON_NOTE
         return _TRAINING_NOTE.format(reason=reason) + (_GATED_NOTE if gated else "")
     return _WALK_BACKWARD_NOTE if walks(widths) else _FUSED_BACKWARD_NOTE
 

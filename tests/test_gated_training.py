@@ -349,3 +349,19 @@ def test_gated_mlp_function_under_autocast_casts_like_eager():
     for name, got, eager, r in zip(("y", *_NAMES), run(True), run(False), [y64.detach()] + [t.grad for t in ref]):
         assert got.dtype == eager.dtype, name
         assert rel_err(got, r) < max(TOL[torch.float16], 1.5 * rel_err(eager, r)), name
+
+
+@pytest.mark.parametrize("setting", [None, "1"])
+def test_the_report_says_what_a_trained_gated_mlp_runs(monkeypatch, setting):
+    # By default a trained gated MLP's gradient-recording calls run the original ops (the note says so and how to
+    # opt in); with FXFUSE_GATED_TRAINING=1 they run as one autograd node, and the note must not say otherwise.
+    if setting is None:
+        monkeypatch.delenv("FXFUSE_GATED_TRAINING", raising=False)
+    else:
+        monkeypatch.setenv("FXFUSE_GATED_TRAINING", setting)
+    (note,) = [n for r in fxfuse.report(fxfuse.optimize(GatedMLP().train())).regions for n in r.notes
+               if n.startswith("training")]
+    if setting is None:
+        assert "run the original ops (no fused backward: a gated stage)" in note and "=1 runs" in note
+    else:
+        assert "original ops" not in note and "one autograd node" in note
