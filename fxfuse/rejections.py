@@ -172,7 +172,20 @@ def _block_reason(view: GraphView, linears: list[fx.Node], middle: list[fx.Node]
             by_module.setdefault(path, []).append(n)
             if frame_of.get(path) is None:
                 frame_of[path] = next((c for p, c in frames if p == path and c not in _MODULE_CALLS), None)
+
+    def rel(p: str) -> str:  # relative to the block's module ("": the module itself)
+        return "" if p == base else p[len(base) + 1:] if base and p.startswith(base + ".") else p
+
+    sources = " and ".join([", ".join(rel(module_path_of(lin)) or lin.name for lin in linears),
+                            rel(module_path_of(last)) or last.name])
     if not by_module:
+        # A module with parameters called in the block's own code (SegFormer's Mix-FFN written inline: its
+        # depthwise conv between reshapes), however long the middle around it.
+        weighted = next((n for n in blockers if n.op == "call_module" and
+                         any(True for _ in view.gm.get_submodule(str(n.target)).parameters())), None)
+        if weighted is not None:
+            return (f"{rel(str(weighted.target))} ({describe(weighted, view.gm)}) between {sources} is not a "
+                    f"supported epilogue")
         if len(middle) > NEAR_MISS_MAX_NODES + 1:
             return None
         return blockers[0].meta.get("fxfuse_unsupported") or \
@@ -184,12 +197,6 @@ def _block_reason(view: GraphView, linears: list[fx.Node], middle: list[fx.Node]
     what = ", ".join(([qualname.split(".")[0]] if "." in qualname else [])  # (Python 3.10: no co_qualname)
                      + ([f"parameters {', '.join(params)}"] if params else []))
     names = list(dict.fromkeys(describe(n, view.gm).replace("_operator.", "operator.") for n in ops))
-
-    def rel(p: str) -> str:  # relative to the block's module ("": the module itself)
-        return "" if p == base else p[len(base) + 1:] if base and p.startswith(base + ".") else p
-
-    sources = " and ".join([", ".join(rel(module_path_of(lin)) or lin.name for lin in linears),
-                            rel(module_path_of(last)) or last.name])
     return (f"{rel(path)}{f' ({what})' if what else ''} between {sources} is not a supported epilogue: it calls "
             f"{', '.join(names)}, which fxfuse does not fuse")
 

@@ -649,6 +649,27 @@ def test_a_convolution_between_the_linears_is_named_in_the_reason():
     assert "nn.Conv2d" in rejection.reason and "getitem" not in rejection.reason, rejection.reason
 
 
+def test_a_convolution_written_inline_between_the_linears_is_named_too():
+    # The Mix-FFN with its reshapes and depthwise conv in the block's own forward (no submodule of its own): a
+    # middle of ten nodes, reported because a module with parameters sits in it (before: nothing reported).
+    class InlineMixFFN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
+            self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+
+        def forward(self, x, height=4, width=4):
+            h = self.fc1(x)
+            b, n, c = h.shape
+            h = self.dw(h.transpose(1, 2).reshape(b, c, height, width)).flatten(2).transpose(1, 2)
+            return self.fc2(self.act(h))
+
+    report = fxfuse.report(fxfuse.optimize(InlineMixFFN().eval(), example_inputs=(torch.randn(2, 16, 8),)))
+    assert report.regions == []
+    assert [(r.pattern, r.reason) for r in report.rejections] == \
+        [("mlp (near miss)", "dw (nn.Conv2d) between fc1 and fc2 is not a supported epilogue")]
+
+
 def test_residual_blocks_of_mlps_report_no_gated_stage_across_them():
     # x + mlp0(norm(x)), then + mlp1(norm(...)), then a head: fc2 of both blocks reach the head through the
     # stream's adds, which reads like a gated stage whose linears read different inputs. It is none.
