@@ -818,16 +818,18 @@ def record_inputs(model: nn.Module, example_inputs: tuple) -> dict[int, tuple[tu
 
 
 @contextlib.contextmanager
-def leaving_unchanged(module: nn.Module, inputs: Any = ()) -> Iterator[None]:
+def leaving_unchanged(module: nn.Module, inputs: Any = (), values: bool = True) -> Iterator[None]:
     """Run the user's code (``module``'s, on example ``inputs``) and leave the model as it was: a training-mode
     forward updates BatchNorm's running statistics, ``self.steps += 1`` a buffer, ``self.cache = h`` an attribute,
     and a dropout draws from the random generator. Afterwards every module's attributes and parameter and buffer
     dicts hold what they held (:func:`_restore`), every buffer its values (copied back from a clone, in place), and
     the random generators (the CPU's, and those of the CUDA devices of the model's tensors and of ``inputs``)
-    their states. Parameters are neither copied nor written back (a forward that writes one in place keeps it)."""
+    their states. Parameters are neither copied nor written back (a forward that writes one in place keeps it).
+    ``values=False``: the code runs on proxies (a symbolic trace), which write no tensor: the buffers' values are
+    neither copied nor compared (a meta-device model's cannot be)."""
     state = _snapshot(module)
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for m in module.modules():
+    for m in module.modules() if values else ():
         for t in m._buffers.values():
             if isinstance(t, torch.Tensor) and id(t) not in saved \
                     and not isinstance(t, nn.parameter.UninitializedTensorMixin):

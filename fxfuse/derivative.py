@@ -138,8 +138,8 @@ def _d(e: ep.Expr) -> Optional[ep.Expr]:
         return _call("sub", dx, dy)
     if e.op == "mul":
         return _call("add", _call("mul", dx, y), _call("mul", x, dy))
-    if e.op == "div":  # (dx y - x dy) / y^2
-        return _call("div", _call("sub", _call("mul", dx, y), _call("mul", x, dy)), _call("pow", y, ep.Const(2.0)))
+    if e.op == "div":  # (dx - (x / y) dy) / y: no y^2 to overflow (fp32 past |y| = 1.8e19), as eager computes it
+        return _call("div", _call("sub", dx, _call("mul", e, dy)), y)
     return None
 
 

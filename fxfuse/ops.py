@@ -506,14 +506,16 @@ _trained: set[tuple] = set()
 _walked: set[tuple] = set()
 
 
-def region_key(spec: str, x: Tensor, weights: Sequence[Tensor]) -> Optional[tuple]:
-    """A region's key in :data:`_trained` / :data:`_walked`: its spec, input width and each weight's rows; None
-    for symbolic sizes (fake tensors under ``torch.library.opcheck`` or a trace: nothing to mark there)."""
-    key = (spec, x.shape[-1], *[w.shape[0] for w in weights])
-    return key if all(type(d) is int for d in key[1:]) else None
+def region_key(spec: str, x: Tensor, weights: Sequence[Tensor], dtype: Optional[torch.dtype] = None) \
+        -> Optional[tuple]:
+    """A region's key in :data:`_trained` / :data:`_walked`: its spec, the dtype it computes in (``dtype``, else
+    x's: whether the fused backward takes a chain depends on it), its input width and each weight's rows; None for
+    symbolic sizes (fake tensors under ``torch.library.opcheck`` or a trace: nothing to mark there)."""
+    key = (spec, dtype or x.dtype, x.shape[-1], *[w.shape[0] for w in weights])
+    return key if all(type(d) is int for d in key[2:]) else None
 
 
-_queued: set[tuple[int, str]] = set()  # (id of the marks, spec) waiting for their backward pass to end
+_queued: set[tuple[int, tuple]] = set()  # (id of the marks, region key) waiting for their backward pass to end
 
 
 def _mark_after_backward(marks: set[tuple], region: Optional[tuple]) -> bool:
@@ -578,7 +580,9 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
         with torch.cuda.device(x.device):
             return fused_mlp(x, weights, biases, operands, spec)
     if any_autocast():  # the region follows autocast (fxfuse/autocast.py): fused on cast tensors, or eager's ops
-        if records_grad(x, weights, biases, operands) and region_key(spec, x, weights) in _trained:
+        # (the key in the dtype the region would compute in: autocast's, as the op's backward marks it)
+        if _trained and records_grad(x, weights, biases, operands) and \
+                region_key(spec, x, weights, torch.get_autocast_dtype(x.device.type)) in _trained:
             # A trained region runs its original ops (see below): autocast casts their inputs itself, in C++ and
             # with its per-context cache, which costs the host less than casting them here first.
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
@@ -590,7 +594,7 @@ def fused_mlp(x: Tensor, weights: list[Tensor], biases: list[Tensor], operands: 
     elif weight_casts:  # the first call after autocast: its weight casts go, as autocast's own do at its exit
         weight_casts.clear()
     if records_grad(x, weights, biases, operands):
-        if region_key(spec, x, weights) in _trained:
+        if _trained and region_key(spec, x, weights) in _trained:  # (no key to build while nothing is trained)
             return reference_mlp(x, weights, biases, operands, spec, trained=True)
         if x.is_inference():  # autograd cannot save it (the op saves its inputs); eager's ops may not need it saved
             return reference_mlp(x, weights, biases, operands, spec)
@@ -751,7 +755,7 @@ class _FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(spec: str, sizes: tuple[int, ...], *flat: Tensor) -> tuple[Tensor, ...]:
         (x,), weights, biases, operands = _split(list(flat), sizes)
-        if not operands and region_key(spec, x, weights) in _walked:
+        if _walked and not operands and region_key(spec, x, weights) in _walked:
             stored = forward_for_walk(spec, x, weights, expand_biases(biases, MLPSpec.loads(spec)))
             if stored is not None:
                 return (_not_a_view(stored[0]), *stored[1])

@@ -191,8 +191,20 @@ def test_a_wider_region_of_the_same_spec_trained_first_leaves_a_narrow_one_fused
     fast_wide = fxfuse.optimize(wide)
     fast_wide(torch.rand(8, 2)).sum().backward()
     assert _train_steps(narrow, 3) == [True, True, True]
-    assert fxfuse.ops._trained == {("1b:sin(mul(30.0,a0));1b:a0", 2, 256, 3)}
+    assert fxfuse.ops._trained == {("1b:sin(mul(30.0,a0));1b:a0", torch.float32, 2, 256, 3)}
     assert not _runs_fused_op(fast_wide(torch.rand(8, 2)))  # (the trained wide one: the original ops)
+
+
+def test_an_fp32_region_trained_first_leaves_the_same_region_in_fp16_fused(untrained_specs):
+    # nerf128's widths: fp32 weights do not fit the walk's shared memory (the generic backward marks the fp32
+    # region trained), fp16 ones do: the fp16 model keeps its fused forward and backward (an fp32 step before
+    # switching to half precision).
+    widths = (64, 128, 128, 128, 64)
+    fast32 = fxfuse.optimize(nerf_mlp(widths).train())
+    fast32(torch.randn(8, 64)).sum().backward()
+    assert [key[1] for key in fxfuse.ops._trained] == [torch.float32]
+    assert _train_steps(nerf_mlp(widths).half().train(), 2, dtype=torch.float16, tol=TOL[torch.float16]) == \
+        [True, True]
 
 
 def test_siren_gradient_penalty_through_the_fused_region(untrained_specs):
@@ -242,7 +254,7 @@ def test_a_walk_chain_stores_its_layer_inputs_once_it_has_trained(untrained_spec
     # saved: x, 3 weights, 3 biases; then the two hidden layer inputs, and the output where the walk reads it
     stored = 2 + (last != "a0")
     assert steps == [(1, 7), (0, 7 + stored), (0, 7 + stored)]
-    assert fxfuse.ops._walked == {(spec, *widths)} and not fxfuse.ops._trained
+    assert fxfuse.ops._walked == {(spec, torch.float32, *widths)} and not fxfuse.ops._trained
     if last == "a0":
         out = fxfuse.ops.fused_mlp(x, ws, bs, [], spec)
         out.mul_(2)  # as in eager, the output of a last linear may be modified in place before the backward

@@ -58,7 +58,46 @@ def test_report_lists_conv_mlps_with_the_reason():
     assert "MLP of 1x1 convolutions" in str(fxfuse.report(fast))
 
 
+class SqueezeExcite(nn.Module):
+    """An SE gate: an MLP of 1x1 convolutions on the pooled map (a few values per image: nothing to fuse)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv_reduce, self.act, self.conv_expand = nn.Conv2d(c, 2, 1), nn.ReLU(), nn.Conv2d(2, c, 1)
+
+    def forward(self, x):
+        return x * self.conv_expand(self.act(self.conv_reduce(x.mean((2, 3), keepdim=True)))).sigmoid()
+
+
+class Heads(nn.Module):
+    """A detection head: two 1x1 convolutions reading the same features, side by side."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.cls_logits, self.bbox_pred = nn.Conv2d(c, 5, 1), nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        return self.cls_logits(x), self.bbox_pred(x)
+
+
+class Projections(nn.Module):
+    """Chaining channels, but a quantizer between them in methods other than forward (Mimi's RVQ)."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.input_proj, self.output_proj = nn.Conv1d(c, 4, 1), nn.Conv1d(4, c, 1)
+
+    def forward(self, x):
+        return self.output_proj(torch.round(self.input_proj(x)) + self.input_proj(x))
+
+
 @pytest.mark.parametrize("make,listed", [
+    (lambda: SqueezeExcite(), False),
+    (lambda: nn.Sequential(nn.Conv2d(8, 2, 1), nn.ReLU(), nn.Conv2d(2, 8, 1), nn.Sigmoid()), False),  # RegNet's SE
+    (lambda: nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 2, 1), nn.ReLU(), nn.Conv2d(2, 8, 1)), False),
+    (lambda: Heads(), False),
+    (lambda: Projections(), False),
+    (lambda: nn.Sequential(nn.Conv2d(8, 8, 1, padding="same"), nn.GELU(), nn.Conv2d(8, 8, 1)), True),
     (lambda: ConvMlp(conv=nn.Conv1d), True),  # a Conformer-style pointwise MLP over [B, C, T]
     (lambda: ConvMlp(norm=False), True),
     (lambda: Bottleneck(), False),

@@ -5,13 +5,16 @@ instructions each. A SIREN layer (``sin(30 * linear(x))``) spends more time ther
 H200 the fused 2-64-64-64-1 fp16 chain took 365 µs at 2^20 rows, about 2 sines per SM per clock (its FLOPs
 need ~30 µs). The hardware's ``sin.approx.f32`` / ``cos.approx.f32`` (one MUFU op, 16 per SM per clock) have
 an absolute error of at most 2^-20.9 on [-pi, pi]; after a two-constant reduction to that range they stay
-within ~1e-6 for |x| up to 2^16 * 2 pi. That is below a 16-bit output's rounding (half an ulp of fp16 at 1 is
-2.4e-4; near 0 about an ulp), so fp16 and bf16 outputs use them; fp32 outputs keep libdevice's.
+within ~1e-6 for |x| up to ~4e5 (with the last step an FMA, as the compiler makes it; the interpreter's
+unfused steps: ~5e-6), and drift beyond (0.03 at 1e6, where a bf16 argument is already rounded by more). That
+is below a 16-bit output's rounding (half an ulp of fp16 at 1 is 2.4e-4; near 0 about an ulp), so fp16 and
+bf16 outputs use them; fp32 outputs keep libdevice's.
 
 The choice is made when the kernel compiles: :func:`epilogue_lines` wraps an epilogue that uses sin or cos in
 ``if <the output is fp32>: ... else: ...``, a branch on a compile-time value. ``FXFUSE_FAST_MATH=0`` keeps
-libdevice's everywhere (as it keeps the exact tanh forms of bf16 epilogues). The interpreter has no inline
-assembly: there the 16-bit branch runs the same reduction, then ``tl.sin`` / ``tl.cos``
+libdevice's everywhere (as it keeps the exact tanh forms of bf16 epilogues); it is read when a kernel's source
+is generated, so it must be set before a process's first call of a region with a sine. The interpreter has no
+inline assembly: there the 16-bit branch runs the same reduction, then ``tl.sin`` / ``tl.cos``
 (``sin_reduced`` / ``cos_reduced``), so the CPU tests exercise the reduction.
 
 Example:
