@@ -173,6 +173,7 @@ def _changed(self: nn.Module, attr: str) -> Optional[str]:
             if (called and "forward" in state) \
                     or (training is not None and state.get("training", training) is not training) \
                     or (settings is not None and (settings.read(state) != settings.values
+                                                  or (settings.nested and settings.nested_changed(state))
                                                   or (settings.absent and settings.filled(state)))):
                 return _what_changed(self, kept)
     except KeyError:  # a setting deleted
@@ -215,7 +216,9 @@ def _installed_modules(host: nn.Module, paths: list[str], modal: bool, method: A
     for path in paths:
         m = host.get_submodule(path)
         first, *rest = path.split(".")
-        inner.append((first, tuple(rest), m, type(m), m.training if modal else None, Settings.of(m), len(m._modules),
+        # (a submodule's forward traced into the graph: its private settings and config objects it reads, too)
+        settings = Settings.of(m, reads=self_reads(type(m).forward, type(m)))
+        inner.append((first, tuple(rest), m, type(m), m.training if modal else None, settings, len(m._modules),
                       True))
         hooks += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
         functions.append((type(m).forward, type(m)))

@@ -70,6 +70,9 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, f
 _NO_SETTINGS = (nn.Linear, nn.Identity)
 
 
+# nn.Module's own bookkeeping (hook dicts, ``_modules``...): never a setting, even where code reads it.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
 _MAX_CONTAINER = 64  # a longer list or dict (a vocabulary) is not a setting a forward bakes in
 
 
@@ -131,20 +134,31 @@ class Settings:
         return False
 
     @staticmethod
-    def of(m: Any, only: Optional[frozenset[str]] = None, holders: bool = True) -> Optional[Settings]:
-        """``m``'s settings now (those named in ``only``, when given), or None when it has none worth checking."""
+    def of(m: Any, only: Optional[frozenset[str]] = None, holders: bool = True,
+           reads: Optional[frozenset[str]] = None) -> Optional[Settings]:
+        """``m``'s settings now (those named in ``only``, when given), or None when it has none worth checking.
+
+        ``reads``: without ``only``, the names ``m``'s own code reads (:func:`self_reads` of a submodule's
+        ``forward``): every public setting is kept, and those names add private ones (``self._omega``, or one a
+        property reads) and the objects read through (``self.cfg.omega_0``). With ``only``, private names in it
+        count too."""
         state = m.__dict__
         absent = tuple((which, k) for which in ("_parameters", "_buffers") for k, v in state.get(which, {}).items()
                        if v is None and (only is None or k in only))
         if type(m) in _NO_SETTINGS:
             return Settings((), _no_keys, (), (), absent) if absent else None
-        keys = tuple(sorted(k for k, v in state.items()
-                            if not k.startswith("_") and k != "training" and _is_setting(v)
-                            and (only is None or k in only)))
+        named = only if only is not None else reads or frozenset()
+
+        def wanted(k: str) -> bool:  # public ones (all, or those in only), and private ones the code reads
+            if k.startswith("_"):
+                return k in named and k not in _MODULE_INTERNALS
+            return only is None or k in only
+
+        keys = tuple(sorted(k for k, v in state.items() if k != "training" and wanted(k) and _is_setting(v)))
         nested = ()
-        if only is not None and holders:  # (one level: self.config.x, not self.config.sub.x)
-            found = ((k, Settings.of(v, only, holders=False)) for k, v in sorted(state.items())
-                     if k in only and not k.startswith("_") and _is_holder(v))
+        if named and holders:  # (one level: self.config.x, not self.config.sub.x)
+            found = ((k, Settings.of(v, named, holders=False)) for k, v in sorted(state.items())
+                     if k in named and k not in _MODULE_INTERNALS and _is_holder(v))
             nested = tuple((k, s) for k, s in found if s is not None)
         if not keys and not nested and not absent:
             return None
