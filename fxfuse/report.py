@@ -256,8 +256,8 @@ class FusionReport:
             lines.append(f"CUDA graphs: {self.cuda_graphs}")
         if self.regions:
             lines.append("fused:")
-            rows = [(r.module_path, r.pattern, r.running + self._original_note(r), r.predicted_cell(),
-                     r.measured_cell(), r.spec) for r in self.regions]
+            rows = [(r.module_path, r.pattern, r.running + self._original_note(r) + _trained_note(r),
+                     r.predicted_cell(), r.measured_cell(), r.spec) for r in self.regions]
             lines += _table(("module", "pattern", "strategy", "predicted µs (fused / original)",
                              "measured µs (fused / original)", "spec"), rows)
             # The GPUs whose ceilings the predictions used: at optimize time (example inputs) and at each first call.
@@ -270,6 +270,11 @@ class FusionReport:
                          else "none yet (M unknown: no example inputs, or none recorded for a method other than "
                               "forward that runs a region; and no GPU call)")
             lines.append(f"  predicted: {predicted}; measured: on the first GPU call at each M bucket")
+            if any(_trained_note(r) for r in self.regions):
+                lines.append("  trained: a backward that the fused kernels do not take has run (create_graph=True for "
+                             "a gradient penalty, a chain without a fused backward, tensors they do not take); from "
+                             "then on, in this process, calls of the region that record gradients run the original "
+                             "ops, which keep what their backward needs; calls without gradients stay fused")
             for r in self.regions:
                 lines += [f"  note ({r.module_path}): {n}" for n in r.notes]
             kernels = sorted({k for r in self.regions for k in r.kernels})
@@ -308,3 +313,15 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header).rstrip()] + [fmt.format(*map(str, row)).rstrip() for row in rows]
+
+
+def _trained_note(region: RegionReport) -> str:
+    """``"; trained (float16): ..."`` for a region whose op has been marked trained in this process
+    (:data:`fxfuse.ops._trained`, by spec, dtype and widths), else ""."""
+    from . import ops
+
+    dtypes = sorted({str(key[1]).replace("torch.", "") for key in ops._trained if key[0] == region.spec
+                     and (not region.widths or tuple(key[2:]) == tuple(region.widths))})
+    if not dtypes:
+        return ""
+    return f"; trained ({', '.join(dtypes)}): calls that record gradients run the original ops (see below)"

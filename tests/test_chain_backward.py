@@ -468,3 +468,17 @@ def test_a_nan_through_relu_reaches_the_gradients_as_in_eager(untrained_specs):
     for g, want in zip(fused, eager):
         assert torch.equal(g.isnan(), want.isnan())
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_the_report_says_when_a_region_runs_the_original_ops_after_a_gradient_penalty(untrained_specs):
+    # A create_graph backward is the original ops' (differentiable); from then on the region's gradient-recording
+    # calls run the original ops, and the report says so in the strategy column (before: "fused_chain" alone).
+    fast = fxfuse.optimize(siren((2, 16, 3)).train(), (torch.rand(8, 2),))
+    assert "trained" not in str(fxfuse.report(fast))
+    c = torch.rand(8, 2).requires_grad_()
+    (dc,) = torch.autograd.grad(fast(c).sum(), c, create_graph=True)
+    dc.square().sum().backward()
+    text = str(fxfuse.report(fast))
+    assert "fused_chain (1 launch); trained (float32): calls that record gradients run the original ops" in text
+    assert "create_graph=True for a gradient penalty" in text
+    assert not _runs_fused_op(fast(torch.rand(8, 2)))
