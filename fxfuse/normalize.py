@@ -101,7 +101,7 @@ def normalize(gm: fx.GraphModule) -> None:
         elif node.graph is graph and node.op == "call_function" and node.target is torch.addmm:
             _rewrite_addmm(gm, node)
     for node in list(graph.nodes):
-        if node.graph is graph and _is_add(node):
+        if node.graph is graph and (_is_add(node) or _is_iadd(node)):
             _fold_bias(gm, node)
     for node in list(graph.nodes):
         if node.graph is graph and _is_view(node):
@@ -223,7 +223,8 @@ def _is_add(node: fx.Node) -> bool:
 
 
 def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
-    """``w`` if ``node`` is ``w.t()`` / ``w.T`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` of a 2-D ``w``."""
+    """``w`` if ``node`` is ``w.t()`` / ``w.T`` / ``w.transpose(0, 1)`` / ``w.permute(1, 0)`` (or ``(-1, -2)``) of a
+    2-D ``w``."""
     if node.op not in ("call_function", "call_method") or not node.args or node.kwargs:
         return None
     src, rest = node.args[0], tuple(node.args[1:])
@@ -234,8 +235,11 @@ def _transposed_source(node: fx.Node) -> Optional[fx.Node]:
     if node.target in (torch.transpose, "transpose") and rest in ((0, 1), (1, 0), (-1, -2), (-2, -1), (0, -1),
                                                                  (-1, 0)):
         return src
-    if node.target in (torch.permute, "permute") and rest in ((1, 0), ((1, 0),), ([1, 0],)):
-        return src
+    if node.target in (torch.permute, "permute"):  # (1, 0), or (-1, -2) as the official SIREN's BatchLinear writes
+        dims = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        if len(dims) == 2 and all(type(d) is int and -2 <= d <= 1 for d in dims) and \
+                tuple(d % 2 for d in dims) == (1, 0):
+            return src
     return None
 
 
@@ -308,14 +312,48 @@ def _rewrite_addmm(gm: fx.GraphModule, node: fx.Node) -> None:
         _drop_if_dead(w_mat)
 
 
+def _is_iadd(node: fx.Node) -> bool:
+    """``h += b`` (recorded as ``operator.iadd``) or ``h.add_(b)``."""
+    return node.op in ("call_function", "call_method") and node.target in (operator.iadd, "add_") \
+        and len(node.args) == 2 and not node.kwargs
+
+
+_BIAS_VIEWS = {"unsqueeze", torch.unsqueeze, "view", "reshape", torch.reshape, operator.getitem}
+
+
+def _bias_source(gm: fx.GraphModule, bias: fx.Node, lin: fx.Node, w_info: TensorInfo) -> Optional[fx.Node]:
+    """The ``[N]`` bias that ``bias`` is: itself, or the 1-D tensor it views with leading 1s (``b.unsqueeze(-2)``,
+    ``b[None]``, ``b.view(1, -1)``: the official SIREN's ``BatchLinear``) where the linear's output has at least as
+    many dims (so adding the view broadcasts as adding the bias does); else None."""
+    n = w_info.shape[0]
+    if _is_bias(gm, bias, n, w_info):
+        return bias
+    info, out = tensor_info(gm, bias), tensor_info(gm, lin)
+    if info is None or out is None or info.shape[-1:] != (n,) or any(d != 1 for d in info.shape[:-1]) \
+            or out.ndim < len(info.shape) or bias.op not in ("call_function", "call_method") \
+            or bias.target not in _BIAS_VIEWS or not bias.args or not isinstance(bias.args[0], fx.Node):
+        return None
+    if bias.target is operator.getitem:  # only new axes and whole dims: ``b[None]``, ``b[None, :]``
+        index = bias.args[1] if isinstance(bias.args[1], tuple) else (bias.args[1],)
+        if not all(i is None or i is Ellipsis or i == slice(None) for i in index):
+            return None
+    source = bias.args[0]
+    return source if _is_bias(gm, source, n, w_info) else None
+
+
 def _fold_bias(gm: fx.GraphModule, node: fx.Node) -> None:
-    """``F.linear(x, w) + b`` with ``b`` of shape ``[N]`` -> ``F.linear(x, w, b)``."""
+    """``F.linear(x, w) + b`` (or ``+=``) with ``b`` of shape ``[N]``, or a view of it with leading 1s ->
+    ``F.linear(x, w, b)``."""
     lhs, rhs = node.args
-    for lin, bias in ((lhs, rhs), (rhs, lhs)):
+    # (``h += b`` writes h, the linear's output, which nobody else reads; ``b += h`` would write the bias)
+    for lin, bias in ((lhs, rhs),) if _is_iadd(node) else ((lhs, rhs), (rhs, lhs)):
         if isinstance(lin, fx.Node) and is_linear(lin) and lin.args[2] is None and len(lin.users) == 1 \
                 and isinstance(bias, fx.Node):
             w_info = tensor_info(gm, lin.args[1])
-            if w_info is None or w_info.ndim != 2 or not _is_bias(gm, bias, w_info.shape[0], w_info):
+            if w_info is None or w_info.ndim != 2:
+                continue
+            bias = _bias_source(gm, bias, lin, w_info)
+            if bias is None:
                 continue
             with node.graph.inserting_before(node):
                 new = node.graph.call_function(LINEAR, (lin.args[0], lin.args[1], bias))

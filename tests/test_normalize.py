@@ -148,6 +148,47 @@ def test_unknown_shapes_are_left_alone():
     assert any(n.target is operator.matmul for n in gm.graph.nodes)
 
 
+class _BatchLinear(nn.Linear):
+    """The official SIREN repo's ``BatchLinear`` (its 2-D case): ``permute(-1, -2)``, then ``+=`` a view of the bias."""
+
+    def __init__(self, a, b, bias_view):
+        super().__init__(a, b)
+        self.bias_view = bias_view
+
+    def forward(self, input):
+        output = input.matmul(self.weight.permute(-1, -2))
+        output += self.bias.unsqueeze(-2) if self.bias_view == "unsqueeze" else self.bias[None]
+        return output
+
+
+@pytest.mark.parametrize("bias_view", ["unsqueeze", "getitem"])
+@pytest.mark.parametrize("graph_form", ["symbolic", "dynamo"])
+def test_a_transposed_weight_by_negative_dims_and_a_bias_view_added_in_place_fold_into_the_linear(bias_view,
+                                                                                                   graph_form):
+    # (before: the matmul stayed a matmul, so a SIREN of BatchLinears had no linear to match and no reason given)
+    model, x = _BatchLinear(8, 16, bias_view), torch.randn(2, 3, 8)
+    gm, ex = capture(model, x) if graph_form == "dynamo" else (trace(model, x), [x])
+    normalize(gm)
+    (lin,) = linears(gm)
+    assert tensor_info(gm, lin.args[2]).shape == (16,)  # the [N] bias itself, not its [1, N] view
+    assert not [n for n in gm.graph.nodes if n.target in (operator.iadd, operator.matmul, "matmul", "permute")]
+    check_same(model, gm, [x], ex)
+
+
+def test_a_bias_view_is_not_folded_where_it_would_change_the_shape():
+    # A 1-D input: x @ W^T is [N], plus a [1, N] view is [1, N]; F.linear(x, W, b) would be [N].
+    class OutOfPlace(nn.Linear):
+        def forward(self, input):
+            return input @ self.weight.t() + self.bias[None]
+
+    model, x = OutOfPlace(8, 16), torch.randn(8)
+    gm = trace(model, x)
+    normalize(gm)
+    (lin,) = linears(gm)
+    assert lin.args[2] is None
+    check_same(model, gm, [x])
+
+
 def test_bias_not_folded_when_not_per_channel():
     class M(nn.Module):
         def __init__(self):
