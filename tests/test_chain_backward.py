@@ -482,3 +482,43 @@ def test_the_report_says_when_a_region_runs_the_original_ops_after_a_gradient_pe
     assert "fused_chain (1 launch); trained (float32): calls that record gradients run the original ops" in text
     assert "create_graph=True for a gradient penalty" in text
     assert not _runs_fused_op(fast(torch.rand(8, 2)))
+
+
+class _BatchLinear(torch.nn.Linear):
+    """The official SIREN repo's layer (2-D weights): ``input.matmul(weight.permute(-1, -2))``, then
+    ``output += bias.unsqueeze(-2)``."""
+
+    def forward(self, input):
+        output = input.matmul(self.weight.permute(-1, -2))
+        output += self.bias.unsqueeze(-2)
+        return output
+
+
+class _OfficialSiren(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1, self.out = _BatchLinear(2, 16), _BatchLinear(16, 16), _BatchLinear(16, 3)
+
+    def forward(self, coords):
+        return self.out(torch.sin(30 * self.l1(torch.sin(30 * self.l0(coords)))))
+
+
+def test_the_official_sirens_batch_linear_trains_fused_with_its_bias(untrained_specs):
+    # With the example inputs' shapes, the [1, N] bias view added in place is the linear's bias (before: the matmul
+    # was no linear at all, then the bias an epilogue operand, which the fused backward does not take).
+    model, x = _OfficialSiren().train(), torch.rand(1, 24, 2) * 2 - 1
+    fast = fxfuse.optimize(model, (x,))
+    (region,) = fxfuse.report(fast).regions
+    assert region.spec == "1b:sin(mul(30.0,a0));1b:sin(mul(30.0,a0));1b:a0"
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    for _ in range(3):
+        out = fast(x)
+        assert _runs_fused_op(out)
+        out.square().sum().backward()
+        eager(x).square().sum().backward()
+        ref(x.double()).square().sum().backward()
+        for p, e, r in zip(model.parameters(), eager.parameters(), ref.parameters()):
+            assert rel_err(p.grad, r.grad) < max(1e-5, 1.5 * rel_err(e.grad, r.grad))
+        for net in (model, eager, ref):
+            net.zero_grad()
+    assert not fxfuse.ops._trained
