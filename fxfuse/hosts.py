@@ -36,7 +36,7 @@ from .inline import InlineChain, chain_modules, prove
 from .install import bind_call, guard_text
 from .normalize import normalize
 from .ops import is_fused_call
-from .pipeline import fuse_graph, propagate_shapes
+from .pipeline import fuse_graph
 from .plan import find_regions
 from .records import Rejection
 from .report import FusionReport, RegionReport
@@ -97,11 +97,6 @@ def place(model: nn.Module, discovery: Discovery, module_inputs: Optional[dict] 
     found: list[_Found] = []
     for scope in discovery.scopes:
         try:
-            # (with the example inputs' shapes where they reach this method: an operand's shape, a bias viewed as
-            # [1, N], decide what is fused; a host reusing this graph keeps them)
-            example = _example_for(scope, module_inputs.get(id(model.get_submodule(scope.module_path))))
-            if example is not None:
-                propagate_shapes(scope.gm, example)
             normalize(scope.gm)
             regions, rejections = find_regions(scope.gm)
         except Exception as err:  # a graph fxfuse cannot read: leave that part of the model as it is

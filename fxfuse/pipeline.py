@@ -27,7 +27,7 @@ from .report import FusionReport, RegionReport
 from .rewrite import fused_call_args, replace_regions
 from .strategy import FUSED_CHAIN, choose_strategy
 
-__all__ = ["fuse_graph", "propagate_shapes"]
+__all__ = ["fuse_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def fuse_graph(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None, *,
     """
     start = time.perf_counter()
     if example_inputs is not None and not _has_value_meta(gm):
-        propagate_shapes(gm, example_inputs)
+        _propagate_shapes(gm, example_inputs)
     normalize(gm)
     regions, rejections = find_regions(gm)
     if not fuse_differentiable:
@@ -171,8 +171,7 @@ class _ShapeProp(ShapeProp):
         return result
 
 
-def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> None:
-    """Give ``gm``'s nodes their shapes and dtypes by running it on ``example_inputs`` (nothing on failure)."""
+def _propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> None:
     # (the graph runs the user's modules and buffers: a training-mode BatchNorm, a buffer written in place, a
     # dropout would change them or the random state; all is put back as it was)
     try:

@@ -743,32 +743,3 @@ print("ok", len(calls))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ok", "0"], out.stdout
-
-
-class _FiLM(nn.Module):
-    """A FiLM-conditioned MLP (pi-GAN's SIREN): per-sample frequencies and phases, ``[B, 1, H]``, as arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.l1, self.out = nn.Linear(3, 16), nn.Linear(16, 4)
-
-    def forward(self, x, freq, phase):
-        return self.out(torch.sin(freq * self.l1(x) + phase))
-
-
-def test_example_inputs_give_operands_from_arguments_their_shapes():
-    # Optimized at one sample, the [1, 1, H] frequency is one value per column: fused (before: "operand freq: shape
-    # unknown", although the example inputs gave it); a call with 4 samples runs the original ops (the op checks
-    # its operands' shapes on every call), with eager's result.
-    model = _FiLM().eval()
-
-    def inputs(b):
-        return torch.rand(b, 8, 3), torch.randn(b, 1, 16) * 15 + 30, torch.randn(b, 1, 16)
-
-    fast = fxfuse.optimize(model, inputs(1))
-    (region,) = fxfuse.report(fast).regions
-    assert "v0" in region.spec and not fxfuse.report(fast).rejections
-    for b in (1, 4):
-        args = inputs(b)
-        with torch.no_grad():
-            torch.testing.assert_close(fast(*args), model(*args), rtol=1e-5, atol=1e-5)
