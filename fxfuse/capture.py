@@ -214,6 +214,17 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
 
+    def create_arg(self, a: Any) -> Any:
+        # A tensor computed from a parameter while tracing (``OrderedDict(self.named_parameters())`` read in
+        # forward, as the official SIREN's BatchLinear does: ``bias.unsqueeze(-2)`` runs on the real parameter)
+        # would be stored as a constant: a view keeping the parameter of trace time (stale once it is replaced)
+        # and its autograd node (a copy of the model cannot be made). Such a method is left as it is.
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and (
+                a.grad_fn is not None or isinstance(getattr(a, "_base", None), nn.Parameter)):
+            raise ParameterConstantError("a tensor computed from a parameter the trace does not see "
+                                         "(named_parameters() read in the method?) would be a constant")
+        return super().create_arg(a)
+
     # --- what stays opaque
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if id(m) in self.forced_leaves or is_known_activation(m) or runs_own_code(m):
@@ -405,6 +416,11 @@ class GlobalModeError(RuntimeError):
 # torch's global modes that model code may read to pick a branch (each a C function or one of torch's own).
 _MODE_READS = {"is_grad_enabled", "is_inference_mode_enabled", "are_deterministic_algorithms_enabled",
                "is_deterministic_algorithms_warn_only_enabled", "is_anomaly_enabled", "is_anomaly_check_nan_enabled"}
+
+
+class ParameterConstantError(RuntimeError):
+    """A method's code computes a tensor from a parameter outside the tracer's view (its parameters read through
+    ``named_parameters()``): the graph would hold the result as a constant of trace time."""
 
 
 class SideEffectError(RuntimeError):

@@ -318,42 +318,16 @@ def _is_iadd(node: fx.Node) -> bool:
         and len(node.args) == 2 and not node.kwargs
 
 
-_BIAS_VIEWS = {"unsqueeze", torch.unsqueeze, "view", "reshape", torch.reshape, operator.getitem}
-
-
-def _bias_source(gm: fx.GraphModule, bias: fx.Node, lin: fx.Node, w_info: TensorInfo) -> Optional[fx.Node]:
-    """The ``[N]`` bias that ``bias`` is: itself, or the 1-D tensor it views with leading 1s (``b.unsqueeze(-2)``,
-    ``b[None]``, ``b.view(1, -1)``: the official SIREN's ``BatchLinear``) where the linear's output has at least as
-    many dims (so adding the view broadcasts as adding the bias does); else None."""
-    n = w_info.shape[0]
-    if _is_bias(gm, bias, n, w_info):
-        return bias
-    info, out = tensor_info(gm, bias), tensor_info(gm, lin)
-    if info is None or out is None or info.shape[-1:] != (n,) or any(d != 1 for d in info.shape[:-1]) \
-            or out.ndim < len(info.shape) or bias.op not in ("call_function", "call_method") \
-            or bias.target not in _BIAS_VIEWS or not bias.args or not isinstance(bias.args[0], fx.Node):
-        return None
-    if bias.target is operator.getitem:  # only new axes and whole dims: ``b[None]``, ``b[None, :]``
-        index = bias.args[1] if isinstance(bias.args[1], tuple) else (bias.args[1],)
-        if not all(i is None or i is Ellipsis or i == slice(None) for i in index):
-            return None
-    source = bias.args[0]
-    return source if _is_bias(gm, source, n, w_info) else None
-
-
 def _fold_bias(gm: fx.GraphModule, node: fx.Node) -> None:
-    """``F.linear(x, w) + b`` (or ``+=``) with ``b`` of shape ``[N]``, or a view of it with leading 1s ->
-    ``F.linear(x, w, b)``."""
+    """``F.linear(x, w) + b`` (or ``+=``) with ``b`` of shape ``[N]`` -> ``F.linear(x, w, b)``. (Not a ``[1, N]``
+    view of it: adding one makes a 1-D input's result ``[1, N]``, or raises in place, at any later call.)"""
     lhs, rhs = node.args
     # (``h += b`` writes h, the linear's output, which nobody else reads; ``b += h`` would write the bias)
     for lin, bias in ((lhs, rhs),) if _is_iadd(node) else ((lhs, rhs), (rhs, lhs)):
         if isinstance(lin, fx.Node) and is_linear(lin) and lin.args[2] is None and len(lin.users) == 1 \
                 and isinstance(bias, fx.Node):
             w_info = tensor_info(gm, lin.args[1])
-            if w_info is None or w_info.ndim != 2:
-                continue
-            bias = _bias_source(gm, bias, lin, w_info)
-            if bias is None:
+            if w_info is None or w_info.ndim != 2 or not _is_bias(gm, bias, w_info.shape[0], w_info):
                 continue
             with node.graph.inserting_before(node):
                 new = node.graph.call_function(LINEAR, (lin.args[0], lin.args[1], bias))

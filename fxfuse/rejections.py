@@ -52,7 +52,8 @@ def near_misses(view: GraphView, fused: set[fx.Node], out: dict[tuple[str, ...],
     matched = {name for rej in out.values() for name in rej.nodes}  # a match's rejection says why already
     for last in view.linears:
         block = _block_before(view, last) if last.name not in matched else None
-        if block is None or all(lin in fused for lin in (*block[0], last)):
+        # (a block whose first linears end a fused region, ``head(norm(fc2(...)))``, is no MLP left unfused)
+        if block is None or any(lin in fused for lin in block[0]):
             continue
         reason = _block_reason(view, *block, last)
         if reason is not None:

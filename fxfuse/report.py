@@ -324,4 +324,8 @@ def _trained_note(region: RegionReport) -> str:
                      and (not region.widths or tuple(key[2:]) == tuple(region.widths))})
     if not dtypes:
         return ""
-    return f"; trained ({', '.join(dtypes)}): calls that record gradients run the original ops (see below)"
+    from .gated_training import gated_training_enabled
+
+    runs = "the gated training node (FXFUSE_GATED_TRAINING=1)" if region.pattern == "gated_mlp" and \
+        gated_training_enabled() else "the original ops"
+    return f"; trained ({', '.join(dtypes)}): calls that record gradients run {runs} (see below)"

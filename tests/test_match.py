@@ -670,6 +670,23 @@ def test_a_convolution_written_inline_between_the_linears_is_named_too():
         [("mlp (near miss)", "dw (nn.Conv2d) between fc1 and fc2 is not a supported epilogue")]
 
 
+def test_a_head_after_a_fused_mlp_and_a_norm_is_no_near_miss():
+    # fc2 ends a fused region; norm, mean and the head after it are no MLP left unfused (before: "norm (nn.LayerNorm)
+    # between fc2 and head" once a module with parameters in a long middle was named).
+    class OneBlockClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.norm, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.LayerNorm(16), \
+                nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = self.norm(x + self.fc2(F.gelu(self.fc1(x))))
+            return self.head(F.gelu(h.mean(1)) * 2.0 + 1.0)
+
+    report = fxfuse.report(fxfuse.optimize(OneBlockClassifier().eval(), example_inputs=(torch.randn(2, 8, 16),)))
+    assert len(report.regions) == 1 and not report.rejections, str(report)
+
+
 def test_residual_blocks_of_mlps_report_no_gated_stage_across_them():
     # x + mlp0(norm(x)), then + mlp1(norm(...)), then a head: fc2 of both blocks reach the head through the
     # stream's adds, which reads like a gated stage whose linears read different inputs. It is none.
