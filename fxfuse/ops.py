@@ -496,9 +496,9 @@ _PLAIN_TYPES = (Tensor, torch.nn.Parameter)  # (a Parameter fed to a region: a l
 _COMPILER_TENSORS = (FakeTensor, FunctionalTensor)
 
 
-# Regions (:func:`region_key`: the spec and the widths) whose op backward has run: they are being trained (see
-# ``fused_mlp``). By widths too: a 256-wide SIREN (generic backward) must not send a 64-wide one of the same spec,
-# whose backward is the fused kernel, to the original ops.
+# Regions (:func:`region_key`: the spec, dtype and widths) whose op backward has run: they are being trained (see
+# ``fused_mlp``). By dtype and widths too: a 256-wide SIREN (generic backward) must not send a 64-wide one of the
+# same spec, whose backward is the fused kernel, to the original ops (nor an fp32 chain the same one in fp16).
 _trained: set[tuple] = set()
 # Regions whose backward was the walk (wide narrow chains, fxfuse.backward): from then on their gradient-recording
 # forwards store the layer inputs the walk reads, so its backward does not run the forward again. (Not before:
